@@ -1,0 +1,34 @@
+# `make demo` and `make test` each work from a fresh clone: they build .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all lint bench clean venv
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hetspot plan examples/mixed-cluster.yaml
+	$(BIN)/hetspot submit examples/tiny-mixed.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m ''
+
+lint: $(STAMP)
+	$(BIN)/ruff check planner workers orchestrator tests bench
+
+bench: $(STAMP)
+	$(BIN)/python bench/planner.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

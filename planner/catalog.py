@@ -1,0 +1,100 @@
+"""Hardware catalog: peak figures for the GPU types hetspot plans over.
+
+Each row gives peak dense bf16/fp16 tensor TFLOPS (no sparsity), memory, memory
+bandwidth, the host link (PCIe) bandwidth per direction, and the intra-node
+GPU-to-GPU bandwidth. Figures are vendor datasheet numbers; the comment on each
+row names the datasheet. Calibrated efficiency factors (measured by the
+orchestrator's profiling pass) override `default_efficiency` through
+`ClusterSpec.calibration`.
+
+Units: TFLOPS, GiB (vendor "GB" taken as GiB; the difference is inside the
+memory reserve), GB/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    name: str
+    vendor: str
+    peak_tflops: float  # dense bf16 (fp16 where the GPU has no bf16 tensor cores)
+    mem_gib: float
+    mem_bw_gb_s: float
+    host_link_gb_s: float  # PCIe per direction
+    intra_node_bw_gb_s: float  # NVLink / Infinity Fabric if present, else PCIe
+    bf16: bool = True
+    default_efficiency: float = 0.55  # fraction of peak a large GEMM-bound layer reaches
+
+
+_PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0  # x16 per direction, PCI-SIG spec rates
+
+CATALOG: dict[str, GPUInfo] = {
+    g.name: g
+    for g in [
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TF bf16 dense, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s
+        GPUInfo("H100-SXM", "nvidia", 989.0, 80, 3350, _PCIE5, 900),
+        # same datasheet (PCIe): 756 TF bf16 dense, 80 GB HBM2e, 2.0 TB/s, NVLink bridge 600 GB/s
+        GPUInfo("H100-PCIe", "nvidia", 756.0, 80, 2000, _PCIE5, 600),
+        # NVIDIA H200 datasheet (SXM): 989 TF bf16 dense, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s
+        GPUInfo("H200", "nvidia", 989.0, 141, 4800, _PCIE5, 900),
+        # NVIDIA A100 datasheet (SXM4 40GB): 312 TF bf16 dense, 1.555 TB/s, NVLink 600 GB/s
+        GPUInfo("A100-40GB", "nvidia", 312.0, 40, 1555, _PCIE4, 600),
+        # NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16 dense, 2.039 TB/s, NVLink 600 GB/s
+        GPUInfo("A100-80GB", "nvidia", 312.0, 80, 2039, _PCIE4, 600),
+        # NVIDIA A10 datasheet: 125 TF bf16 dense, 24 GB GDDR6, 600 GB/s. A10G (AWS g5) is the
+        # A10 at lower clocks; profiling calibrates it down.
+        GPUInfo("A10G", "nvidia", 125.0, 24, 600, _PCIE4, _PCIE4),
+        # NVIDIA L4 datasheet: 121 TF bf16 dense (242 sparse), 24 GB, 300 GB/s
+        GPUInfo("L4", "nvidia", 121.0, 24, 300, _PCIE4, _PCIE4),
+        # NVIDIA L40S datasheet: 362 TF bf16 dense (733 sparse), 48 GB, 864 GB/s
+        GPUInfo("L40S", "nvidia", 362.0, 48, 864, _PCIE4, _PCIE4),
+        # NVIDIA T4 datasheet: 65 TF fp16 mixed precision, 16 GB, 320 GB/s, PCIe Gen3; no bf16
+        GPUInfo("T4", "nvidia", 65.0, 16, 320, _PCIE3, _PCIE3, bf16=False),
+        # NVIDIA V100 datasheet (SXM2 16GB): 125 TF fp16 tensor, 900 GB/s, NVLink 300 GB/s; no bf16
+        GPUInfo("V100-16GB", "nvidia", 125.0, 16, 900, _PCIE3, 300, bf16=False),
+        # NVIDIA V100 datasheet (SXM2 32GB): as above with 32 GB
+        GPUInfo("V100-32GB", "nvidia", 125.0, 32, 900, _PCIE3, 300, bf16=False),
+        # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 165 TF bf16 dense with fp32
+        # accumulate, 24 GB GDDR6X, 1008 GB/s, no NVLink
+        GPUInfo("RTX4090", "nvidia", 165.0, 24, 1008, _PCIE4, _PCIE4),
+        # AMD Instinct MI250 datasheet (OAM): 362 TF bf16, 128 GB HBM2e, 3.2 TB/s, Infinity Fabric
+        GPUInfo("MI250", "amd", 362.0, 128, 3277, _PCIE4, 400),
+        # AMD Instinct MI300X datasheet: 1307 TF bf16 dense, 192 GB HBM3, 5.3 TB/s, IF 896 GB/s
+        GPUInfo("MI300X", "amd", 1307.0, 192, 5300, _PCIE5, 896),
+    ]
+}
+
+# Aliases people type (and that EC2 / Ray report) mapped to catalog rows.
+ALIASES: dict[str, str] = {
+    "H100": "H100-SXM",
+    "A100": "A100-40GB",
+    "A100-40G": "A100-40GB",
+    "A100-80G": "A100-80GB",
+    "V100": "V100-16GB",
+    "4090": "RTX4090",
+    "RTX-4090": "RTX4090",
+}
+
+
+def canonical_gpu_type(name: str) -> str:
+    """Return the catalog key for `name` (case-insensitive, aliases allowed).
+
+    Raises ValueError naming the known types when `name` is not in the catalog.
+    """
+    upper = {k.upper(): k for k in CATALOG}
+    key = name.strip().upper()
+    if key in upper:
+        return upper[key]
+    for alias, target in ALIASES.items():
+        if alias.upper() == key:
+            return target
+    raise ValueError(
+        f"unknown GPU type {name!r}; known types: {', '.join(sorted(CATALOG))}"
+    )
+
+
+def gpu_info(name: str) -> GPUInfo:
+    return CATALOG[canonical_gpu_type(name)]

@@ -1,0 +1,211 @@
+"""Cost model: per-stage time and memory, and `evaluate(plan) -> Estimate`.
+
+Everything is a pure function of the specs. The same functions serve the search
+(planner/search.py), the closed-form estimate here, and the discrete-event
+simulator (planner/simulator.py), so the three cannot drift apart.
+
+Sources for the formulas:
+- FLOPs: 2 * params * tokens for the GEMMs plus 4 * s^2 * h per sample for
+  attention scores and values; backward = 2x forward (Narayanan et al. 2021).
+- Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation"),
+  s*b*h*(10 + 24/t) bytes per layer in 16-bit with TP degree t; fused SDPA removes
+  the 5*a*s/h score term. A recomputed layer keeps only its input (s*b*h).
+- Layer-wise gradient all-reduce across asymmetric replicas, overlapped with the
+  backward of the last micro-batch (AutoHet §4).
+- Host offload overlapped across iterations: transfers and the CPU AdamW hide
+  behind the stage's compute; only the first layer's update is exposed
+  (AutoHete §4, cross-iteration overlap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from planner.catalog import gpu_info
+from planner.plan_types import Estimate, OffloadPolicy, Plan
+from planner.specs import ClusterSpec, ModelSpec, TrainSpec
+
+GIB = float(1 << 30)
+_UTIL_HALF_TOKENS = 256.0  # micro-batch tokens at which a GEMM reaches half its peak efficiency
+
+
+class Knobs(NamedTuple):
+    """The offload policy as plain numbers, for the search's hot path."""
+
+    num_recompute: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    prefetch_depth: int = 1
+
+
+def knobs(policy: OffloadPolicy) -> Knobs:
+    return Knobs(len(policy.recompute_layers), policy.offload_optimizer, policy.offload_params, policy.prefetch_depth)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The hardware behind one stage: a TP group of `tp` GPUs on one node."""
+
+    gpu_type: str
+    node: str
+    tp: int
+    flops_per_gpu: float  # peak * efficiency, FLOP/s
+    peak_flops_per_gpu: float
+    mem_cap_bytes: float  # capacity minus reserve
+    mem_bw: float  # bytes/s
+    host_link: float  # bytes/s
+    intra_bw: float
+    inter_bw: float
+    cpu_adam_per_gpu: float  # params/s of host AdamW available to one GPU
+
+
+def make_slot(cluster: ClusterSpec, train: TrainSpec, node_name: str, tp: int) -> Slot:
+    node = cluster.node(node_name)
+    info = gpu_info(node.gpu_type)
+    peak = info.peak_tflops * 1e12
+    return Slot(
+        gpu_type=node.gpu_type,
+        node=node.name,
+        tp=tp,
+        flops_per_gpu=peak * cluster.efficiency(node.gpu_type),
+        peak_flops_per_gpu=peak,
+        mem_cap_bytes=(info.mem_gib - train.memory_reserve_gib) * GIB,
+        mem_bw=info.mem_bw_gb_s * 1e9,
+        host_link=info.host_link_gb_s * 1e9,
+        intra_bw=node.intra_bw_gb_s * 1e9,
+        inter_bw=node.inter_node_bw_gb_s * 1e9,
+        cpu_adam_per_gpu=node.cpu_adam_params_per_s / node.num_gpus,
+    )
+
+
+def link_bw(a: Slot, b: Slot) -> float:
+    return a.intra_bw if a.node == b.node else min(a.inter_bw, b.inter_bw)
+
+
+def layer_fwd_flops(model: ModelSpec, b: int) -> float:
+    h, s = model.hidden_size, model.seq_len
+    return b * (2.0 * s * (4 * h * h + 2 * h * model.ffn) + 4.0 * s * s * h)
+
+
+def head_fwd_flops(model: ModelSpec, b: int) -> float:
+    return b * 2.0 * model.seq_len * model.hidden_size * model.vocab_size
+
+
+def model_flops_per_sample(model: ModelSpec) -> float:
+    """Training FLOPs of one sample (fwd + bwd, no recompute): the MFU numerator."""
+    return 3.0 * (model.num_layers * layer_fwd_flops(model, 1) + head_fwd_flops(model, 1))
+
+
+def _util(tokens: float) -> float:
+    return tokens / (tokens + _UTIL_HALF_TOKENS)
+
+
+def _allreduce_s(nbytes: float, n: int, bw: float) -> float:
+    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / bw
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a stage holds, independent of where it runs."""
+
+    num_layers: int
+    first: bool
+    last: bool
+
+    def params_per_device(self, model: ModelSpec, tp: int) -> float:
+        # Embedding and head are replicated across the TP group (workers/model.py does the same).
+        return (
+            self.num_layers * model.layer_params / tp
+            + self.first * model.embed_params
+            + self.last * model.head_params
+        )
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    fwd_s: float  # one micro-batch, including the p2p send to the next stage
+    bwd_s: float  # one micro-batch, including recompute and the p2p send back
+    mem_bytes: float
+
+
+def stage_times(
+    slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShape, b: int,
+    inflight: int, policy: Knobs, p2p_next_bw: float | None, p2p_prev_bw: float | None,
+) -> StageTimes:
+    """Time of one micro-batch of size b through the stage, and the stage's peak memory."""
+    tp, pb = slot.tp, train.param_bytes
+    h, s = model.hidden_size, model.seq_len
+    n, r = shape.num_layers, policy.num_recompute
+    eff = slot.flops_per_gpu * _util(b * s)
+    fwd_flops = (n * layer_fwd_flops(model, b) / tp) + shape.last * head_fwd_flops(model, b)
+    fwd_c = fwd_flops / eff
+    rec_c = r * layer_fwd_flops(model, b) / tp / eff
+    act_bytes = s * b * h * pb
+    tp_comm = n * 2 * _allreduce_s(act_bytes, tp, slot.intra_bw)
+    fwd = fwd_c + tp_comm
+    bwd = 2 * fwd_c + rec_c + tp_comm * (1 + r / max(n, 1))
+    if policy.offload_params:
+        # Weights stream in per micro-batch, once for forward and once for backward.
+        h2d = shape.params_per_device(model, tp) * pb / slot.host_link
+        fwd, bwd = max(fwd, h2d), max(bwd, h2d)
+    if p2p_next_bw:
+        fwd += act_bytes / p2p_next_bw
+    if p2p_prev_bw:
+        bwd += act_bytes / p2p_prev_bw
+    mem = stage_memory(slot, model, train, shape, b, inflight, policy)
+    return StageTimes(fwd, bwd, mem)
+
+
+def stage_memory(
+    slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShape, b: int,
+    inflight: int, policy: Knobs,
+) -> float:
+    """Peak bytes on one device of the stage (excluding the reserve)."""
+    tp, pb = slot.tp, train.param_bytes
+    h, s, n = model.hidden_size, model.seq_len, shape.num_layers
+    r = policy.num_recompute
+    layer_p = model.layer_params / tp
+    edge_p = shape.first * model.embed_params + shape.last * model.head_params
+    p_dev = n * layer_p + edge_p
+    weights = (min(n, policy.prefetch_depth + 1) * layer_p + edge_p) * pb if policy.offload_params else p_dev * pb
+    grads = (min(n, 2) * layer_p + edge_p) * pb if policy.offload_optimizer else p_dev * pb
+    opt = 0.0 if policy.offload_optimizer else p_dev * train.optimizer_bytes_per_param
+    full = s * b * h * (10 + 24 / tp) * pb / 2
+    ckpt = s * b * h * pb
+    acts = inflight * ((n - r) * full + r * ckpt) + (full if r else 0.0)
+    logits = 2 * s * b * model.vocab_size * 4 if shape.last else 0.0
+    return weights + grads + opt + acts + logits
+
+
+def optimizer_s(slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShape,
+                policy: Knobs, busy_s: float) -> float:
+    """Per-step optimizer cost exposed on the device's critical path."""
+    p = shape.params_per_device(model, slot.tp)
+    pb = train.param_bytes
+    if not policy.offload_optimizer:
+        return p * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw
+    d2h = p * pb / slot.host_link
+    h2d = p * pb / slot.host_link
+    cpu = p / slot.cpu_adam_per_gpu
+    tail = (d2h + cpu + h2d) / max(shape.num_layers, 1)
+    return max(0.0, max(d2h, h2d, cpu) - busy_s) + tail
+
+
+def sync_s(params_dev: float, train: TrainSpec, num_replicas: int, bw: float) -> float:
+    return _allreduce_s(params_dev * train.param_bytes, num_replicas, bw)
+
+
+def pipeline_time(times_per_mb: list[list[float]]) -> float:
+    """Closed-form 1F1B time: fill with the first micro-batch, then the slowest stage paces.
+
+    times_per_mb[j][i] = fwd + bwd of micro-batch j on stage i.
+    """
+    first = sum(times_per_mb[0])
+    return first + sum(max(t) for t in times_per_mb[1:])
+
+
+def inflight(stage_index: int, num_stages: int, num_micro_batches: int, schedule: str) -> int:
+    if schedule == "gpipe":
+        return num_micro_batches
+    return min(num_stages - stage_index, num_micro_batches)

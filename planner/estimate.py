@@ -1,0 +1,154 @@
+"""`evaluate(plan, cluster, model, train) -> Estimate`: the closed-form step time of a Plan.
+
+Per replica the 1F1B time comes from `cost.pipeline_time`; each device then adds
+its exposed layer-wise gradient sync (AutoHet §4) and its optimizer cost
+(on-device, or host-offloaded with AutoHete's cross-iteration overlap). The
+step ends when the last device finishes. The simulator in planner/simulator.py
+replays the same per-stage times event by event to check the closed form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner import cost
+from planner.plan_types import Estimate, Pipeline, Plan
+from planner.specs import ClusterSpec, ModelSpec, TrainSpec
+
+
+@dataclass
+class StageProfile:
+    slot: cost.Slot
+    shape: cost.StageShape
+    times: list[cost.StageTimes]  # per micro-batch
+    sync_s: float = 0.0
+    opt_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return sum(t.fwd_s + t.bwd_s for t in self.times)
+
+
+def profile_pipeline(
+    pipe: Pipeline, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec
+) -> list[StageProfile]:
+    slots = [cost.make_slot(cluster, train, st.node, st.tp) for st in pipe.stages]
+    p = len(slots)
+    out = []
+    sizes = pipe.micro_batch_sizes()
+    for i, st in enumerate(pipe.stages):
+        shape = cost.StageShape(st.num_layers, i == 0, i == p - 1)
+        nxt = cost.link_bw(slots[i], slots[i + 1]) if i + 1 < p else None
+        prv = cost.link_bw(slots[i], slots[i - 1]) if i > 0 else None
+        k = cost.inflight(i, p, pipe.num_micro_batches, pipe.schedule)
+        cache: dict[int, cost.StageTimes] = {}
+        times = []
+        for b in sizes:
+            if b not in cache:
+                cache[b] = cost.stage_times(slots[i], model, train, shape, b, k, cost.knobs(st.offload), nxt, prv)
+            times.append(cache[b])
+        # Memory peaks at the largest micro-batch.
+        out.append(StageProfile(slots[i], shape, times))
+    return out
+
+
+def _sync_bandwidths(plan: Plan, cluster: ClusterSpec) -> dict[tuple[int, int], float]:
+    """Bandwidth of each (layer, tp rank) gradient group: intra-node if one node, else the slowest NIC."""
+    nodes: dict[tuple[int, int], set[str]] = {}
+    for p in plan.pipelines:
+        for st in p.stages:
+            for layer in range(st.layer_start, st.layer_end):
+                for k in range(st.tp):
+                    nodes.setdefault((layer, k), set()).add(st.node)
+    out = {}
+    for key, names in nodes.items():
+        specs = [cluster.node(n) for n in names]
+        out[key] = specs[0].intra_bw_gb_s * 1e9 if len(specs) == 1 else min(s.inter_node_bw_gb_s for s in specs) * 1e9
+    return out
+
+
+def profile_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> list[list[StageProfile]]:
+    """Per replica, per stage: times, exposed sync and optimizer cost."""
+    num_r = len(plan.pipelines)
+    bws = _sync_bandwidths(plan, cluster)
+    profiles = []
+    for pipe in plan.pipelines:
+        prof = profile_pipeline(pipe, cluster, model, train)
+        for st, sp in zip(pipe.stages, prof, strict=True):
+            layer_p = model.layer_params / st.tp
+            sync = sum(cost.sync_s(layer_p, train, num_r, bws[(layer, 0)]) for layer in range(st.layer_start, st.layer_end))
+            edge = sp.shape.first * model.embed_params + sp.shape.last * model.head_params
+            if edge:
+                key = (0, 0) if sp.shape.first else (model.num_layers - 1, 0)
+                sync += cost.sync_s(edge, train, num_r, bws[key])
+            sp.sync_s = max(0.0, sync - sp.times[-1].bwd_s)
+            sp.opt_s = cost.optimizer_s(sp.slot, model, train, sp.shape, cost.knobs(st.offload), sp.busy_s)
+        profiles.append(prof)
+    return profiles
+
+
+def pipeline_closed_form(prof: list[StageProfile]) -> float:
+    per_mb = [[sp.times[j].fwd_s + sp.times[j].bwd_s for sp in prof] for j in range(len(prof[0].times))]
+    return cost.pipeline_time(per_mb)
+
+
+def estimate_from_profiles(
+    plan: Plan, profiles: list[list[StageProfile]], pipe_times: list[float],
+    cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
+) -> Estimate:
+    step, worst = 0.0, ("", 0.0, None, 0)
+    memory: dict[str, float] = {}
+    oom = []
+    for r, (pipe, prof, t_pipe) in enumerate(zip(plan.pipelines, profiles, pipe_times, strict=True)):
+        for i, (st, sp) in enumerate(zip(pipe.stages, prof, strict=True)):
+            finish = t_pipe + sp.sync_s + sp.opt_s
+            if finish > step:
+                step, worst = finish, (f"pipeline {r} stage {i} ({st.gpu_type} on {st.node})", t_pipe, sp, r)
+            mem = max(t.mem_bytes for t in sp.times)
+            for d in st.devices:
+                memory[d] = round(mem / cost.GIB + train.memory_reserve_gib, 3)
+            if mem > sp.slot.mem_cap_bytes:
+                oom.append(st.devices[0])
+    where, t_pipe, sp, r = worst
+    terms = {
+        "compute": sp.busy_s,
+        "pipeline bubble": t_pipe - sp.busy_s,
+        "gradient sync": sp.sync_s,
+        "optimizer/offload": sp.opt_s,
+    }
+    kind = max(terms, key=lambda k: terms[k])
+    bottleneck = f"out of memory on {', '.join(oom)}" if oom else f"{kind} on {where}"
+    tokens = plan.global_batch * model.seq_len
+    peak = sum(
+        cost.make_slot(cluster, train, st.node, st.tp).peak_flops_per_gpu * st.tp
+        for p in plan.pipelines for st in p.stages
+    )
+    mfu = plan.global_batch * cost.model_flops_per_sample(model) / (step * peak)
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        mfu=mfu,
+        memory_gib=memory,
+        bottleneck=bottleneck,
+        pipeline_time_s=pipe_times,
+        sync_time_s=max(sp.sync_s for prof in profiles for sp in prof),
+        cost_per_mtok=_cost_per_mtok(plan, cluster, step, tokens),
+    )
+
+
+def _cost_per_mtok(plan: Plan, cluster: ClusterSpec, step_s: float, tokens: int) -> float | None:
+    """Hourly price of every node the plan touches, per million tokens (idle GPUs still bill)."""
+    used = {st.node for p in plan.pipelines for st in p.stages}
+    prices = [cluster.node(n).price_per_hour for n in used]
+    if any(p is None for p in prices):
+        return None
+    dollars_per_s = sum(prices) / 3600.0
+    return dollars_per_s * step_s / tokens * 1e6
+
+
+def evaluate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Estimate:
+    """Closed-form estimate of one training step of `plan` (the planner's objective)."""
+    profiles = profile_plan(plan, cluster, model, train)
+    return estimate_from_profiles(
+        plan, profiles, [pipeline_closed_form(p) for p in profiles], cluster, model, train
+    )

@@ -1,0 +1,257 @@
+"""One candidate pipeline: its layer split (dynamic programming) and its step time for n samples.
+
+The split follows AutoHet/HexiScale: stages are given in order (each a TP group
+of one GPU type on one node), and a DP over (stage, layers covered) picks the
+contiguous boundaries minimizing the slowest stage's per-step cost
+m * (fwd + bwd) + optimizer time, ties broken by the sum of per-micro-batch stage
+times (the 1F1B fill). Each stage's cost already includes its cheapest fitting
+offload policy (planner/policy.py), so memory shapes the split as much as speed.
+The split depends only on the pipeline's hardware; gradient sync, which depends
+on the other replicas, is added when the finish time is computed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+from dataclasses import dataclass
+
+from planner import cost
+from planner.policy import cheapest, fitting_policies
+from planner.specs import ModelSpec, TrainSpec
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    num_layers: int
+    policy: cost.Knobs
+    times: cost.StageTimes
+
+
+@dataclass(frozen=True)
+class Finish:
+    time_s: float
+    micro_batch_size: int
+    num_micro_batches: int
+    stages: tuple[StageChoice, ...]
+
+
+class PipelineModel:
+    def __init__(
+        self, slots: list[cost.Slot], model: ModelSpec, train: TrainSpec, exact: bool,
+        schedule: str = "1f1b", stage_cache: dict | None = None,
+    ):
+        self.slots, self.model, self.train, self.exact, self.schedule = slots, model, train, exact, schedule
+        p = len(slots)
+        self.homogeneous = len({(s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu) for s in slots}) == 1
+        self.p2p = [
+            (cost.link_bw(slots[i], slots[i + 1]) if i + 1 < p else None,
+             cost.link_bw(slots[i], slots[i - 1]) if i > 0 else None)
+            for i in range(p)
+        ]
+        # Shared across pipelines of one search: the same hardware at the same position costs the same.
+        self._stage_cache = {} if stage_cache is None else stage_cache
+        self._splits: dict[tuple[int, int], tuple[StageChoice, ...] | None] = {}
+        self._finish: dict[tuple, Finish | None] = {}
+        self._times: dict[tuple[int, int, int], cost.StageTimes] = {}
+
+    def _shape(self, i: int, n: int) -> cost.StageShape:
+        return cost.StageShape(n, i == 0, i == len(self.slots) - 1)
+
+    def _candidates(self, i: int, n: int, b: int, k: int):
+        slot, shape = self.slots[i], self._shape(i, n)
+        key = (slot, shape, k, self.p2p[i], b)
+        if key not in self._stage_cache:
+            self._stage_cache[key] = fitting_policies(slot, self.model, self.train, shape, b, k, *self.p2p[i])
+        return self._stage_cache[key]
+
+    def split(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
+        """Best contiguous layer split for micro-batches of b, m per step (None if nothing fits)."""
+        p, num_layers = len(self.slots), self.model.num_layers
+        # Outside exact mode one split per micro-batch size, costed at m = p: the most
+        # in-flight activations a 1F1B stage holds, so the split fits for any m.
+        m_key = m if self.exact else p
+        if (b, m_key) not in self._splits:
+            self._splits[(b, m_key)] = self._dp(b, m_key) if p <= num_layers else None
+        return self._splits[(b, m_key)]
+
+    def _dp(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
+        """Lexicographic min-max DP over (stage, layers covered), vectorized with numpy.
+
+        A stage's cost depends only on its position and its layer count, so each
+        stage contributes a cost vector over layer counts and one DP step is a
+        max/plus over an (start, end) matrix.
+        """
+        p, num_layers = len(self.slots), self.model.num_layers
+        big = np.inf
+        idx = np.arange(num_layers + 1)
+        n_mat = idx[None, :] - idx[:, None]  # [start a, end j] -> layers in the stage
+        valid = n_mat >= 1
+        n_clip = np.where(valid, n_mat, 0)
+        prim = np.full(num_layers + 1, big)
+        prim[0] = 0.0
+        sec = np.zeros(num_layers + 1)
+        backs, choices_by_stage = [], []
+        for i in range(p):
+            choices: list[StageChoice | None] = [None] * (num_layers + 1)
+            c_val = np.full(num_layers + 1, big)
+            c_t = np.zeros(num_layers + 1)
+            hi = num_layers - (p - 1 - i) - i  # most layers stage i can take
+            if self.homogeneous and not self.exact:
+                hi = min(hi, 2 * math.ceil(num_layers / p) + 1)  # a balanced split never goes past 2x
+            for n in range(1, hi + 1):
+                k = cost.inflight(i, p, m, self.schedule)
+                got = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train, self._shape(i, n), m)
+                if got is not None:
+                    choices[n] = StageChoice(n, got[0], got[1])
+                    c_val[n], c_t[n] = got[2], got[1].fwd_s + got[1].bwd_s
+            cand_p = np.where(valid, np.maximum(prim[:, None], c_val[n_clip]), big)
+            cand_s = np.where(valid, sec[:, None] + c_t[n_clip], big)
+            if i == p - 1:  # the last stage must end at the last layer
+                cand_p[:, :num_layers] = big
+            best_p = cand_p.min(axis=0)
+            tie = cand_p <= best_p[None, :] * (1 + 1e-12)
+            start = np.where(tie, cand_s, big).argmin(axis=0)
+            prim = best_p
+            sec = cand_s[start, idx]
+            backs.append(start)
+            choices_by_stage.append(choices)
+        if not np.isfinite(prim[num_layers]):
+            return None
+        out, j = [], num_layers
+        for i in range(p - 1, -1, -1):
+            a = int(backs[i][j])
+            out.append(choices_by_stage[i][j - a])
+            j = a
+        return tuple(reversed(out))
+
+    # -- time for n samples --------------------------------------------------
+    def _mb_candidates(self, n: int) -> list[int]:
+        cap = min(n, self.train.max_micro_batch_size)
+        if self.exact:
+            return list(range(1, cap + 1))
+        out = {1 << e for e in range(cap.bit_length()) if (1 << e) <= cap}
+        out.add(cap)
+        return sorted(out)
+
+    def finish(self, n: int, num_replicas: int = 1, sync_bw: float = 1.0) -> Finish | None:
+        """Fastest (micro-batch size, split) for n samples: the slowest device's finish time."""
+        key = (n, num_replicas, sync_bw)
+        if key in self._finish:
+            return self._finish[key]
+        best, worse = None, 0
+        for b in self._mb_candidates(n):
+            m = math.ceil(n / b)
+            stages = self.split(b, m)
+            if stages is None:
+                if best is not None and not self.exact:
+                    break  # larger micro-batches only need more memory
+                continue
+            t = self._time(stages, n, b, m, num_replicas, sync_bw)
+            if best is None or t < best.time_s * (1 - 1e-12):
+                best, worse = Finish(t, b, m, stages), 0
+            elif not self.exact:
+                worse += 1
+                if worse == 2:  # past the sweet spot between GEMM efficiency and bubble
+                    break
+        self._finish[key] = best
+        return best
+
+    def _last_times(self, i: int, ch: StageChoice, b: int, m: int) -> cost.StageTimes:
+        key = (i, id(ch), b)
+        if key not in self._times:
+            k = cost.inflight(i, len(self.slots), m, self.schedule)
+            self._times[key] = cost.stage_times(self.slots[i], self.model, self.train, self._shape(i, ch.num_layers), b, k, ch.policy, *self.p2p[i])
+        return self._times[key]
+
+    def _time(self, stages, n: int, b: int, m: int, num_replicas: int, sync_bw: float) -> float:
+        last_b = n - (m - 1) * b
+        full = [ch.times.fwd_s + ch.times.bwd_s for ch in stages]
+        last_t = [ch.times if last_b == b else self._last_times(i, ch, last_b, m) for i, ch in enumerate(stages)]
+        last = [t.fwd_s + t.bwd_s for t in last_t]
+        t_pipe = sum(last) if m == 1 else sum(full) + (m - 2) * max(full) + max(last)
+        finish = 0.0
+        for i, ch in enumerate(stages):
+            shape = self._shape(i, ch.num_layers)
+            busy = (m - 1) * full[i] + last[i]
+            opt = cost.optimizer_s(self.slots[i], self.model, self.train, shape, ch.policy, busy)
+            sync = cost.sync_s(shape.params_per_device(self.model, self.slots[i].tp), self.train, num_replicas, sync_bw)
+            finish = max(finish, t_pipe + max(0.0, sync - last_t[i].bwd_s) + opt)
+        return finish
+
+
+def allocate_samples(pipes: list[PipelineModel], global_batch: int, exact: bool, sync_bw: float) -> list[int] | None:
+    """Split the global batch over pipelines minimizing the slowest finish (min-max).
+
+    Exact DP over (pipeline, samples so far) for small problems; otherwise greedy,
+    one sample at a time to the pipeline that finishes earliest after taking it.
+    """
+    k = len(pipes)
+    if global_batch < k:
+        return None
+
+    def fin(r: int, n: int) -> float:
+        f = pipes[r].finish(n, k, sync_bw)
+        return math.inf if f is None else f.time_s
+
+    if exact:
+        return _allocate_exact(fin, k, global_batch)
+    if any(fin(r, 1) == math.inf for r in range(k)):
+        return None
+    # Seed in proportion to each pipeline's rate at an equal share, then top up greedily.
+    share = max(1, global_batch // k)
+    rates = []
+    for r in range(k):
+        n = share
+        while fin(r, n) == math.inf:  # the largest share this pipeline can take
+            n //= 2
+        rates.append(n / fin(r, n))
+    total = sum(rates)
+    counts = [max(1, int(global_batch * x / total)) for x in rates]
+    while sum(counts) > global_batch:
+        r = max((i for i in range(k) if counts[i] > 1), key=lambda i: (fin(i, counts[i]), i))
+        counts[r] -= 1
+    heap = [(fin(r, counts[r] + 1), r) for r in range(k)]
+    heapq.heapify(heap)
+    for _ in range(global_batch - sum(counts)):
+        t, r = heapq.heappop(heap)
+        if t == math.inf:
+            return None
+        counts[r] += 1
+        heapq.heappush(heap, (fin(r, counts[r] + 1), r))
+    return _rebalance(fin, counts)
+
+
+def _rebalance(fin, counts: list[int]) -> list[int]:
+    """Move single samples off the slowest pipeline while that lowers the slowest finish."""
+    k = len(counts)
+    for _ in range(4 * k):
+        slow = max(range(k), key=lambda i: (fin(i, counts[i]), -i))
+        if counts[slow] == 1:
+            break
+        fast = min(range(k), key=lambda i: (fin(i, counts[i] + 1), i))
+        if fast == slow or fin(fast, counts[fast] + 1) >= fin(slow, counts[slow]):
+            break
+        counts[slow] -= 1
+        counts[fast] += 1
+    return counts
+
+
+def _allocate_exact(fin, k: int, global_batch: int) -> list[int] | None:
+    dp: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for r in range(k):
+        left_after = k - r - 1
+        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for s, (mx, alloc) in dp.items():
+            for n in range(1, global_batch - s - left_after + 1):
+                t = fin(r, n)
+                if t == math.inf:
+                    continue
+                val = max(mx, t)
+                if s + n not in nxt or val < nxt[s + n][0]:
+                    nxt[s + n] = (val, alloc + (n,))
+        dp = nxt
+    got = dp.get(global_batch)
+    return list(got[1]) if got else None

@@ -1,0 +1,90 @@
+"""Per-stage memory policy: the cheapest offload choice that fits (AutoHete §3).
+
+Candidates, each with the fewest recomputed layers that make it fit:
+  1. activations kept, or some layers recomputed;
+  2. optimizer state (fp32 master + AdamW moments) in host memory;
+  3. parameters in host memory too, prefetched `prefetch_depth` layers ahead.
+The winner has the smallest stage cost m * (fwd + bwd) + optimizer time, so a
+stage recomputes when recompute is cheaper than host traffic and offloads when
+the host link and CPU can hide the work behind its compute.
+"""
+
+from __future__ import annotations
+
+import math
+
+from planner import cost
+from planner.plan_types import OffloadPolicy
+from planner.specs import ModelSpec, TrainSpec
+
+_MODES = ((False, False), (True, False), (True, True))
+
+
+def _min_recompute(slot, model, train, shape, b, k, opt, params) -> int | None:
+    """Fewest recomputed layers for which the stage fits; None if none does."""
+    n = shape.num_layers
+    mem0 = cost.stage_memory(slot, model, train, shape, b, k, cost.Knobs(0, opt, params))
+    if mem0 <= slot.mem_cap_bytes:
+        return 0
+    full = model.seq_len * b * model.hidden_size * (10 + 24 / slot.tp) * train.param_bytes / 2
+    ckpt = model.seq_len * b * model.hidden_size * train.param_bytes
+    saving = k * (full - ckpt)
+    if n == 0 or saving <= 0:
+        return None
+    r = max(1, math.ceil((mem0 + full - slot.mem_cap_bytes) / saving))
+    while r <= n:
+        if cost.stage_memory(slot, model, train, shape, b, k, cost.Knobs(r, opt, params)) <= slot.mem_cap_bytes:
+            return r
+        r += 1
+    return None
+
+
+def fitting_policies(
+    slot: cost.Slot, model: ModelSpec, train: TrainSpec, shape: cost.StageShape, b: int,
+    inflight: int, p2p_next_bw: float | None, p2p_prev_bw: float | None,
+) -> list[tuple[cost.Knobs, cost.StageTimes]]:
+    """Each offload mode with its fewest recomputed layers that fit, and its micro-batch times."""
+    out = []
+    for opt, params in _MODES:
+        r = _min_recompute(slot, model, train, shape, b, inflight, opt, params)
+        if r is not None:
+            kn = cost.Knobs(r, opt, params)
+            out.append((kn, cost.stage_times(slot, model, train, shape, b, inflight, kn, p2p_next_bw, p2p_prev_bw)))
+    return out
+
+
+def cheapest(
+    candidates: list[tuple[cost.Knobs, cost.StageTimes]], slot: cost.Slot, model: ModelSpec,
+    train: TrainSpec, shape: cost.StageShape, num_mb: int,
+) -> tuple[cost.Knobs, cost.StageTimes, float] | None:
+    """The candidate with the smallest per-step stage cost m * (fwd + bwd) + optimizer time."""
+    best = None
+    for kn, t in candidates:
+        busy = num_mb * (t.fwd_s + t.bwd_s)
+        value = busy + cost.optimizer_s(slot, model, train, shape, kn, busy)
+        if best is None or value < best[2] * (1 - 1e-12):
+            best = (kn, t, value)
+    return best
+
+
+def to_policy(kn: cost.Knobs, layer_start: int) -> OffloadPolicy:
+    """The Plan's policy for a stage starting at `layer_start` (recompute its first layers)."""
+    return OffloadPolicy(
+        recompute_layers=list(range(layer_start, layer_start + kn.num_recompute)),
+        offload_optimizer=kn.offload_optimizer,
+        offload_params=kn.offload_params,
+        prefetch_depth=kn.prefetch_depth,
+        reason=_reason(kn),
+    )
+
+
+def _reason(kn: cost.Knobs) -> str:
+    if kn.offload_params:
+        return "weights do not fit even with optimizer offload and recompute"
+    if kn.offload_optimizer:
+        if kn.num_recompute:
+            return "needs optimizer offload and recompute to fit"
+        return "optimizer offload hides behind compute more cheaply than recompute"
+    if kn.num_recompute:
+        return f"recomputing {kn.num_recompute} layer(s) is the cheapest way to fit activations"
+    return "fits without offload"

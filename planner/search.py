@@ -1,0 +1,318 @@
+"""`plan(cluster, model, train) -> Plan`: hierarchical asymmetric 3D search.
+
+Levels, in the spirit of HexiScale (hierarchical asymmetric partitioning) and
+AutoHet (asymmetric 3D parallelism on spot GPUs):
+  1. TP degree: one degree for every layer (a layer must have the same degree in
+     every replica, and asymmetric TP does not pay, AutoHet §3). Groups are GPUs of
+     one type on one node.
+  2. Pipelines: which TP groups chain into which replica. Small clusters (at most
+     `EXHAUSTIVE_GROUPS` groups) try every multiset of pipelines by GPU kind;
+     large ones start from homogeneous pipelines per type at their minimum depth,
+     pool the leftovers into mixed pipelines, and improve the depths by
+     coordinate descent.
+  3. Per pipeline: the layer split by DP with per-stage offload policy
+     (planner/layer_split.py), and the micro-batch size.
+  4. Samples per replica: min-max allocation of the global batch.
+Candidates are ranked by the search's own surrogate, and the best few are
+scored by `evaluate` (exact gradient-sync groups); the best estimate wins. The
+search is deterministic: every loop runs over sorted inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from planner import cost
+from planner.errors import PlanningError
+from planner.estimate import evaluate
+from planner.layer_split import PipelineModel, allocate_samples
+from planner.policy import to_policy
+from planner.plan_types import Pipeline, Plan, Stage, UnusedDevice
+from planner.specs import ClusterSpec, ModelSpec, TrainSpec
+
+EXHAUSTIVE_GROUPS = 8
+_POOL = "<pool>"
+EXACT_BATCH = 32
+FINALISTS = 4
+
+
+@dataclass(frozen=True)
+class Group:
+    node: str
+    devices: tuple[str, ...]
+    slot: cost.Slot
+
+    @property
+    def kind(self) -> tuple:
+        s = self.slot
+        return (s.gpu_type, s.mem_cap_bytes, s.flops_per_gpu, s.inter_bw, s.intra_bw, s.cpu_adam_per_gpu)
+
+
+def tp_candidates(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
+    most = max(n.num_gpus for n in cluster.nodes)
+    return [t for t in (1, 2, 4, 8, 16, 32, 64)
+            if t <= most and model.num_heads % t == 0 and model.ffn % t == 0]
+
+
+def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int) -> tuple[list[Group], list[UnusedDevice]]:
+    groups, unused = [], []
+    for node in cluster.nodes:
+        ids = node.device_ids()
+        slot = cost.make_slot(cluster, train, node.name, tp)
+        full = len(ids) // tp * tp
+        for k in range(0, full, tp):
+            groups.append(Group(node.name, tuple(ids[k:k + tp]), slot))
+        unused += [UnusedDevice(device=d, reason=f"node has {node.num_gpus} GPUs; TP degree {tp} leaves it without a group") for d in ids[full:]]
+    return groups, unused
+
+
+def _stage_order(groups: list[Group]) -> list[Group]:
+    # The first stage holds the most in-flight activations: give it the most memory.
+    return sorted(groups, key=lambda g: (-g.slot.mem_cap_bytes, -g.slot.flops_per_gpu, g.node, g.devices))
+
+
+class _Search:
+    def __init__(self, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
+                 pm_cache: dict | None = None, stage_cache: dict | None = None):
+        self.cluster, self.model, self.train = cluster, model, train
+        self._pm_cache: dict[tuple, PipelineModel] = {} if pm_cache is None else pm_cache
+        self._stage_cache: dict = {} if stage_cache is None else stage_cache
+
+    def pipeline_model(self, groups: list[Group], exact: bool) -> PipelineModel:
+        key = (
+            tuple(g.kind for g in groups),
+            tuple(groups[i].node == groups[i + 1].node for i in range(len(groups) - 1)),
+            exact,
+        )
+        if key not in self._pm_cache:
+            self._pm_cache[key] = PipelineModel(
+                [g.slot for g in groups], self.model, self.train, exact, stage_cache=self._stage_cache
+            )
+        return self._pm_cache[key]
+
+    def sync_bw(self, pset: list[list[Group]]) -> float:
+        nodes = {g.node for p in pset for g in p}
+        if len(nodes) == 1:
+            return pset[0][0].slot.intra_bw
+        return min(self.cluster.node(n).inter_node_bw_gb_s for n in nodes) * 1e9
+
+    def score(self, pset: list[list[Group]], exact: bool) -> tuple[float, list[int] | None]:
+        """Surrogate step time of a pipeline set (inf if infeasible)."""
+        if not pset or len(pset) > self.train.global_batch:
+            return math.inf, None
+        bw = self.sync_bw(pset)
+        pms = [self.pipeline_model(p, exact) for p in pset]
+        alloc = allocate_samples(pms, self.train.global_batch, exact, bw)
+        if alloc is None:
+            return math.inf, None
+        return max(pm.finish(n, len(pset), bw).time_s for pm, n in zip(pms, alloc, strict=True)), alloc
+
+    def build(self, pset: list[list[Group]], exact: bool, unused: list[UnusedDevice]) -> Plan | None:
+        t, alloc = self.score(pset, exact)
+        if alloc is None:
+            return None
+        bw = self.sync_bw(pset)
+        pipes = []
+        for groups, n in zip(pset, alloc, strict=True):
+            f = self.pipeline_model(groups, exact).finish(n, len(pset), bw)
+            stages, at = [], 0
+            for g, ch in zip(groups, f.stages, strict=True):
+                pol = to_policy(ch.policy, at)
+                stages.append(Stage(layer_start=at, layer_end=at + ch.num_layers, gpu_type=g.slot.gpu_type,
+                                    node=g.node, devices=list(g.devices), offload=pol))
+                at += ch.num_layers
+            pipes.append(Pipeline(num_samples=n, micro_batch_size=f.micro_batch_size,
+                                  num_micro_batches=f.num_micro_batches, stages=stages))
+        used = {d for p in pset for g in p for d in g.devices}
+        plan = Plan(model_name=self.model.name, num_layers=self.model.num_layers,
+                    global_batch=self.train.global_batch, pipelines=pipes, unused=list(unused))
+        return plan, used
+
+
+def _exhaustive_sets(groups: list[Group], max_stages: int):
+    """Every multiset of pipelines, each a multiset of GPU kinds (groups of one kind are interchangeable)."""
+    kinds = sorted({g.kind for g in groups}, key=str)
+    pools = {k: [g for g in groups if g.kind == k] for k in kinds}
+    counts = [len(pools[k]) for k in kinds]
+    vectors = [v for v in itertools.product(*[range(c + 1) for c in counts]) if 0 < sum(v) <= max_stages]
+    vectors.sort(reverse=True)
+
+    def rec(start: int, left: list[int], chosen: list[tuple[int, ...]]):
+        if chosen:
+            yield list(chosen)
+        for idx in range(start, len(vectors)):
+            v = vectors[idx]
+            if all(a <= b for a, b in zip(v, left, strict=True)):
+                chosen.append(v)
+                yield from rec(idx, [b - a for a, b in zip(v, left, strict=True)], chosen)
+                chosen.pop()
+
+    for vs in rec(0, counts, []):
+        taken = {k: 0 for k in kinds}
+        pset = []
+        for v in vs:
+            members = []
+            for k, c in zip(kinds, v, strict=True):
+                members += pools[k][taken[k]:taken[k] + c]
+                taken[k] += c
+            pset.append(_stage_order(members))
+        yield pset
+
+
+def _heuristic_sets(search: _Search, groups: list[Group]):
+    """Homogeneous pipelines per type at chosen depths, leftovers pooled into mixed pipelines."""
+    by_type: dict[str, list[Group]] = {}
+    for g in sorted(groups, key=lambda g: (-g.slot.flops_per_gpu, g.slot.gpu_type, g.node, g.devices)):
+        by_type.setdefault(g.slot.gpu_type, []).append(g)
+    types = list(by_type)
+
+    def fits(gs: list[Group], p: int) -> bool:
+        return search.pipeline_model(gs[:p], False).finish(1) is not None
+
+    p_min = {}
+    for t in types:
+        gs = by_type[t]
+        hi = min(len(gs), search.model.num_layers)
+        if not fits(gs, hi):
+            p_min[t] = 0
+            continue
+        lo = 1  # binary search: more stages never need more memory per device
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(gs, mid) else (mid + 1, hi)
+        p_min[t] = lo
+
+    # depth[t] > 0: homogeneous pipelines of that many stages; 0: pool the type; -1: leave it idle.
+    # The extra key POOL says whether pooled leftovers form mixed pipelines or stay idle.
+    def assemble(depth: dict[str, int]) -> list[list[Group]]:
+        pset, pool = [], []
+        for t in types:
+            gs, p = by_type[t], depth[t]
+            if p < 0:
+                continue
+            if p == 0:
+                pool += gs
+                continue
+            full = len(gs) // p * p
+            pset += [gs[k:k + p] for k in range(0, full, p)]
+            pool += gs[full:]
+        if not depth[_POOL]:
+            return pset
+        current: list[Group] = []
+        for g in _stage_order(pool):
+            current.append(g)
+            if len(current) <= search.model.num_layers and search.pipeline_model(_stage_order(current), False).finish(1) is not None:
+                pset.append(_stage_order(current))
+                current = []
+        return pset
+
+    def depths(t: str) -> list[int]:
+        p, n = p_min[t], len(by_type[t])
+        if not p:
+            return []
+        return sorted({q for q in (p, p + 1, 2 * p, 4 * p, 8 * p, 16 * p) if q <= min(n, search.model.num_layers)})
+
+    def options(t: str) -> list[int]:
+        return [0, 1] if t == _POOL else [-1, 0, *depths(t)]
+
+    def alone(t: str, q: int) -> float:
+        """Step time of the type's groups alone as equal pipelines of depth q (equal shares)."""
+        gs = by_type[t]
+        k = min(len(gs) // q, search.train.global_batch)
+        pset = [gs[j * q:(j + 1) * q] for j in range(k)]
+        f = search.pipeline_model(pset[0], False).finish(math.ceil(search.train.global_batch / k), k, search.sync_bw(pset))
+        return math.inf if f is None else f.time_s
+
+    # Start each type at the depth that is fastest for it alone (HexiScale: intra-type first).
+    keys = types + [_POOL]
+    depth = {t: min(depths(t), key=lambda q: alone(t, q), default=0) for t in types} | {_POOL: 1}
+    seen: dict[tuple, float] = {}
+
+    def val(d):
+        key = tuple(d[t] for t in keys)
+        if key not in seen:
+            seen[key] = search.score(assemble(d), False)[0]
+        return seen[key]
+
+    for _ in range(3):
+        improved = False
+        for t in keys:
+            for q in options(t):
+                trial = dict(depth, **{t: q})
+                if val(trial) < val(depth) * (1 - 1e-9):
+                    depth, improved = trial, True
+        if not improved:
+            break
+    ranked = sorted(seen.items(), key=lambda kv: kv[1])
+    for key, v in ranked[:FINALISTS]:
+        if v < math.inf:
+            yield assemble(dict(zip(keys, key, strict=True)))
+
+
+class Planner:
+    """Plans one job's model and training spec, keeping cost caches between calls.
+
+    Re-planning after a preemption reuses every pipeline and stage already
+    costed, so it is much faster than the first plan.
+    """
+
+    def __init__(self, model: ModelSpec, train: TrainSpec):
+        self.model, self.train = model, train
+        self._pm_cache: dict = {}
+        self._stage_cache: dict = {}
+
+    def plan(self, cluster: ClusterSpec, objective: str = "throughput") -> Plan:
+        model, train = self.model, self.train
+        if objective not in ("throughput", "cost"):
+            raise ValueError(f"objective {objective!r} must be 'throughput' or 'cost'")
+        if objective == "cost" and any(n.price_per_hour is None for n in cluster.nodes):
+            missing = [n.name for n in cluster.nodes if n.price_per_hour is None]
+            raise PlanningError(f"objective 'cost' needs price_per_hour on every node; missing on {', '.join(missing)}")
+        search = _Search(cluster, model, train, self._pm_cache, self._stage_cache)
+        finalists = []
+        for tp in tp_candidates(cluster, model):
+            groups, unused = make_groups(cluster, train, tp)
+            if not groups:
+                continue
+            exhaustive = len(groups) <= EXHAUSTIVE_GROUPS
+            # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
+            exact = exhaustive and train.global_batch <= EXACT_BATCH
+            sets = _exhaustive_sets(groups, model.num_layers) if exhaustive else _heuristic_sets(search, groups)
+            scored = []
+            for pset in sets:
+                s, _ = search.score(pset, exact)
+                if s < math.inf:
+                    scored.append((s, len(scored), pset))
+            scored.sort(key=lambda x: (x[0], x[1]))
+            finalists += [(pset, exact, unused, groups) for _, _, pset in scored[:FINALISTS]]
+        best, best_key = None, None
+        for pset, exact, unused, groups in finalists:
+            plan_, used = search.build(pset, exact, unused)
+            idle = [UnusedDevice(device=d, reason="left out: adding it as a replica or stage does not speed up the step")
+                    for g in groups if not set(g.devices) & used for d in g.devices]
+            plan_.unused = sorted(plan_.unused + idle, key=lambda u: u.device)
+            plan_.estimate = evaluate(plan_, cluster, model, train)
+            est = plan_.estimate
+            key = (est.cost_per_mtok, est.step_time_s) if objective == "cost" else (est.step_time_s,)
+            if best_key is None or key < best_key:
+                best, best_key = plan_, key
+        if best is None:
+            raise PlanningError(_no_fit_message(cluster, model, train))
+        return best
+
+
+def plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, objective: str = "throughput") -> Plan:
+    """The best plan the search finds for `objective` ("throughput" or "cost")."""
+    return Planner(model, train).plan(cluster, objective)
+
+
+def _no_fit_message(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> str:
+    mem = sum(cluster.node(n.name).num_gpus * (cost.make_slot(cluster, train, n.name, 1).mem_cap_bytes / cost.GIB) for n in cluster.nodes)
+    return (
+        f"model {model.name!r} ({model.num_params / 1e9:.2f}B params, seq_len {model.seq_len}) does not fit on "
+        f"this cluster ({cluster.num_gpus} GPUs, {mem:.0f} GiB usable after a {train.memory_reserve_gib} GiB "
+        "reserve each) even with recompute and parameter/optimizer offload. Fix: add GPUs with more memory, "
+        "use a smaller model or seq_len, or lower train.memory_reserve_gib."
+    )

@@ -1,0 +1,201 @@
+"""User-facing specs for the planner: the cluster, the model and the training run.
+
+All are pydantic models with `extra="forbid"` so a typo in a job file is an error
+rather than a silent default. They round-trip through JSON and YAML.
+Devices are named `"<node>/<gpu index>"` everywhere (see `device_id`).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from planner.catalog import canonical_gpu_type, gpu_info
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def device_id(node: str, index: int) -> str:
+    return f"{node}/{index}"
+
+
+class NodeSpec(_Spec):
+    name: str = Field(description="unique node name; also the Ray node label hetspot/node")
+    gpu_type: str = Field(description="catalog GPU type, e.g. A100-80GB, L4, T4")
+    num_gpus: int = Field(ge=1, le=64, description="GPUs on this node, all of gpu_type")
+    market: Literal["spot", "on-demand"] = "spot"
+    price_per_hour: float | None = Field(default=None, ge=0, description="node $/h, if known")
+    zone: str = ""
+    intra_node_bw_gb_s: float | None = Field(
+        default=None, gt=0, description="GPU-GPU bandwidth on the node; default from the catalog"
+    )
+    inter_node_bw_gb_s: float = Field(
+        default=12.5, gt=0, description="node network bandwidth, GB/s (12.5 = 100 Gbit/s)"
+    )
+    cpu_adam_params_per_s: float = Field(
+        default=1.0e9, gt=0, description="host AdamW throughput for offloaded optimizer state"
+    )
+    instance_type: str | None = None
+    instance_id: str | None = None
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        return canonical_gpu_type(v)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or "/" in v or v.strip() != v:
+            raise ValueError(f"node name {v!r} must be non-empty, without '/' or spaces at the ends")
+        return v
+
+    @property
+    def intra_bw_gb_s(self) -> float:
+        return self.intra_node_bw_gb_s or gpu_info(self.gpu_type).intra_node_bw_gb_s
+
+    def device_ids(self) -> list[str]:
+        return [device_id(self.name, i) for i in range(self.num_gpus)]
+
+
+class ClusterSpec(_Spec):
+    nodes: list[NodeSpec] = Field(min_length=1)
+    calibration: dict[str, float] = Field(
+        default_factory=dict,
+        description="measured efficiency (fraction of peak) per GPU type; overrides the catalog",
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ClusterSpec:
+        seen: set[str] = set()
+        for n in self.nodes:
+            if n.name in seen:
+                raise ValueError(f"duplicate node name {n.name!r}; node names must be unique")
+            seen.add(n.name)
+        for t, eff in self.calibration.items():
+            canonical_gpu_type(t)
+            if not 0 < eff <= 1:
+                raise ValueError(f"calibration[{t!r}]={eff} must be in (0, 1]")
+        return self
+
+    def node(self, name: str) -> NodeSpec:
+        index = self.__dict__.get("_index")
+        if index is None:  # frozen model: cache the lookup table once
+            index = {n.name: n for n in self.nodes}
+            object.__setattr__(self, "_index", index)
+        return index[name]
+
+    def efficiency(self, gpu_type: str) -> float:
+        for t, eff in self.calibration.items():
+            if canonical_gpu_type(t) == gpu_type:
+                return eff
+        return gpu_info(gpu_type).default_efficiency
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(n.num_gpus for n in self.nodes)
+
+    def without_nodes(self, names: set[str]) -> ClusterSpec:
+        return self.model_copy(update={"nodes": [n for n in self.nodes if n.name not in names]})
+
+
+class ModelSpec(_Spec):
+    """A GPT-style decoder: pre-norm blocks, GELU MLP, learned positions, untied head."""
+
+    name: str = "custom"
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=8)
+    num_heads: int = Field(ge=1)
+    ffn_size: int | None = Field(default=None, description="MLP width; default 4 * hidden_size")
+    vocab_size: int = Field(ge=2)
+    seq_len: int = Field(ge=2)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSpec:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
+            )
+        return self
+
+    @cached_property
+    def ffn(self) -> int:
+        return self.ffn_size or 4 * self.hidden_size
+
+    @cached_property
+    def layer_params(self) -> int:
+        """Parameters of one block: q,k,v,proj (+biases), fc, proj (+biases), two LayerNorms."""
+        h, f = self.hidden_size, self.ffn
+        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+
+    @cached_property
+    def embed_params(self) -> int:
+        return (self.vocab_size + self.seq_len) * self.hidden_size
+
+    @cached_property
+    def head_params(self) -> int:
+        return self.vocab_size * self.hidden_size + 2 * self.hidden_size
+
+    @cached_property
+    def num_params(self) -> int:
+        return self.num_layers * self.layer_params + self.embed_params + self.head_params
+
+    @classmethod
+    def preset(cls, name: str) -> ModelSpec:
+        key = name.lower()
+        if key not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+        return PRESETS[key]
+
+
+def _p(name, layers, hidden, heads, vocab, seq, ffn=None) -> ModelSpec:
+    return ModelSpec(
+        name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
+        ffn_size=ffn, vocab_size=vocab, seq_len=seq,
+    )
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": _p("tiny", 4, 32, 4, 64, 16),  # CPU tests: ~55k params
+    "small": _p("small", 6, 128, 4, 256, 64),  # CPU demo: ~1.2M params
+    "gpt-125m": _p("gpt-125m", 12, 768, 12, 50304, 1024),
+    "gpt-350m": _p("gpt-350m", 24, 1024, 16, 50304, 1024),
+    "gpt-1.3b": _p("gpt-1.3b", 24, 2048, 16, 50304, 2048),
+    "7b": _p("7b", 32, 4096, 32, 32000, 2048),
+    "13b": _p("13b", 40, 5120, 40, 32000, 2048),
+    "30b": _p("30b", 60, 6656, 52, 32000, 2048),
+    "70b": _p("70b", 80, 8192, 64, 32000, 2048),
+}
+
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+class TrainSpec(_Spec):
+    global_batch: int = Field(ge=1, description="samples per optimizer step, over all replicas")
+    precision: Literal["bf16", "fp16", "fp32", "fp64"] = "bf16"
+    optimizer: Literal["adamw"] = "adamw"
+    lr: float = Field(default=3e-4, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float | None = Field(default=1.0, gt=0, description="global-norm clip; null = off")
+    memory_reserve_gib: float = Field(
+        default=2.0, ge=0, description="per-device memory kept free (allocator, CUDA context)"
+    )
+    max_micro_batch_size: int = Field(default=64, ge=1)
+    seed: int = 0
+
+    @cached_property
+    def param_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """AdamW state: m and v in fp32 (fp64 for fp64), plus an fp32 master copy when mixed."""
+        if self.precision == "fp64":
+            return 16
+        return 12 if self.param_bytes < 4 else 8
