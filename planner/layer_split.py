@@ -141,6 +141,11 @@ class PipelineModel:
         key = (n, num_replicas, sync_bw)
         if key in self._finish:
             return self._finish[key]
+        if self.exact:
+            found = [self._exact_finish(n, b, num_replicas, sync_bw) for b in self._mb_candidates(n)]
+            found = [f for f in found if f is not None]
+            self._finish[key] = min(found, key=lambda f: f.time_s) if found else None
+            return self._finish[key]
         best, worse = None, 0
         for b in self._mb_candidates(n):
             m = math.ceil(n / b)
@@ -158,6 +163,63 @@ class PipelineModel:
                     break
         self._finish[key] = best
         return best
+
+    def _stage_options(self, i: int, nl: int, b: int, last_b: int, m: int, num_replicas: int, sync_bw: float):
+        """Every fitting policy of stage i with nl layers: (choice, t full mb, t last mb, exposed extra)."""
+        p, slot, shape = len(self.slots), self.slots[i], self._shape(i, nl)
+        k = cost.inflight(i, p, m, self.schedule)
+        sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, sync_bw)
+        out = []
+        for kn, t in self._candidates(i, nl, b, k):
+            tl = t if last_b == b else cost.stage_times(slot, self.model, self.train, shape, last_b, k, kn, *self.p2p[i])
+            full, last = t.fwd_s + t.bwd_s, tl.fwd_s + tl.bwd_s
+            busy = (m - 1) * full + last
+            extra = cost.optimizer_s(slot, self.model, self.train, shape, kn, busy) + max(0.0, sync - tl.bwd_s)
+            out.append((StageChoice(nl, kn, t), full, last, extra))
+        return out
+
+    def _exact_finish(self, n: int, b: int, num_replicas: int, sync_bw: float) -> Finish | None:
+        """Exact optimum of the closed form over splits and per-stage policies (Pareto DP).
+
+        The 1F1B closed form sum(t) + (m-2) max(t) + max(t_last) + max(extra) is not
+        a min-max, so each (stage, layers covered) keeps the Pareto front of
+        (sum t, max t, max t_last, max extra, sum t_last). Used for small problems.
+        """
+        p, num_layers = len(self.slots), self.model.num_layers
+        if p > num_layers:
+            return None
+        m = math.ceil(n / b)
+        last_b = n - (m - 1) * b
+        fronts: dict[int, list] = {0: [((0.0, 0.0, 0.0, 0.0, 0.0), None)]}
+        for i in range(p):
+            new: dict[int, list] = {}
+            ends = [num_layers] if i == p - 1 else range(i + 1, num_layers - (p - 1 - i) + 1)
+            for j in ends:
+                items = []
+                for a, front in fronts.items():
+                    if a >= j:
+                        continue
+                    opts = self._stage_options(i, j - a, b, last_b, m, num_replicas, sync_bw)
+                    for vec, ref in front:
+                        for ch, full, last, extra in opts:
+                            v = (vec[0] + full, max(vec[1], full), max(vec[2], last), max(vec[3], extra), vec[4] + last)
+                            items.append((v, (ref, ch)))
+                if items:
+                    new[j] = _pareto(items)
+            fronts = new
+        if num_layers not in fronts:
+            return None
+
+        def total(v):
+            t_pipe = v[4] if m == 1 else v[0] + (m - 2) * v[1] + v[2]
+            return t_pipe + v[3]
+
+        vec, ref = min(fronts[num_layers], key=lambda item: total(item[0]))
+        chain = []
+        while ref is not None:
+            ref, ch = ref
+            chain.append(ch)
+        return Finish(total(vec), b, m, tuple(reversed(chain)))
 
     def _last_times(self, i: int, ch: StageChoice, b: int, m: int) -> cost.StageTimes:
         key = (i, id(ch), b)
@@ -180,6 +242,15 @@ class PipelineModel:
             sync = cost.sync_s(shape.params_per_device(self.model, self.slots[i].tp), self.train, num_replicas, sync_bw)
             finish = max(finish, t_pipe + max(0.0, sync - last_t[i].bwd_s) + opt)
         return finish
+
+
+def _pareto(items: list) -> list:
+    items.sort(key=lambda it: it[0])
+    kept: list = []
+    for v, ref in items:
+        if not any(all(a <= b for a, b in zip(k, v, strict=True)) for k, _ in kept):
+            kept.append((v, ref))
+    return kept
 
 
 def allocate_samples(pipes: list[PipelineModel], global_batch: int, exact: bool, sync_bw: float) -> list[int] | None:

@@ -35,6 +35,7 @@ from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 EXHAUSTIVE_GROUPS = 8
 _POOL = "<pool>"
 EXACT_BATCH = 32
+EXACT_LAYERS = 16
 FINALISTS = 4
 
 
@@ -47,7 +48,7 @@ class Group:
     @property
     def kind(self) -> tuple:
         s = self.slot
-        return (s.gpu_type, s.mem_cap_bytes, s.flops_per_gpu, s.inter_bw, s.intra_bw, s.cpu_adam_per_gpu)
+        return (s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu, s.inter_bw, s.intra_bw, s.cpu_adam_per_gpu)
 
 
 def tp_candidates(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
@@ -91,6 +92,24 @@ class _Search:
                 [g.slot for g in groups], self.model, self.train, exact, stage_cache=self._stage_cache
             )
         return self._pm_cache[key]
+
+    def best_order(self, groups: list[Group], num_pipelines: int, exact: bool) -> list[Group]:
+        """The stage order (over distinct orders of the groups' kinds) that finishes an equal share fastest."""
+        if len(groups) == 1:
+            return groups
+        n = max(1, self.train.global_batch // num_pipelines)
+        bw = self.sync_bw([groups])
+        seen_kinds, best, best_t = set(), groups, math.inf
+        for o in itertools.permutations(range(len(groups))):
+            cand = [groups[i] for i in o]
+            sig = tuple(g.kind for g in cand)
+            if sig in seen_kinds:
+                continue
+            seen_kinds.add(sig)
+            f = self.pipeline_model(cand, exact).finish(n, num_pipelines, bw)
+            if f is not None and f.time_s < best_t * (1 - 1e-12):
+                best, best_t = cand, f.time_s
+        return best
 
     def sync_bw(self, pset: list[list[Group]]) -> float:
         nodes = {g.node for p in pset for g in p}
@@ -278,10 +297,12 @@ class Planner:
                 continue
             exhaustive = len(groups) <= EXHAUSTIVE_GROUPS
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
-            exact = exhaustive and train.global_batch <= EXACT_BATCH
+            exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
             sets = _exhaustive_sets(groups, model.num_layers) if exhaustive else _heuristic_sets(search, groups)
             scored = []
             for pset in sets:
+                if exact:
+                    pset = [search.best_order(p, len(pset), exact) for p in pset]
                 s, _ = search.score(pset, exact)
                 if s < math.inf:
                     scored.append((s, len(scored), pset))

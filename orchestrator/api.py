@@ -1,0 +1,93 @@
+"""The Python API behind the CLI: tests and notebooks call these, the CLI only parses and prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ConfigError
+from orchestrator.jobfile import JobSpec, load_job, require_cluster
+from planner import Plan, PlanningError, evaluate
+from planner import plan as make_plan
+from planner.baselines import all_baselines
+
+
+def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput") -> dict[str, Any]:
+    """Plan a job on its `cluster:` and score the baselines. Returns the JSON-able result."""
+    cluster = require_cluster(job, source)
+    model, train = job.model_spec, job.train
+    try:
+        best = make_plan(cluster, model, train, objective)
+    except PlanningError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    baselines = {}
+    for name, bp in all_baselines(cluster, model, train).items():
+        baselines[name] = None if bp is None else {
+            "estimate": bp.estimate.model_dump(),
+            "speedup": bp.estimate.step_time_s / best.estimate.step_time_s,
+            "num_pipelines": len(bp.pipelines),
+        }
+    return {
+        "job": job.name,
+        "model": model.model_dump() | {"num_params": model.num_params},
+        "plan": best.model_dump(),
+        "estimate": best.estimate.model_dump(),
+        "baselines": baselines,
+    }
+
+
+def plan_file(path: str | Path, objective: str = "throughput") -> dict[str, Any]:
+    return plan_job(load_job(path), str(path), objective)
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"plan file {str(p)!r} does not exist; write one with `hetspot plan JOB.yaml --json`")
+    import json
+
+    from pydantic import ValidationError
+
+    try:
+        data = json.loads(p.read_text())
+        plan = Plan.model_validate(data.get("plan", data) if isinstance(data, dict) else data)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"{p}: invalid plan at '{loc}': {first['msg']}") from None
+    return plan
+
+
+def check_plan(plan: Plan, job: JobSpec, source: str) -> Plan:
+    """Validate a user-supplied plan against the job's model and cluster; fill in its estimate."""
+    cluster = require_cluster(job, source)
+    model = job.model_spec
+    problems = []
+    if plan.num_layers != model.num_layers:
+        problems.append(f"plan has num_layers={plan.num_layers} but the model has {model.num_layers}")
+    if plan.global_batch != job.train.global_batch:
+        problems.append(f"plan global_batch={plan.global_batch} but train.global_batch={job.train.global_batch}")
+    if len(plan.pipelines) > job.train.global_batch:
+        problems.append(f"global batch {job.train.global_batch} is smaller than the plan's {len(plan.pipelines)} pipelines")
+    try:
+        plan.check_structure()
+    except ValueError as e:
+        problems.append(str(e))
+    known = {d: n for n in cluster.nodes for d in n.device_ids()}
+    for p in plan.pipelines:
+        for st in p.stages:
+            if model.num_heads % st.tp:
+                problems.append(f"stage on {st.node} has TP degree {st.tp}, which does not divide num_heads={model.num_heads}")
+            for d in st.devices:
+                node = known.get(d)
+                if node is None:
+                    problems.append(f"device {d} is not in the job's cluster (it has {len(known)} GPUs)")
+                elif node.gpu_type != st.gpu_type:
+                    problems.append(f"device {d} is a {node.gpu_type}, the plan says {st.gpu_type}")
+    if problems:
+        raise ConfigError(f"{source}: the plan does not match the job: " + "; ".join(dict.fromkeys(problems))
+                          + ". Fix: regenerate it with `hetspot plan JOB.yaml --json`.")
+    plan.estimate = evaluate(plan, cluster, model, job.train)
+    return plan

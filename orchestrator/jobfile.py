@@ -1,0 +1,131 @@
+"""The job file (YAML): model, training, data, and for the embedded test cluster, `cluster:`.
+
+Every section is a pydantic model with `extra="forbid"`, so a typo is an error
+that names the field. `load_job` turns any problem into a ConfigError whose
+message names the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orchestrator.errors import ConfigError
+from planner.specs import PRESETS, ClusterSpec, ModelSpec, TrainSpec
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """`preset:` picks a ModelSpec preset; any other field overrides it (or defines a custom model)."""
+
+    preset: str | None = None
+    name: str | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    ffn_size: int | None = None
+    vocab_size: int | None = None
+    seq_len: int | None = None
+
+    def resolve(self) -> ModelSpec:
+        fields = self.model_dump(exclude_none=True, exclude={"preset"})
+        if self.preset is not None:
+            if self.preset.lower() not in PRESETS:
+                raise ValueError(f"unknown model preset {self.preset!r}; known presets: {', '.join(PRESETS)}")
+            base = PRESETS[self.preset.lower()].model_dump()
+            return ModelSpec(**(base | fields))
+        return ModelSpec(**fields)
+
+
+class DataSpec(_Section):
+    kind: Literal["synthetic", "text", "tokens"] = Field(
+        default="synthetic", description="synthetic: built-in learnable corpus; text: byte-level file; tokens: flat .bin"
+    )
+    path: str | None = Field(default=None, description="file for kind text or tokens")
+    dtype: Literal["uint16", "uint32"] = Field(default="uint16", description="token file element type")
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> DataSpec:
+        if self.kind != "synthetic" and not self.path:
+            raise ValueError(f"data.kind {self.kind!r} needs data.path (the file to read)")
+        return self
+
+
+class RuntimeSpec(_Section):
+    dtype: Literal["float32", "float64"] = Field(
+        default="float32", description="CPU training dtype; float64 for exact equivalence checks"
+    )
+    emulate_speed: bool = Field(
+        default=True,
+        description="on fake GPUs, slow each worker by the catalog TFLOPS ratio to the fastest type",
+    )
+    step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
+    collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")
+
+
+class JobSpec(_Section):
+    name: str = "hetspot-job"
+    model: ModelSection
+    train: TrainSpec
+    cluster: ClusterSpec | None = Field(default=None, description="the embedded test cluster's nodes")
+    data: DataSpec = DataSpec()
+    runtime: RuntimeSpec = RuntimeSpec()
+    steps: int = Field(default=10, ge=1)
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self.model.resolve()
+
+
+def _format_validation(path: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (a typo?); remove it or check the spelling against docs/jobfile.md"
+        elif e["type"] == "missing":
+            msg = "required field is missing; add it"
+        lines.append(f"field '{loc}': {msg}")
+    return f"{path}: invalid job file. " + "; ".join(lines)
+
+
+def parse_job(data: object, source: str = "<job>") -> JobSpec:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a job file must be a YAML mapping with model:, train: and cluster: sections")
+    try:
+        job = JobSpec.model_validate(data)
+        job.model_spec  # noqa: B018 - validates the model section (preset + overrides)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(source, e)) from None
+    except ValueError as e:
+        raise ConfigError(f"{source}: field 'model': {e}") from None
+    return job
+
+
+def load_job(path: str | Path) -> JobSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"job file {str(p)!r} does not exist; pass the path of a YAML job file (see examples/)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    return parse_job(data, str(p))
+
+
+def require_cluster(job: JobSpec, source: str) -> ClusterSpec:
+    if job.cluster is None:
+        raise ConfigError(
+            f"{source}: no 'cluster:' section; add one listing nodes (name, gpu_type, num_gpus), "
+            "or pass --address to use a running Ray cluster"
+        )
+    return job.cluster
