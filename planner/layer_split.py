@@ -298,15 +298,17 @@ def allocate_samples(pipes: list[PipelineModel], global_batch: int, exact: bool,
 def _rebalance(fin, counts: list[int]) -> list[int]:
     """Move single samples off the slowest pipeline while that lowers the slowest finish."""
     k = len(counts)
+    cur = [fin(i, counts[i]) for i in range(k)]
+    nxt = [fin(i, counts[i] + 1) for i in range(k)]
     for _ in range(4 * k):
-        slow = max(range(k), key=lambda i: (fin(i, counts[i]), -i))
-        if counts[slow] == 1:
-            break
-        fast = min(range(k), key=lambda i: (fin(i, counts[i] + 1), i))
-        if fast == slow or fin(fast, counts[fast] + 1) >= fin(slow, counts[slow]):
+        slow = max(range(k), key=lambda i: (cur[i], -i))
+        fast = min(range(k), key=lambda i: (nxt[i], i))
+        if counts[slow] == 1 or fast == slow or nxt[fast] >= cur[slow]:
             break
         counts[slow] -= 1
         counts[fast] += 1
+        for i in (slow, fast):
+            cur[i], nxt[i] = fin(i, counts[i]), fin(i, counts[i] + 1)
     return counts
 
 

@@ -35,7 +35,9 @@ from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 EXHAUSTIVE_GROUPS = 8
 _POOL = "<pool>"
 EXACT_BATCH = 32
-EXACT_LAYERS = 16
+EXACT_LAYERS = 6
+MAX_ORDERS = 24
+MAX_EXHAUSTIVE_SETS = 1500
 FINALISTS = 4
 
 
@@ -94,18 +96,13 @@ class _Search:
         return self._pm_cache[key]
 
     def best_order(self, groups: list[Group], num_pipelines: int, exact: bool) -> list[Group]:
-        """The stage order (over distinct orders of the groups' kinds) that finishes an equal share fastest."""
+        """The stage order that finishes an equal share fastest, over up to MAX_ORDERS distinct orders."""
         if len(groups) == 1:
             return groups
         n = max(1, self.train.global_batch // num_pipelines)
         bw = self.sync_bw([groups])
-        seen_kinds, best, best_t = set(), groups, math.inf
-        for o in itertools.permutations(range(len(groups))):
-            cand = [groups[i] for i in o]
-            sig = tuple(g.kind for g in cand)
-            if sig in seen_kinds:
-                continue
-            seen_kinds.add(sig)
+        best, best_t = groups, math.inf
+        for cand in _distinct_orders(_stage_order(groups), MAX_ORDERS):
             f = self.pipeline_model(cand, exact).finish(n, num_pipelines, bw)
             if f is not None and f.time_s < best_t * (1 - 1e-12):
                 best, best_t = cand, f.time_s
@@ -150,6 +147,29 @@ class _Search:
         return plan, used
 
 
+def _distinct_orders(groups: list[Group], limit: int):
+    """Orders of groups that differ in some position's kind (memory-descending first), at most `limit`."""
+    out: list[list[Group]] = []
+
+    def rec(prefix: list[Group], rest: list[Group]):
+        if len(out) >= limit:
+            return
+        if not rest:
+            out.append(list(prefix))
+            return
+        tried = set()
+        for i, g in enumerate(rest):
+            if g.kind in tried:
+                continue
+            tried.add(g.kind)
+            prefix.append(g)
+            rec(prefix, rest[:i] + rest[i + 1:])
+            prefix.pop()
+
+    rec([], groups)
+    return out
+
+
 def _exhaustive_sets(groups: list[Group], max_stages: int):
     """Every multiset of pipelines, each a multiset of GPU kinds (groups of one kind are interchangeable)."""
     kinds = sorted({g.kind for g in groups}, key=str)
@@ -178,6 +198,15 @@ def _exhaustive_sets(groups: list[Group], max_stages: int):
                 taken[k] += c
             pset.append(_stage_order(members))
         yield pset
+
+
+def _count_sets(groups: list[Group], max_stages: int) -> int:
+    count = 0
+    for _ in _exhaustive_sets(groups, max_stages):
+        count += 1
+        if count > MAX_EXHAUSTIVE_SETS:
+            break
+    return count
 
 
 def _heuristic_sets(search: _Search, groups: list[Group]):
@@ -295,7 +324,7 @@ class Planner:
             groups, unused = make_groups(cluster, train, tp)
             if not groups:
                 continue
-            exhaustive = len(groups) <= EXHAUSTIVE_GROUPS
+            exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, model.num_layers) <= MAX_EXHAUSTIVE_SETS
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
             sets = _exhaustive_sets(groups, model.num_layers) if exhaustive else _heuristic_sets(search, groups)
@@ -307,9 +336,11 @@ class Planner:
                 if s < math.inf:
                     scored.append((s, len(scored), pset))
             scored.sort(key=lambda x: (x[0], x[1]))
-            finalists += [(pset, exact, unused, groups) for _, _, pset in scored[:FINALISTS]]
+            finalists += [(s, tp, i, pset, exact, unused, groups) for s, i, pset in scored[:FINALISTS]]
+        # The surrogate ranks candidates across TP degrees; `evaluate` settles the best few.
+        finalists.sort(key=lambda f: f[:3])
         best, best_key = None, None
-        for pset, exact, unused, groups in finalists:
+        for _, _, _, pset, exact, unused, groups in finalists[:FINALISTS]:
             plan_, used = search.build(pset, exact, unused)
             idle = [UnusedDevice(device=d, reason="left out: adding it as a replica or stage does not speed up the step")
                     for g in groups if not set(g.devices) & used for d in g.devices]

@@ -1,0 +1,84 @@
+"""`hetspot plan`: tables, --json, and bad input with exit code 2 and no traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+JOB = {
+    "name": "t",
+    "model": {"preset": "gpt-350m"},
+    "train": {"global_batch": 32},
+    "cluster": {"nodes": [
+        {"name": "a", "gpu_type": "A100-80GB", "num_gpus": 2, "price_per_hour": 8.0},
+        {"name": "l", "gpu_type": "L4", "num_gpus": 4, "price_per_hour": 1.4},
+    ]},
+}
+
+
+def _write(tmp_path, data) -> str:
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return str(f)
+
+
+def test_plan_json_has_plan_estimate_baselines(tmp_path):
+    res = runner.invoke(app, ["plan", _write(tmp_path, JOB), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert set(out) >= {"plan", "estimate", "baselines"}
+    assert sum(p["num_samples"] for p in out["plan"]["pipelines"]) == 32
+    assert set(out["baselines"]) == {"megatron-symmetric", "data-parallel+offload", "best-homogeneous"}
+    assert out["estimate"]["cost_per_mtok"] > 0
+    for b in out["baselines"].values():
+        assert b is None or b["speedup"] >= 1.0 - 1e-9  # never below a baseline
+
+
+def test_plan_table_for_people(tmp_path):
+    res = runner.invoke(app, ["plan", _write(tmp_path, JOB)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    for text in ("pipe", "A100-80GB", "L4", "Estimate", "tokens/s", "megatron-symmetric", "speedup"):
+        assert text in res.stdout
+
+
+BAD = [
+    ({**JOB, "trian": {"global_batch": 8}}, "trian"),
+    ({**JOB, "cluster": {"nodes": [{"name": "a", "gpu_type": "Q9000", "num_gpus": 1}]}}, "unknown GPU type"),
+    ({**JOB, "model": {"name": "x", "num_layers": 2, "hidden_size": 16384, "num_heads": 64, "vocab_size": 32000,
+                       "seq_len": 131072},
+      "cluster": {"nodes": [{"name": "t", "gpu_type": "T4", "num_gpus": 1}]}}, "does not fit"),
+    ("model: {preset: tiny\n", "not valid YAML"),
+    ({**JOB, "train": {"global_batch": 0}}, "train.global_batch"),
+    ({**JOB, "cluster": None}, "no 'cluster:' section"),
+]
+
+
+@pytest.mark.parametrize("data,needle", BAD)
+def test_bad_input_exit_2_no_traceback(tmp_path, data, needle):
+    res = runner.invoke(app, ["plan", _write(tmp_path, data)])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert "Traceback" not in res.output
+
+
+def test_real_console_script_bad_input(tmp_path):
+    exe = Path(sys.executable).parent / "hetspot"
+    res = subprocess.run([str(exe), "plan", str(tmp_path / "nope.yaml")], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "does not exist" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_objective_cost_needs_prices(tmp_path):
+    job = {**JOB, "cluster": {"nodes": [{"name": "a", "gpu_type": "A100-80GB", "num_gpus": 2}]}}
+    res = runner.invoke(app, ["plan", _write(tmp_path, job), "--objective", "cost"])
+    assert res.exit_code == 2 and "price_per_hour" in res.output

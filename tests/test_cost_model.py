@@ -1,0 +1,98 @@
+"""The closed-form step time agrees with the discrete-event 1F1B simulator, and the model's basics hold."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, PlanningError, Stage, TrainSpec, evaluate, plan
+from planner.simulator import op_order, simulate, simulate_pipeline
+
+pytestmark = pytest.mark.unit
+
+TYPES = ["A100-80GB", "H100-SXM", "L4", "T4", "V100-32GB", "A10G", "MI300X"]
+
+
+def _random_plan(rng: random.Random) -> tuple[ClusterSpec, ModelSpec, TrainSpec, Plan]:
+    nodes = [NodeSpec(name=f"n{i}", gpu_type=rng.choice(TYPES), num_gpus=rng.choice([1, 2, 4, 8]),
+                      inter_node_bw_gb_s=rng.choice([3.0, 12.5, 50.0])) for i in range(rng.randint(1, 6))]
+    cluster = ClusterSpec(nodes=nodes)
+    model = ModelSpec(name="m", num_layers=rng.randint(4, 24), hidden_size=rng.choice([512, 1024, 2048]),
+                      num_heads=8, vocab_size=32000, seq_len=rng.choice([512, 1024, 2048]))
+    devices = [(n.name, n.gpu_type, d) for n in nodes for d in n.device_ids()]
+    rng.shuffle(devices)
+    num_pipes = rng.randint(1, min(4, len(devices)))
+    pipes, total = [], 0
+    for r in range(num_pipes):
+        take = devices[r::num_pipes][: rng.randint(1, min(4, model.num_layers))]
+        cuts = sorted(rng.sample(range(1, model.num_layers), len(take) - 1))
+        bounds = [0, *cuts, model.num_layers]
+        stages = [Stage(layer_start=bounds[i], layer_end=bounds[i + 1], gpu_type=t, node=n, devices=[d])
+                  for i, (n, t, d) in enumerate(take)]
+        n_samples = rng.randint(1, 32)
+        b = rng.randint(1, n_samples)
+        pipes.append(Pipeline(num_samples=n_samples, micro_batch_size=b, num_micro_batches=-(-n_samples // b), stages=stages))
+        total += n_samples
+    train = TrainSpec(global_batch=total, memory_reserve_gib=0)
+    return cluster, model, train, Plan(model_name="m", num_layers=model.num_layers, global_batch=total, pipelines=pipes)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31))
+def test_closed_form_never_below_simulator_on_arbitrary_plans(seed):
+    # Any valid plan, however unbalanced: the closed form is an upper bound of the schedule.
+    cluster, model, train, p = _random_plan(random.Random(seed))
+    closed = evaluate(p, cluster, model, train).step_time_s
+    simulated = simulate(p, cluster, model, train).step_time_s
+    assert closed >= simulated * (1 - 1e-9)
+
+
+@st.composite
+def random_clusters(draw):
+    nodes = [NodeSpec(name=f"n{i}", gpu_type=draw(st.sampled_from(TYPES)), num_gpus=draw(st.sampled_from([1, 2, 4, 8])),
+                      inter_node_bw_gb_s=draw(st.sampled_from([3.0, 12.5, 50.0]))) for i in range(draw(st.integers(1, 6)))]
+    model = ModelSpec.preset(draw(st.sampled_from(["gpt-125m", "gpt-350m", "gpt-1.3b", "7b"])))
+    return ClusterSpec(nodes=nodes), model, TrainSpec(global_batch=draw(st.sampled_from([1, 3, 8, 17, 32, 64, 256])))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow])
+@given(random_clusters())
+def test_closed_form_within_5pct_of_simulator_on_planned_clusters(prob):
+    # Plans as the planner makes them (balanced stages) on random clusters.
+    cluster, model, train = prob
+    try:
+        p = plan(cluster, model, train)
+    except PlanningError:
+        return
+    sim = simulate(p, cluster, model, train).step_time_s
+    assert abs(p.estimate.step_time_s - sim) <= 0.05 * sim
+
+
+def test_1f1b_order_and_uniform_pipeline():
+    assert op_order(0, 3, 4, "1f1b") == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert op_order(2, 3, 4, "1f1b") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    # Uniform stages: (m + p - 1) * (f + b), the textbook 1F1B makespan.
+    fwd = [[1.0] * 8 for _ in range(4)]
+    bwd = [[2.0] * 8 for _ in range(4)]
+    assert simulate_pipeline(fwd, bwd) == pytest.approx((8 + 4 - 1) * 3.0)
+
+
+def test_more_memory_pressure_means_more_offload():
+    cluster = ClusterSpec(nodes=[NodeSpec(name="t", gpu_type="T4", num_gpus=1)])
+    model = ModelSpec.preset("gpt-1.3b")
+    p = plan(cluster, model, TrainSpec(global_batch=4))
+    st0 = p.pipelines[0].stages[0]
+    # 1.3B params x 16 bytes does not fit a 16 GB T4: the optimizer must leave the device.
+    assert st0.offload.offload_optimizer
+    assert p.estimate.memory_gib["t/0"] <= 16.0
+
+
+def test_mfu_and_tokens_consistent():
+    cluster = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="H100-SXM", num_gpus=8)])
+    model, train = ModelSpec.preset("gpt-1.3b"), TrainSpec(global_batch=64)
+    est = plan(cluster, model, train).estimate
+    assert est.tokens_per_s == pytest.approx(64 * model.seq_len / est.step_time_s)
+    assert 0.05 < est.mfu < 0.6

@@ -1,0 +1,80 @@
+"""Plan invariants on random clusters of up to 256 GPUs."""
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from planner import ClusterSpec, ModelSpec, NodeSpec, PlanningError, TrainSpec, plan
+from planner.catalog import CATALOG, gpu_info
+
+pytestmark = pytest.mark.unit
+
+
+@st.composite
+def problems(draw):
+    types = draw(st.lists(st.sampled_from(sorted(CATALOG)), min_size=1, max_size=4, unique=True))
+    budget = draw(st.integers(1, 256))
+    nodes, total, i = [], 0, 0
+    while total < budget:
+        g = min(draw(st.sampled_from([1, 2, 4, 8])), budget - total)
+        nodes.append(NodeSpec(name=f"node-{i}", gpu_type=draw(st.sampled_from(types)), num_gpus=g,
+                              inter_node_bw_gb_s=draw(st.sampled_from([3.125, 12.5, 50.0]))))
+        total += g
+        i += 1
+    model = ModelSpec.preset(draw(st.sampled_from(["gpt-125m", "gpt-350m", "gpt-1.3b", "7b", "13b"])))
+    train = TrainSpec(global_batch=draw(st.integers(1, 512)), memory_reserve_gib=draw(st.sampled_from([1.0, 2.0, 4.0])))
+    return ClusterSpec(nodes=nodes), model, train
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(problems())
+def test_plan_invariants(prob):
+    cluster, model, train = prob
+    try:
+        p = plan(cluster, model, train)
+    except PlanningError:
+        return  # covered by test_unfittable_model_is_a_clear_error
+    # every pipeline covers every layer exactly once, samples sum to the batch, TP is per-layer uniform
+    p.check_structure()
+    for pipe in p.pipelines:
+        covered = [layer for s in pipe.stages for layer in range(s.layer_start, s.layer_end)]
+        assert covered == list(range(model.num_layers))
+    assert sum(pipe.num_samples for pipe in p.pipelines) == train.global_batch
+    # every device's memory fits, reserve included
+    for pipe in p.pipelines:
+        for s in pipe.stages:
+            node = cluster.node(s.node)
+            assert node.gpu_type == s.gpu_type  # one type per TP group
+            assert all(d.startswith(f"{s.node}/") for d in s.devices)  # one node per TP group
+            assert model.num_heads % s.tp == 0
+            for d in s.devices:
+                assert p.estimate.memory_gib[d] <= gpu_info(s.gpu_type).mem_gib + 1e-9
+    # every device is used or listed with a reason
+    used = set(p.devices())
+    assert used.isdisjoint({u.device for u in p.unused})
+    assert used | {u.device for u in p.unused} == {d for n in cluster.nodes for d in n.device_ids()}
+    assert all(u.reason for u in p.unused)
+    # deterministic
+    assert plan(cluster, model, train) == p
+
+
+def test_unfittable_model_is_a_clear_error():
+    cluster = ClusterSpec(nodes=[NodeSpec(name="t", gpu_type="T4", num_gpus=1)])
+    model = ModelSpec(name="huge", num_layers=2, hidden_size=8192, num_heads=64, vocab_size=32000, seq_len=65536)
+    with pytest.raises(PlanningError, match="does not fit"):
+        plan(cluster, model, TrainSpec(global_batch=8))
+
+
+def test_plan_json_round_trip():
+    cluster = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2), NodeSpec(name="b", gpu_type="L4", num_gpus=2)])
+    p = plan(cluster, ModelSpec.preset("gpt-350m"), TrainSpec(global_batch=16))
+    from planner import Plan
+    assert Plan.model_validate_json(p.model_dump_json()) == p
+
+
+def test_batch_smaller_than_gpus_uses_at_most_batch_replicas():
+    cluster = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=8)])
+    p = plan(cluster, ModelSpec.preset("gpt-125m"), TrainSpec(global_batch=3))
+    assert len(p.pipelines) <= 3
+    assert sum(x.num_samples for x in p.pipelines) == 3
