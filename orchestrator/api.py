@@ -91,3 +91,52 @@ def check_plan(plan: Plan, job: JobSpec, source: str) -> Plan:
                           + ". Fix: regenerate it with `hetspot plan JOB.yaml --json`.")
     plan.estimate = evaluate(plan, cluster, model, job.train)
     return plan
+
+
+def train_plan(job: JobSpec, plan: Plan, steps: int, on_step=None, first_step: int = 0):
+    """Train `plan` on the Ray cluster this process is connected to. Returns (TrainResult, states)."""
+    from orchestrator.runner import PlanRun
+
+    run = PlanRun(job, plan)
+    try:
+        run.start()
+        result = run.run(steps, first_step, on_step)
+        return result, run
+    except BaseException:
+        run.shutdown()
+        raise
+
+
+def submit_local(job_path: str | Path, plan_path: str | Path | None = None, steps: int | None = None,
+                 on_step=None, on_status=None) -> dict[str, Any]:
+    """`hetspot submit` without --address: plan (or load --plan), start the embedded cluster, train."""
+    source = str(job_path)
+    job = load_job(job_path)
+    cluster = require_cluster(job, source)
+    if plan_path is not None:
+        plan = check_plan(load_plan(plan_path), job, str(plan_path))
+    else:
+        try:
+            plan = make_plan(cluster, job.model_spec, job.train)
+        except PlanningError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    steps = steps or job.steps
+    from orchestrator.testcluster import EmbeddedCluster
+
+    (on_status or (lambda m: None))(f"starting embedded Ray cluster: {len(cluster.nodes)} nodes, {cluster.num_gpus} fake GPUs")
+    ec = EmbeddedCluster(cluster)
+    try:
+        ec.connect()
+        (on_status or (lambda m: None))(f"placing {len(plan.devices())} workers")
+        result, run = train_plan(job, plan, steps, on_step)
+        run.shutdown()
+    finally:
+        ec.shutdown()
+    return {
+        "job": job.name,
+        "plan": plan.model_dump(),
+        "losses": result.losses,
+        "step_time_s": result.step_time_s,
+        "tokens_per_s": result.tokens_per_s,
+        "wall_s": result.wall_s,
+    }

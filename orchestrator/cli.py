@@ -64,6 +64,41 @@ def plan(
         plan_tables(result, console)
 
 
+@app.command()
+@_user_errors
+def submit(
+    job_file: str = typer.Argument(..., help="job YAML"),
+    plan_file: str | None = typer.Option(None, "--plan", help="a plan JSON (from `hetspot plan --json`) instead of planning"),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (default: the job's steps)"),
+    as_json: bool = typer.Option(False, "--json", help="print plan, per-step losses, tokens/s and step times as JSON"),
+) -> None:
+    """Train the job on the embedded Ray test cluster described by its cluster: section."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from orchestrator import api
+    from orchestrator.jobfile import load_job
+
+    total = steps or load_job(job_file).steps
+    quiet = as_json
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), console=err_console, disable=quiet)
+    with progress:
+        task = progress.add_task("train", total=total, info="starting")
+
+        def on_status(msg: str) -> None:
+            progress.update(task, info=msg)
+
+        def on_step(s: int, loss: float, tok_s: float) -> None:
+            progress.update(task, advance=1, info=f"step {s} loss {loss:.4f} {tok_s:,.0f} tok/s")
+
+        result = api.submit_local(job_file, plan_file, steps, on_step=on_step, on_status=on_status)
+    if as_json:
+        _print_json(result)
+    else:
+        console.print(f"trained {len(result['losses'])} steps in {result['wall_s']:.1f} s: loss "
+                      f"{result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s")
+
+
 def main() -> None:
     app()
 

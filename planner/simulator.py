@@ -11,20 +11,9 @@ closed form in planner.estimate against an explicit schedule.
 from __future__ import annotations
 
 from planner.estimate import estimate_from_profiles, profile_plan
+from planner.schedule import op_order
 from planner.plan_types import Estimate, Plan
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
-
-
-def op_order(stage: int, num_stages: int, num_mb: int, schedule: str) -> list[tuple[str, int]]:
-    """The sequence of ("F"|"B", micro-batch) a stage executes."""
-    if schedule == "gpipe":
-        return [("F", j) for j in range(num_mb)] + [("B", j) for j in range(num_mb)]
-    warm = min(num_stages - stage - 1, num_mb)
-    ops = [("F", j) for j in range(warm)]
-    for j in range(num_mb - warm):
-        ops += [("F", warm + j), ("B", j)]
-    ops += [("B", j) for j in range(num_mb - warm, num_mb)]
-    return ops
 
 
 def simulate_pipeline(fwd: list[list[float]], bwd: list[list[float]], schedule: str = "1f1b") -> float:

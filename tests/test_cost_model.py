@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, PlanningError, Stage, TrainSpec, evaluate, plan
-from planner.simulator import op_order, simulate, simulate_pipeline
+from planner.schedule import op_order
+from planner.simulator import simulate, simulate_pipeline
 
 pytestmark = pytest.mark.unit
 

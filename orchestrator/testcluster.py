@@ -1,0 +1,63 @@
+"""The embedded test cluster: a multi-node `ray.cluster_utils.Cluster` with fake GPUs.
+
+Each job node becomes a Ray node advertising `num_gpus`, the resource
+`accelerator_type:<TYPE>` (as Ray sets on real GPU nodes), a per-node resource
+`hetspot_node:<name>` that placement pins to, and labels for GPU type and market.
+Health checks are tuned so a removed node is declared dead in about a second.
+The dashboard binds to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from planner.specs import ClusterSpec
+
+log = logging.getLogger(__name__)
+
+HEALTH = {"health_check_period_ms": 200, "health_check_failure_threshold": 5, "health_check_timeout_ms": 200,
+          "health_check_initial_delay_ms": 0}
+
+
+def node_resource(name: str) -> str:
+    return f"hetspot_node:{name}"
+
+
+class EmbeddedCluster:
+    def __init__(self, spec: ClusterSpec, head_cpus: int = 1):
+        from ray.cluster_utils import Cluster
+
+        self.spec = spec
+        self.cluster = Cluster(
+            initialize_head=True, connect=False,
+            head_node_args={"num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
+                            "dashboard_host": "127.0.0.1", "_system_config": HEALTH},
+        )
+        self.nodes = {}
+        for n in spec.nodes:
+            self.nodes[n.name] = self.add(n)
+
+    def add(self, n):
+        return self.cluster.add_node(
+            num_cpus=n.num_gpus, num_gpus=n.num_gpus,
+            resources={f"accelerator_type:{n.gpu_type}": 1, node_resource(n.name): 1000},
+            labels={"hetspot/gpu-type": n.gpu_type, "hetspot/market": n.market, "hetspot/node": n.name},
+        )
+
+    def remove(self, name: str) -> None:
+        self.cluster.remove_node(self.nodes.pop(name))
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def connect(self) -> None:
+        import ray
+
+        ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()

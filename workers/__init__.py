@@ -1,0 +1,1 @@
+"""hetspot workers: the GPT model, the parallel runtime (DP/PP/TP), data, and the Ray actor adapter."""

@@ -1,0 +1,53 @@
+"""TrainWorker: the thin Ray actor around one rank's Engine (one per GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+from planner.plan_types import Plan
+from planner.specs import ModelSpec, TrainSpec
+from workers.data import make_dataset
+from workers.engine import Engine, StepResult
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@ray.remote(num_cpus=0)
+class TrainWorker:
+    def __init__(self, plan_json: str, rank: int, model_json: str, train_json: str, data: dict,
+                 dtype: str = "float32", slowdown: float = 1.0):
+        torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
+        model, train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
+        dataset = make_dataset(data.get("kind", "synthetic"), model.seq_len, model.vocab_size, train.seed,
+                               data.get("path"), data.get("dtype", "uint16"))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.engine = Engine(Plan.model_validate_json(plan_json), rank, model, train, dataset,
+                             DTYPES[dtype], slowdown, device)
+
+    def rendezvous_address(self) -> str:
+        """Rank 0 picks a free port on its node for torch.distributed's TCP rendezvous."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def connect(self, init_method: str, timeout_s: float) -> int:
+        self.engine.connect(init_method, timeout_s)
+        return os.getpid()
+
+    def step(self, step_index: int) -> StepResult:
+        return self.engine.step(step_index)
+
+    def export_state(self) -> dict:
+        return self.engine.export_state()
+
+    def where(self) -> str:
+        return self.engine.where
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,215 @@
+"""The training engine of one rank: builds its stage from the Plan and runs steps.
+
+No Ray here (workers/actor.py wraps it). The same code runs gloo on CPU and
+NCCL on CUDA. A step of the global batch:
+  1. this replica's contiguous sample range, split into micro-batches;
+  2. the stage's 1F1B (or GPipe) order from planner.schedule, with p2p
+     activations forward and activation gradients back;
+  3. each replica back-propagates sum(loss_i over its samples) / global_batch;
+  4. gradients are sum-all-reduced per (segment, TP rank) group (AutoHet
+     layer-wise sync across asymmetric replicas, workers/layout.py);
+  5. global-norm clipping that counts every parameter element exactly once;
+  6. AdamW (fused on CPU and CUDA).
+So every plan computes the same step as one device, up to reduction order.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from planner.plan_types import Plan
+from planner.schedule import op_order
+from planner.specs import ModelSpec, TrainSpec
+from workers import layout
+from workers.data import Dataset
+from workers.model import EMBED, HEAD, Stage
+
+
+class StepError(RuntimeError):
+    """A step failed on this rank; the message names the rank, stage and node."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    rank: int
+    loss: float | None  # this replica's sum(loss_i) / B, reported by its last stage's TP rank 0
+    num_samples: int
+    time_s: float
+    peak_mem_bytes: int
+    extra: dict = field(default_factory=dict)
+
+
+def _extended_layer(layer: int | str, num_layers: int) -> int:
+    return -1 if layer == EMBED else num_layers if layer == HEAD else int(layer)
+
+
+class Engine:
+    def __init__(self, plan: Plan, rank: int, model: ModelSpec, train: TrainSpec, dataset: Dataset,
+                 dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu"):
+        self.plan, self.rank, self.model, self.train, self.data = plan, rank, model, train, dataset
+        self.dtype, self.slowdown, self.device = dtype, slowdown, torch.device(device)
+        self.info = layout.ranks(plan)[rank]
+        self.pipe = plan.pipelines[self.info.pipeline]
+        self.stage_spec = self.pipe.stages[self.info.stage]
+        self.first = self.info.stage == 0
+        self.last = self.info.stage == len(self.pipe.stages) - 1
+        self.where = (f"rank {rank} (pipeline {self.info.pipeline}, stage {self.info.stage}, "
+                      f"TP rank {self.info.tp_rank}, {self.stage_spec.gpu_type} on {self.info.node})")
+        self.module: Stage | None = None
+
+    # -- set-up --------------------------------------------------------------
+    def connect(self, init_method: str, timeout_s: float = 60.0) -> None:
+        """Join the job's process group and build every group the plan needs (all ranks, same order)."""
+        world = len(self.plan.devices())
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=world, timeout=timeout)
+        self.tp_group = None
+        for ranks in layout.tp_groups(self.plan):
+            g = dist.new_group(ranks, timeout=timeout)
+            if self.rank in ranks:
+                self.tp_group = g
+        self.grad_groups = []
+        for gg in layout.grad_groups(self.plan):
+            g = dist.new_group(list(gg.ranks), timeout=timeout) if len(gg.ranks) > 1 else None
+            if self.rank in gg.ranks and g is not None:
+                self.grad_groups.append((gg, g))
+        self._build()
+
+    def _build(self) -> None:
+        st = self.stage_spec
+        self.module = Stage(self.model, st.layer_start, st.layer_end, self.first, self.last,
+                            self.info.tp_rank, st.tp, self.tp_group, self.train.seed, self.dtype,
+                            frozenset(st.offload.recompute_layers)).to(self.device)
+        decay = [p for n, p in self.module.params.items() if p.dim() >= 2]
+        no_decay = [p for n, p in self.module.params.items() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.train.lr, betas=self.train.betas, eps=self.train.eps, fused=True,
+        )
+        self.peers = layout.p2p_peers(self.plan, self.info.pipeline, self.info.stage, self.info.tp_rank)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- one step -------------------------------------------------------------
+    def step(self, step_index: int) -> StepResult:
+        try:
+            return self._step(step_index)
+        except Exception as e:  # re-raised with the rank's identity; the controller decides
+            raise StepError(f"{self.where} failed at step {step_index}: {type(e).__name__}: {e}") from e
+
+    def _step(self, step_index: int) -> StepResult:
+        t0 = time.perf_counter()
+        big_b, seq = self.plan.global_batch, self.model.seq_len
+        start = step_index * big_b + self.plan.sample_offsets()[self.info.pipeline]
+        sizes = self.pipe.micro_batch_sizes()
+        starts = [start + sum(sizes[:j]) for j in range(len(sizes))]
+        recv_act, send_act, recv_grad, send_grad = self.peers
+        h = self.model.hidden_size
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pending: list = []
+        loss_total = 0.0
+        ops = op_order(self.info.stage, len(self.pipe.stages), len(sizes), self.pipe.schedule)
+        for kind, j in ops:
+            t_op = time.perf_counter()
+            if kind == "F":
+                tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device)
+                if self.first:
+                    inp = tokens[:, :-1]
+                else:
+                    inp = torch.empty(sizes[j], seq, h, dtype=self.dtype, device=self.device)
+                    dist.recv(inp, src=recv_act, tag=2 * j)
+                    inp.requires_grad_()
+                out = self.module(inp)
+                if self.last:
+                    out = self.module.loss_sum(out, tokens[:, 1:]) / big_b
+                    loss_total += out.item()
+                else:
+                    act = out.detach().contiguous()
+                    pending += [dist.isend(act, dst=d, tag=2 * j) for d in send_act]
+                saved[j] = (inp, out)
+            else:
+                inp, out = saved.pop(j)
+                if self.last:
+                    out.backward()
+                else:
+                    grad = torch.empty_like(out)
+                    dist.recv(grad, src=recv_grad, tag=2 * j + 1)
+                    out.backward(grad)
+                if not self.first:
+                    g = inp.grad.contiguous()
+                    pending += [dist.isend(g, dst=d, tag=2 * j + 1) for d in send_grad]
+            self._emulate_slowdown(time.perf_counter() - t_op)
+        for w in pending:
+            w.wait()
+        self._sync_grads()
+        self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        report = self.last and self.info.tp_rank == 0
+        return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
+                          time.perf_counter() - t0, self._peak_mem())
+
+    def _emulate_slowdown(self, busy_s: float) -> None:
+        # Fake GPUs of a slower type run the same math, then wait out the speed gap.
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * busy_s)
+
+    def _sync_grads(self) -> None:
+        """Layer-wise all-reduce per (segment, TP rank), one flat bucket per segment (AutoHet §4)."""
+        n_layers = self.model.num_layers
+        for gg, group in self.grad_groups:
+            params = [p for name, p in self.module.params.items()
+                      if gg.start <= _extended_layer(self.module.specs[name].layer, n_layers) < gg.end]
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=group)
+            at = 0
+            for p in params:
+                p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
+                at += p.numel()
+
+    def _clip(self) -> None:
+        """Global-norm clip; each element counted once: replica 0 only, TP-replicated params on TP rank 0."""
+        if self.train.grad_clip is None:
+            return
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.info.pipeline == 0:
+            for name, p in self.module.params.items():
+                if self.module.specs[name].shard_dim is not None or self.info.tp_rank == 0:
+                    sq += p.grad.double().pow(2).sum()
+        dist.all_reduce(sq)
+        coef = self.train.grad_clip / (float(sq.sqrt()) + 1e-6)
+        if coef < 1.0:
+            for p in self.module.params.values():
+                p.grad.mul_(coef)
+
+    def _peak_mem(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # -- state by canonical name --------------------------------------------
+    def export_state(self) -> dict[str, dict]:
+        """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state."""
+        out = {}
+        for name, p in self.module.params.items():
+            spec = self.module.specs[name]
+            sl = spec.local_slice(self.info.tp_rank, self.stage_spec.tp)
+            st = self.optimizer.state.get(p, {})
+            out[name] = {
+                "shape": spec.shape, "shard_dim": spec.shard_dim,
+                "slice": [(s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl)],
+                "param": p.detach().cpu().clone(),
+                "exp_avg": st["exp_avg"].cpu().clone() if "exp_avg" in st else None,
+                "exp_avg_sq": st["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in st else None,
+            }
+        return out
