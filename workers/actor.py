@@ -43,6 +43,9 @@ class TrainWorker:
     def step(self, step_index: int) -> StepResult:
         return self.engine.step(step_index)
 
+    def inject_fault(self, step_index: int, kind: str = "raise") -> None:
+        self.engine.inject_fault(step_index, kind)
+
     def export_state(self) -> dict:
         return self.engine.export_state()
 

@@ -63,6 +63,13 @@ class Engine:
         self.where = (f"rank {rank} (pipeline {self.info.pipeline}, stage {self.info.stage}, "
                       f"TP rank {self.info.tp_rank}, {self.stage_spec.gpu_type} on {self.info.node})")
         self.module: Stage | None = None
+        self.fault: tuple[int, str] | None = None  # (step, "raise" | "hang"), for failure drills and tests
+
+    def inject_fault(self, step_index: int, kind: str = "raise") -> None:
+        """Fail this rank at `step_index` (torchft-style fault injection)."""
+        if kind not in ("raise", "hang"):
+            raise ValueError(f"fault kind {kind!r} must be 'raise' or 'hang'")
+        self.fault = (step_index, kind)
 
     # -- set-up --------------------------------------------------------------
     def connect(self, init_method: str, timeout_s: float = 60.0) -> None:
@@ -109,6 +116,10 @@ class Engine:
 
     def _step(self, step_index: int) -> StepResult:
         t0 = time.perf_counter()
+        if self.fault is not None and self.fault[0] == step_index:
+            if self.fault[1] == "hang":
+                time.sleep(3600)
+            raise RuntimeError("injected fault")
         big_b, seq = self.plan.global_batch, self.model.seq_len
         start = step_index * big_b + self.plan.sample_offsets()[self.info.pipeline]
         sizes = self.pipe.micro_batch_sizes()

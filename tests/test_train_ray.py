@@ -1,0 +1,154 @@
+"""Training on the Ray test cluster with gloo: equivalence with the 1-device run, failures surface.
+
+Equivalence runs in float64: Adam divides by sqrt(v), which amplifies
+reduction-order noise in near-zero gradients, so float32 runs of different
+plans drift apart by more than rounding within a few steps. In float64 the
+same comparison holds to ~1e-13, so a real bug (a missed gradient, a wrong
+slice, a double-counted clip) cannot hide inside a loose tolerance.
+"""
+
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from orchestrator.errors import JobFailed
+from orchestrator.jobfile import JobSpec, parse_job
+from orchestrator.runner import PlanRun
+from orchestrator.testcluster import EmbeddedCluster
+from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
+from workers.state import assemble
+
+pytestmark = pytest.mark.ray
+
+CLUSTER = ClusterSpec(nodes=[
+    NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=4, inter_node_bw_gb_s=100),
+    NodeSpec(name="b", gpu_type="L4", num_gpus=2, inter_node_bw_gb_s=100),
+    NodeSpec(name="c", gpu_type="T4", num_gpus=2, inter_node_bw_gb_s=100),
+])
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ec = EmbeddedCluster(CLUSTER)
+    ec.connect()
+    yield ec
+    ec.shutdown()
+
+
+def job(global_batch: int, preset: str = "tiny", lr: float = 0.01) -> JobSpec:
+    return parse_job({
+        "model": {"preset": preset},
+        "train": {"global_batch": global_batch, "lr": lr, "precision": "fp32"},
+        "cluster": CLUSTER.model_dump(),
+        "runtime": {"dtype": "float64", "emulate_speed": False, "collective_timeout_s": 30},
+        "steps": STEPS,
+    })
+
+
+def S(a, b, node, devs, gpu="A100-80GB"):
+    return Stage(layer_start=a, layer_end=b, gpu_type=gpu, node=node, devices=devs)
+
+
+def P(n, b, stages):
+    return Pipeline(num_samples=n, micro_batch_size=b, num_micro_batches=-(-n // b), stages=stages)
+
+
+def mk(pipes, layers=4):
+    return Plan(model_name="m", num_layers=layers, global_batch=sum(p.num_samples for p in pipes), pipelines=pipes)
+
+
+def train(j: JobSpec, p: Plan, steps: int = STEPS):
+    run = PlanRun(j, p)
+    try:
+        run.start()
+        res = run.run(steps)
+        params = assemble(run.export_states())
+    finally:
+        run.shutdown()
+    return res.losses, params
+
+
+_REF: dict = {}
+
+
+def reference(j: JobSpec):
+    key = (j.train.global_batch, j.model_spec.name)
+    if key not in _REF:
+        one = mk([P(j.train.global_batch, j.train.global_batch, [S(0, j.model_spec.num_layers, "a", ["a/0"])])],
+                 j.model_spec.num_layers)
+        _REF[key] = train(j, one)
+    return _REF[key]
+
+
+def assert_equivalent(j: JobSpec, p: Plan):
+    ref_losses, ref_params = reference(j)
+    losses, params = train(j, p)
+    assert len(losses) == STEPS
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
+    assert set(params) == set(ref_params)
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], msg=name)
+    assert ref_losses[-1] < ref_losses[0]  # it trains
+
+
+PLANS = {
+    "a-dp-5-and-3": mk([P(5, 2, [S(0, 4, "a", ["a/0"])]), P(3, 3, [S(0, 4, "b", ["b/0"], "L4")])]),
+    "b-pp-1-and-3": mk([P(8, 2, [S(0, 1, "a", ["a/0"]), S(1, 4, "b", ["b/0"], "L4")])]),
+    "c-pipelines-1-2-3": mk([
+        P(3, 1, [S(0, 4, "a", ["a/0"])]),
+        P(2, 1, [S(0, 1, "a", ["a/1"]), S(1, 4, "b", ["b/0"], "L4")]),
+        P(4, 2, [S(0, 2, "a", ["a/2"]), S(2, 3, "c", ["c/0"], "T4"), S(3, 4, "b", ["b/1"], "L4")]),
+    ]),
+    "d-tp2-in-pipeline-beside-tp2": mk([
+        P(4, 2, [S(0, 2, "a", ["a/0", "a/1"]), S(2, 4, "a", ["a/2", "a/3"])]),
+        P(4, 4, [S(0, 4, "b", ["b/0", "b/1"], "L4")]),
+    ]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_equivalence_with_one_device(cluster, name):
+    p = PLANS[name]
+    assert_equivalent(job(p.global_batch), p)
+
+
+def test_equivalence_planner_plan_mixed_cluster(cluster):
+    j = job(64, "small", lr=0.003)
+    # One A100 beside two L4s (a sub-cluster of the test cluster), as in examples/tiny-mixed.yaml.
+    mixed = ClusterSpec(nodes=[CLUSTER.nodes[0].model_copy(update={"num_gpus": 1}), CLUSTER.nodes[1]])
+    p = plan(mixed, j.model_spec, j.train)
+    assert len({st.gpu_type for pp in p.pipelines for st in pp.stages}) >= 2, "want a mixed-type plan"
+    assert_equivalent(j, p)
+
+
+def test_worker_error_names_rank_and_stage(cluster):
+    p = PLANS["b-pp-1-and-3"]
+    run = PlanRun(job(8), p)
+    try:
+        run.start()
+        ray.get(run.workers[1].inject_fault.remote(1, "raise"))
+        with pytest.raises(JobFailed, match=r"rank 1 \(pipeline 0, stage 1.*L4 on b\).*step 1.*injected fault"):
+            run.run(3)
+    finally:
+        run.shutdown()
+
+
+def test_killed_actor_ends_job_quickly(cluster):
+    p = PLANS["a-dp-5-and-3"]
+    run = PlanRun(job(8), p)
+    try:
+        run.start()
+        ray.get(run.workers[1].inject_fault.remote(1, "hang"))  # mid-step: rank 0 blocks in the all-reduce
+        killer = threading.Timer(2.0, lambda: ray.kill(run.workers[1]))
+        t0 = time.monotonic()
+        killer.start()
+        with pytest.raises(JobFailed, match=r"rank 1 .* died"):
+            run.run(3)
+        assert time.monotonic() - t0 < 30
+    finally:
+        run.shutdown()
