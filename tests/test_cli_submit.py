@@ -1,0 +1,72 @@
+"""`hetspot submit --plan`: a plan that does not match the job fails before any actor starts (exit 2)."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec, plan
+
+pytestmark = pytest.mark.unit
+runner = CliRunner()
+
+CLUSTER = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
+                             NodeSpec(name="b", gpu_type="L4", num_gpus=2)])
+JOB = {"model": {"preset": "tiny"}, "train": {"global_batch": 8}, "cluster": CLUSTER.model_dump(), "steps": 2}
+
+
+@pytest.fixture
+def files(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(JOB))
+    good = plan(CLUSTER, ModelSpec.preset("tiny"), TrainSpec(global_batch=8)).model_dump()
+    return job, tmp_path, good
+
+
+def _submit(job, tmp_path, plan_obj):
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(plan_obj) if not isinstance(plan_obj, str) else plan_obj)
+    return runner.invoke(app, ["submit", str(job), "--plan", str(f)])
+
+
+def _mutate(good, fn):
+    p = json.loads(json.dumps(good))
+    fn(p)
+    return p
+
+
+def _extra_gpu(p):
+    p["pipelines"][0]["stages"][0]["devices"] = ["a/7"]
+
+
+def _drop_layer(p):
+    st = p["pipelines"][0]["stages"][-1]
+    st["layer_end"] -= 1
+
+
+def _tp3(p):
+    p["pipelines"] = [{"num_samples": 8, "micro_batch_size": 8, "num_micro_batches": 1, "stages": [
+        {"layer_start": 0, "layer_end": 4, "gpu_type": "A100-80GB", "node": "a", "devices": ["a/0", "a/1", "a/2"]}]}]
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (_extra_gpu, "device a/7 is not in the job's cluster"),
+    (_drop_layer, "covers layers [0, 3), model has 4"),
+    (_tp3, "TP degree 3, which does not divide num_heads=4"),
+])
+def test_mismatched_plan_fails_before_actors(files, mutate, needle):
+    import ray
+
+    job, tmp_path, good = files
+    res = _submit(job, tmp_path, _mutate(good, mutate))
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+    assert not ray.is_initialized()  # no cluster, no actor
+
+
+def test_plan_file_not_json(files):
+    job, tmp_path, _ = files
+    res = _submit(job, tmp_path, "{not json")
+    assert res.exit_code == 2 and "not valid JSON" in res.output
