@@ -102,6 +102,10 @@ class PlanRun:
     def export_states(self) -> list[dict]:
         return self._gather([w.export_state.remote() for w in self.workers], "state export", 120.0)
 
+    def import_state(self, full: dict, optimizer_steps: float) -> None:
+        ref = ray.put(full)
+        self._gather([w.import_state.remote(ref, optimizer_steps) for w in self.workers], "state import", 120.0)
+
     def _gather(self, futures: list, what: str, timeout_s: float) -> list:
         """Results in rank order; the first failure ends the run with the rank's identity."""
         index = {f: i for i, f in enumerate(futures)}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from planner.catalog import gpu_info
-from planner.plan_types import Estimate, OffloadPolicy, Plan
+from planner.plan_types import OffloadPolicy
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 GIB = float(1 << 30)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 
 import numpy as np
-from dataclasses import dataclass
 
 from planner import cost
 from planner.policy import cheapest, fitting_policies

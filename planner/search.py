@@ -28,8 +28,8 @@ from planner import cost
 from planner.errors import PlanningError
 from planner.estimate import evaluate
 from planner.layer_split import PipelineModel, allocate_samples
-from planner.policy import to_policy
 from planner.plan_types import Pipeline, Plan, Stage, UnusedDevice
+from planner.policy import to_policy
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 EXHAUSTIVE_GROUPS = 8

@@ -11,8 +11,8 @@ closed form in planner.estimate against an explicit schedule.
 from __future__ import annotations
 
 from planner.estimate import estimate_from_profiles, profile_plan
-from planner.schedule import op_order
 from planner.plan_types import Estimate, Plan
+from planner.schedule import op_order
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 

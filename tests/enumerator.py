@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
+from functools import cache
 
 from planner import cost
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
@@ -66,7 +66,7 @@ def _best_for_groups(kinds, model, train, bw) -> float:
     counts = tuple(c for _, c in kinds)
     num_layers, big_b = model.num_layers, train.global_batch
 
-    @lru_cache(maxsize=None)
+    @cache
     def pipe_time(seq: tuple[int, ...], n: int, num_r: int) -> float:
         """Fastest finish of one pipeline (stage slots by kind index) on n samples."""
         p = len(seq)

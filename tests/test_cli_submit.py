@@ -17,6 +17,7 @@ CLUSTER = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2
 JOB = {"model": {"preset": "tiny"}, "train": {"global_batch": 8}, "cluster": CLUSTER.model_dump(), "steps": 2}
 
 
+
 @pytest.fixture
 def files(tmp_path):
     job = tmp_path / "job.yaml"
@@ -51,6 +52,13 @@ def _tp3(p):
         {"layer_start": 0, "layer_end": 4, "gpu_type": "A100-80GB", "node": "a", "devices": ["a/0", "a/1", "a/2"]}]}]
 
 
+def _three_pipelines_for_batch_2(p):
+    p["global_batch"] = 2
+    p["pipelines"] = [{"num_samples": 1, "micro_batch_size": 1, "num_micro_batches": 1, "stages": [
+        {"layer_start": 0, "layer_end": 4, "gpu_type": "A100-80GB" if i < 2 else "L4", "node": "a" if i < 2 else "b",
+         "devices": [f"a/{i}" if i < 2 else "b/0"]}]} for i in range(3)]
+
+
 @pytest.mark.parametrize("mutate,needle", [
     (_extra_gpu, "device a/7 is not in the job's cluster"),
     (_drop_layer, "covers layers [0, 3), model has 4"),
@@ -70,3 +78,11 @@ def test_plan_file_not_json(files):
     job, tmp_path, _ = files
     res = _submit(job, tmp_path, "{not json")
     assert res.exit_code == 2 and "not valid JSON" in res.output
+
+
+def test_global_batch_smaller_than_pipelines(files):
+    job, tmp_path, good = files
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump({**JOB, "train": {"global_batch": 2}}))
+    res = _submit(small, tmp_path, _mutate(good, _three_pipelines_for_batch_2))
+    assert res.exit_code == 2 and "global batch 2 is smaller than the plan's 3 pipelines" in res.output

@@ -6,7 +6,18 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, PlanningError, Stage, TrainSpec, evaluate, plan
+from planner import (
+    ClusterSpec,
+    ModelSpec,
+    NodeSpec,
+    Pipeline,
+    Plan,
+    PlanningError,
+    Stage,
+    TrainSpec,
+    evaluate,
+    plan,
+)
 from planner.schedule import op_order
 from planner.simulator import simulate, simulate_pipeline
 

@@ -19,7 +19,7 @@ from orchestrator.jobfile import JobSpec, parse_job
 from orchestrator.runner import PlanRun
 from orchestrator.testcluster import EmbeddedCluster
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
-from workers.state import assemble
+from workers.state import assemble, full_state
 
 pytestmark = pytest.mark.ray
 
@@ -152,3 +152,30 @@ def test_killed_actor_ends_job_quickly(cluster):
         assert time.monotonic() - t0 < 30
     finally:
         run.shutdown()
+
+
+def test_state_moves_between_plans_by_canonical_name(cluster):
+    """Train 3 steps under one plan, export, restore into a plan with other TP/PP/DP, go on: same losses."""
+    j = job(8)
+    ref_losses, ref_params = reference(j)
+    run = PlanRun(j, PLANS["d-tp2-in-pipeline-beside-tp2"])
+    try:
+        run.start()
+        first = run.run(3).losses
+        full, opt_steps = full_state(run.export_states())
+    finally:
+        run.shutdown()
+    assert opt_steps == 3
+    run = PlanRun(j, PLANS["c-pipelines-1-2-3"].model_copy(update={"global_batch": 8, "pipelines": [
+        P(3, 1, [S(0, 4, "a", ["a/0"])]), P(5, 2, [S(0, 1, "a", ["a/1"]), S(1, 4, "b", ["b/0"], "L4")])]}))
+    try:
+        run.start()
+        run.import_state(full, opt_steps)
+        rest = run.run(2, first_step=3).losses
+        params = assemble(run.export_states())
+    finally:
+        run.shutdown()
+    for got, want in zip(first + rest, ref_losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], msg=name)

@@ -49,6 +49,9 @@ class TrainWorker:
     def export_state(self) -> dict:
         return self.engine.export_state()
 
+    def import_state(self, full: dict, optimizer_steps: float) -> None:
+        self.engine.import_state(full, optimizer_steps)
+
     def where(self) -> str:
         return self.engine.where
 

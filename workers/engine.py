@@ -212,6 +212,7 @@ class Engine:
     def export_state(self) -> dict[str, dict]:
         """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state."""
         out = {}
+        steps = {float(st["step"]) for st in self.optimizer.state.values() if "step" in st}
         for name, p in self.module.params.items():
             spec = self.module.specs[name]
             sl = spec.local_slice(self.info.tp_rank, self.stage_spec.tp)
@@ -222,5 +223,24 @@ class Engine:
                 "param": p.detach().cpu().clone(),
                 "exp_avg": st["exp_avg"].cpu().clone() if "exp_avg" in st else None,
                 "exp_avg_sq": st["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in st else None,
+                "optimizer_steps": max(steps) if steps else 0.0,
             }
         return out
+
+    def import_state(self, full: dict[str, dict[str, torch.Tensor]], optimizer_steps: float) -> None:
+        """Load this rank's slices of full canonical tensors ({name: {"param", "exp_avg", "exp_avg_sq"}}).
+
+        State saved under any plan restores into any other: each rank cuts its own
+        TP slice out of the full, unsharded tensors.
+        """
+        with torch.no_grad():
+            for name, p in self.module.params.items():
+                sl = self.module.specs[name].local_slice(self.info.tp_rank, self.stage_spec.tp)
+                src = full[name]
+                p.copy_(src["param"][sl])
+                if src.get("exp_avg") is not None and optimizer_steps > 0:
+                    self.optimizer.state[p] = {
+                        "step": torch.tensor(optimizer_steps, dtype=torch.float32),
+                        "exp_avg": src["exp_avg"][sl].to(p.device, p.dtype).clone(),
+                        "exp_avg_sq": src["exp_avg_sq"][sl].to(p.device, p.dtype).clone(),
+                    }
