@@ -20,8 +20,10 @@ Reported: median tokens/s over the steps after warm-up.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,22 +98,26 @@ def _ddp_loop(config: dict) -> None:
         opt.zero_grad()
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    train.report({"step_times": times})
+    if rank == 0:  # Ray Train v2 keeps reported metrics only with checkpoints; all ranks share this disk
+        Path(config["out"]).write_text(json.dumps(times))
 
 
 def run_ray_train(steps: int, warmup: int) -> float:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    out = Path(tempfile.mkdtemp()) / "ddp_step_times.json"
+
     trainer = TorchTrainer(
         _ddp_loop,
-        train_loop_config={"model": JOB.model_spec, "steps": steps, "global_batch": JOB.train.global_batch},
-        scaling_config=ScalingConfig(num_workers=CLUSTER.num_gpus, use_gpu=False, resources_per_worker={"GPU": 1}),
+        train_loop_config={"model": JOB.model_spec, "steps": steps, "global_batch": JOB.train.global_batch,
+                           "out": str(out)},
+        scaling_config=ScalingConfig(num_workers=CLUSTER.num_gpus, use_gpu=True),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(storage_path=str(Path("/tmp/hetspot-bench").resolve()), name="ddp"),
     )
-    result = trainer.fit()
-    return _median_tok_s(result.metrics["step_times"], warmup)
+    trainer.fit()
+    return _median_tok_s(json.loads(out.read_text()), warmup)
 
 
 def run_single(steps: int, warmup: int) -> float:
