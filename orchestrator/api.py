@@ -140,3 +140,64 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         "tokens_per_s": result.tokens_per_s,
         "wall_s": result.wall_s,
     }
+
+
+def inventory(address: str | None = None, job_path: str | Path | None = None, ec2_region: str | None = None,
+              endpoint_url: str | None = None) -> dict[str, Any]:
+    """The discovered GPUs: of a running cluster (--address), or of a job's embedded test cluster."""
+    import ray
+
+    from orchestrator.discovery import Boto3SpotPrices, EC2Facts, RayInventory, to_cluster_spec
+
+    started = None
+    if not ray.is_initialized():
+        if address:
+            _check_reachable(address)
+            try:
+                ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"cannot reach a Ray cluster at {address!r} ({type(e).__name__}: {e}); "
+                                  "pass the head's GCS address (HOST:6379) or 'auto' on a cluster node") from None
+        elif job_path:
+            from orchestrator.testcluster import EmbeddedCluster
+
+            started = EmbeddedCluster(require_cluster(load_job(job_path), str(job_path)))
+            started.connect()
+        else:
+            raise ConfigError("pass --address HOST:6379 (a running cluster) or --job JOB.yaml (its embedded test cluster)")
+    try:
+        nodes = RayInventory().discover()
+        if ec2_region or endpoint_url:
+            import boto3
+
+            client = boto3.client("ec2", region_name=ec2_region, endpoint_url=endpoint_url)
+            nodes = EC2Facts(client, Boto3SpotPrices(client)).enrich(nodes)
+        if not nodes:
+            raise ConfigError("the cluster has no GPU node of a known type (see `planner/catalog.py` for types)")
+        spec = to_cluster_spec(nodes)
+    finally:
+        if started is not None:
+            started.shutdown()
+    by_type: dict[str, int] = {}
+    for n in spec.nodes:
+        by_type[n.gpu_type] = by_type.get(n.gpu_type, 0) + n.num_gpus
+    return {"cluster": spec.model_dump(), "gpus_by_type": by_type,
+            "nodes": [{"name": n.name, "address": n.address, "gpu_type": n.gpu_type, "num_gpus": n.num_gpus,
+                       "market": n.market, "zone": n.zone, "instance_type": n.instance_type,
+                       "gpu_mem_gib": n.gpu_mem_gib, "price_per_hour": n.price_per_hour} for n in nodes]}
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Fail in seconds, not minutes, when nothing listens at HOST:PORT (ray.init retries for long)."""
+    import socket
+
+    if address == "auto" or address.startswith(("ray://", "http://", "https://")):
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--address {address!r} must be HOST:PORT (the head's GCS port, usually 6379) or 'auto'")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"cannot reach a Ray cluster at {address!r}: {e.strerror or e}. "
+                          "Check the head is up (`ray start --head`) and the address is HOST:6379.") from None

@@ -99,6 +99,34 @@ def submit(
                       f"{result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s")
 
 
+@app.command()
+@_user_errors
+def inventory(
+    address: str | None = typer.Option(None, "--address", help="Ray GCS address of a running cluster (HOST:6379 or auto)"),
+    job_file: str | None = typer.Option(None, "--job", help="show the embedded test cluster of this job file"),
+    ec2_region: str | None = typer.Option(None, "--ec2-region", help="read EC2 facts for nodes with an instance id"),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help="EC2 endpoint (default: AWS_ENDPOINT_URL or AWS)"),
+    as_json: bool = typer.Option(False, "--json", help="print the discovered ClusterSpec and nodes as JSON"),
+) -> None:
+    """List the GPUs of a Ray cluster: type, count, market, zone, price."""
+    from rich.table import Table
+
+    from orchestrator import api
+
+    result = api.inventory(address, job_file, ec2_region, endpoint_url)
+    if as_json:
+        _print_json(result)
+        return
+    t = Table(title="GPU inventory")
+    for col in ("node", "GPUs", "type", "market", "zone", "instance", "$/h"):
+        t.add_column(col)
+    for n in result["nodes"]:
+        t.add_row(n["name"], str(n["num_gpus"]), n["gpu_type"], n["market"], n["zone"] or "-",
+                  n["instance_type"] or "-", f"{n['price_per_hour']:.2f}" if n["price_per_hour"] is not None else "-")
+    console.print(t)
+    console.print("total: " + ", ".join(f"{c}x {g}" for g, c in sorted(result["gpus_by_type"].items())))
+
+
 def main() -> None:
     app()
 

@@ -86,3 +86,12 @@ def test_global_batch_smaller_than_pipelines(files):
     small.write_text(yaml.safe_dump({**JOB, "train": {"global_batch": 2}}))
     res = _submit(small, tmp_path, _mutate(good, _three_pipelines_for_batch_2))
     assert res.exit_code == 2 and "global batch 2 is smaller than the plan's 3 pipelines" in res.output
+
+
+def test_inventory_unreachable_address_fails_fast():
+    import time
+
+    t0 = time.monotonic()
+    res = runner.invoke(app, ["inventory", "--address", "127.0.0.1:1"])
+    assert res.exit_code == 2 and "cannot reach a Ray cluster" in res.output
+    assert time.monotonic() - t0 < 10

@@ -179,3 +179,19 @@ def test_state_moves_between_plans_by_canonical_name(cluster):
         assert abs(got - want) <= 1e-5 * abs(want)
     for name in ref_params:
         torch.testing.assert_close(params[name], ref_params[name], msg=name)
+
+
+def test_inventory_reads_the_test_cluster(cluster):
+    import json
+
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+    from orchestrator.discovery import RayInventory, to_cluster_spec
+
+    spec = to_cluster_spec(RayInventory().discover())
+    want = {(n.name, n.gpu_type, n.num_gpus, n.market) for n in CLUSTER.nodes}
+    assert {(n.name, n.gpu_type, n.num_gpus, n.market) for n in spec.nodes} == want
+    res = CliRunner().invoke(app, ["inventory", "--address", cluster.address, "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["gpus_by_type"] == {"A100-80GB": 4, "L4": 2, "T4": 2}
