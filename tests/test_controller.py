@@ -1,0 +1,117 @@
+"""Controller unit tests: every transition driven by step() with a fake node source and worker group."""
+
+import pytest
+
+from orchestrator.controller import Controller, State, WorkerFailure
+from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
+
+pytestmark = pytest.mark.unit
+MODEL, TRAIN = ModelSpec.preset("tiny"), TrainSpec(global_batch=8)
+
+
+class FakeNodes:
+    def __init__(self, *clusters):
+        self.clusters = list(clusters)
+        self.calls = 0
+
+    def discover(self):
+        c = self.clusters[min(self.calls, len(self.clusters) - 1)]
+        self.calls += 1
+        return c
+
+
+class FakeGroup:
+    """Loss of step s is a pure function of s and the weights (a counter of applied steps)."""
+
+    def __init__(self, plan, log, fail_at=None, fail_start=False):
+        self.plan, self.log, self.fail_at, self.fail_start = plan, log, fail_at, fail_start
+        self.applied = 0
+
+    def start(self):
+        self.log.append(("start", len(self.plan.devices())))
+        if self.fail_start:
+            raise WorkerFailure("rank 0 (pipeline 0, stage 0, T4 on t)", "actor died during start-up")
+
+    def step(self, s):
+        if self.fail_at and s == self.fail_at[0]:
+            self.fail_at.pop(0)
+            raise WorkerFailure("rank 1 (pipeline 0, stage 0, A100-80GB on a)", "node lost")
+        assert s == self.applied, "steps must run in order with no gap or repeat"
+        self.applied += 1
+        return 10.0 - s
+
+    def export_state(self):
+        return {"applied": self.applied}, float(self.applied)
+
+    def import_state(self, state, steps):
+        self.applied = state["applied"]
+        self.log.append(("import", state["applied"]))
+
+    def shutdown(self):
+        self.log.append(("shutdown",))
+
+
+BIG = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2), NodeSpec(name="l", gpu_type="L4", num_gpus=2)])
+SMALL = ClusterSpec(nodes=[NodeSpec(name="l", gpu_type="L4", num_gpus=2)])  # the A100 node was lost
+
+
+def make(nodes, failures=None, fail_start=False, **kw):
+    log, groups = [], []
+
+    def factory(plan):
+        g = FakeGroup(plan, log, failures.pop(0) if failures else None, fail_start and not groups)
+        groups.append(g)
+        return g
+
+    return Controller(MODEL, TRAIN, kw.pop("steps", 4), nodes, factory, **kw), log, groups
+
+
+def test_happy_path_transitions():
+    c, log, _ = make(FakeNodes(BIG))
+    assert c.step() == State.PLANNING
+    assert c.step() == State.LAUNCHING and c.plan is not None
+    assert c.step() == State.TRAINING
+    for _ in range(4):
+        assert c.step() == State.TRAINING
+    assert c.step() == State.DONE
+    assert c.progress.losses == {0: 10.0, 1: 9.0, 2: 8.0, 3: 7.0}
+    assert log[-1] == ("shutdown",)
+
+
+def test_worker_failure_replans_on_survivors_and_resumes_at_committed_step():
+    c, log, groups = make(FakeNodes(BIG, SMALL), failures=[[2]], snapshot_every=1)
+    assert c.run() == State.DONE
+    assert c.progress.restarts == 1
+    assert "training->recovering" in c.progress.history and "recovering->discovering" in c.progress.history
+    assert len(groups) == 2 and groups[1].plan.devices() != groups[0].plan.devices()
+    assert all(d.startswith("l/") for d in groups[1].plan.devices())  # re-planned on the survivors
+    assert ("import", 2) in log  # restored the snapshot after committed step 1
+    assert c.progress.losses == {0: 10.0, 1: 9.0, 2: 8.0, 3: 7.0}  # same losses as an uninterrupted run
+
+
+def test_rollback_to_snapshot_when_not_every_step_snapshotted():
+    c, log, _ = make(FakeNodes(BIG, SMALL), failures=[[3]], snapshot_every=2, steps=5)
+    assert c.run() == State.DONE
+    assert ("import", 2) in log  # step 2 was committed but not snapshotted: redone after restore
+    assert c.progress.losses == {s: 10.0 - s for s in range(5)}
+
+
+def test_too_many_failures_abort_with_cause():
+    c, _, _ = make(FakeNodes(BIG), failures=[[1], [1], [1]], max_restarts=2)
+    assert c.run() == State.FAILED
+    assert "node lost" in c.error and "gave up after 2" in c.error
+
+
+def test_failure_during_launch_is_a_decision():
+    c, _, _ = make(FakeNodes(BIG, SMALL), fail_start=True)
+    c.step(), c.step()
+    assert c.step() == State.RECOVERING
+    assert c.run() == State.DONE
+
+
+def test_no_plan_on_survivors_fails_cleanly():
+    tiny_gpu = ClusterSpec(nodes=[NodeSpec(name="t", gpu_type="T4", num_gpus=1)])
+    huge = ModelSpec(name="huge", num_layers=2, hidden_size=8192, num_heads=64, vocab_size=32000, seq_len=65536)
+    c = Controller(huge, TRAIN, 2, FakeNodes(tiny_gpu), lambda p: None)
+    c.step()
+    assert c.step() == State.FAILED and "does not fit" in c.error
