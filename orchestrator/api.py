@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import ConfigError
+from orchestrator.controller import State
+from orchestrator.errors import ConfigError, JobFailed
 from orchestrator.jobfile import JobSpec, load_job, require_cluster
 from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
@@ -93,20 +95,6 @@ def check_plan(plan: Plan, job: JobSpec, source: str) -> Plan:
     return plan
 
 
-def train_plan(job: JobSpec, plan: Plan, steps: int, on_step=None, first_step: int = 0):
-    """Train `plan` on the Ray cluster this process is connected to. Returns (TrainResult, states)."""
-    from orchestrator.runner import PlanRun
-
-    run = PlanRun(job, plan)
-    try:
-        run.start()
-        result = run.run(steps, first_step, on_step)
-        return result, run
-    except BaseException:
-        run.shutdown()
-        raise
-
-
 def submit_local(job_path: str | Path, plan_path: str | Path | None = None, steps: int | None = None,
                  on_step=None, on_status=None) -> dict[str, Any]:
     """`hetspot submit` without --address: plan (or load --plan), start the embedded cluster, train."""
@@ -123,23 +111,42 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     steps = steps or job.steps
     from orchestrator.testcluster import EmbeddedCluster
 
-    (on_status or (lambda m: None))(f"starting embedded Ray cluster: {len(cluster.nodes)} nodes, {cluster.num_gpus} fake GPUs")
+    status = on_status or (lambda m: None)
+    status(f"starting embedded Ray cluster: {len(cluster.nodes)} nodes, {cluster.num_gpus} fake GPUs")
     ec = EmbeddedCluster(cluster)
     try:
         ec.connect()
-        (on_status or (lambda m: None))(f"placing {len(plan.devices())} workers")
-        result, run = train_plan(job, plan, steps, on_step)
-        run.shutdown()
+        status(f"placing {len(plan.devices())} workers")
+        controller = make_controller(job, steps, on_step, first_plan=plan)
+        t0 = time.perf_counter()
+        if controller.run() != State.DONE:
+            raise JobFailed(controller.error)
+        wall = time.perf_counter() - t0
     finally:
         ec.shutdown()
+    losses = [controller.progress.losses[s] for s in range(steps)]
+    step_times = controller.progress.step_time_s
     return {
         "job": job.name,
-        "plan": plan.model_dump(),
-        "losses": result.losses,
-        "step_time_s": result.step_time_s,
-        "tokens_per_s": result.tokens_per_s,
-        "wall_s": result.wall_s,
+        "plan": controller.plan.model_dump(),
+        "losses": losses,
+        "step_time_s": step_times,
+        "tokens_per_s": job.train.global_batch * job.model_spec.seq_len * steps / wall,
+        "wall_s": wall,
+        "restarts": controller.progress.restarts,
     }
+
+
+def make_controller(job: JobSpec, steps: int, on_step=None, first_plan: Plan | None = None):
+    """A Controller over the connected Ray cluster: nodes from Ray, one TrainWorker per GPU."""
+    from orchestrator.controller import Controller
+    from orchestrator.ray_group import RayNodes, RayWorkerGroup
+
+    controller = Controller(job.model_spec, job.train, steps, RayNodes(job.cluster),
+                            lambda p: RayWorkerGroup(job, p, on_step), snapshot_every=job.runtime.snapshot_every)
+    if first_plan is not None:  # a user-supplied (already checked) plan skips the first planning
+        controller.cluster, controller.plan, controller.state = job.cluster, first_plan, State.LAUNCHING
+    return controller
 
 
 def inventory(address: str | None = None, job_path: str | Path | None = None, ec2_region: str | None = None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -95,6 +96,7 @@ class Progress:
     losses: dict[int, float] = field(default_factory=dict)
     snapshot: tuple[int, dict, float] | None = None  # (step, state, optimizer steps)
     restarts: int = 0
+    step_time_s: list[float] = field(default_factory=list)
     history: list[str] = field(default_factory=list)  # transitions, for status and tests
 
 
@@ -160,7 +162,9 @@ class Controller:
             self.group.shutdown()
             return State.DONE
         try:
+            t0 = time.perf_counter()
             loss = self.group.step(s)
+            self.progress.step_time_s.append(time.perf_counter() - t0)
             self.progress.committed, self.progress.losses[s] = s, loss
             if (s + 1) % self.snapshot_every == 0:
                 state, opt_steps = self.group.export_state()

@@ -67,6 +67,7 @@ class RuntimeSpec(_Section):
     )
     step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
     collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")
+    snapshot_every: int = Field(default=5, ge=1, description="keep a state snapshot every k committed steps")
 
 
 class JobSpec(_Section):

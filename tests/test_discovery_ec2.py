@@ -4,7 +4,14 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from orchestrator.discovery import DiscoveredNode, EC2Facts, FixedPrices, RayInventory, catalog_type, to_cluster_spec
+from orchestrator.discovery import (
+    DiscoveredNode,
+    EC2Facts,
+    FixedPrices,
+    RayInventory,
+    catalog_type,
+    to_cluster_spec,
+)
 
 pytestmark = pytest.mark.unit
 

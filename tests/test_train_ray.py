@@ -195,3 +195,32 @@ def test_inventory_reads_the_test_cluster(cluster):
     res = CliRunner().invoke(app, ["inventory", "--address", cluster.address, "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["gpus_by_type"] == {"A100-80GB": 4, "L4": 2, "T4": 2}
+
+
+def test_node_lost_mid_training_replans_and_matches_uninterrupted_run(cluster):
+    """Remove a node during training: the controller re-plans on the survivors, restores the
+    newest snapshot and resumes; the losses equal the uninterrupted 1-device run's."""
+    from orchestrator.api import make_controller
+    from orchestrator.controller import State
+
+    doomed = NodeSpec(name="d", gpu_type="H100-SXM", num_gpus=2, inter_node_bw_gb_s=100)
+    cluster.nodes["d"] = cluster.add(doomed)
+    declared = ClusterSpec(nodes=[doomed, CLUSTER.nodes[1]])  # H100s beside the L4 node
+    j = job(8).model_copy(update={"cluster": declared,
+                                  "runtime": job(8).runtime.model_copy(update={"snapshot_every": 2})})
+    ref_losses, _ = reference(job(8))
+    c = make_controller(j, steps=STEPS)
+    while c.progress.committed < 2:  # steps 0-2 committed, snapshot after step 1
+        c.step()
+    assert any(st.node == "d" for p in c.plan.pipelines for st in p.stages)
+    cluster.remove("d")
+    deadline = time.monotonic() + 20
+    while any(n["Alive"] and n.get("Labels", {}).get("hetspot/node") == "d" for n in ray.nodes()):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert c.run() == State.DONE, c.error
+    assert c.progress.restarts == 1 and "training->recovering" in c.progress.history
+    assert all(st.node == "b" for p in c.plan.pipelines for st in p.stages)
+    losses = [c.progress.losses[s] for s in range(STEPS)]
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
