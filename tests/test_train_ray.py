@@ -104,6 +104,12 @@ PLANS = {
         P(2, 1, [S(0, 1, "a", ["a/1"]), S(1, 4, "b", ["b/0"], "L4")]),
         P(4, 2, [S(0, 2, "a", ["a/2"]), S(2, 3, "c", ["c/0"], "T4"), S(3, 4, "b", ["b/1"], "L4")]),
     ]),
+    "f-recompute-in-tp-pipeline": mk([
+        P(8, 4, [Stage(layer_start=0, layer_end=2, gpu_type="A100-80GB", node="a", devices=["a/0", "a/1"],
+                       offload={"recompute_layers": [0, 1]}),
+                 Stage(layer_start=2, layer_end=4, gpu_type="A100-80GB", node="a", devices=["a/2", "a/3"],
+                       offload={"recompute_layers": [3]})]),
+    ]),
     "d-tp2-in-pipeline-beside-tp2": mk([
         P(4, 2, [S(0, 2, "a", ["a/0", "a/1"]), S(2, 4, "a", ["a/2", "a/3"])]),
         P(4, 4, [S(0, 4, "b", ["b/0", "b/1"], "L4")]),
