@@ -58,6 +58,10 @@ class PlanRun:
     def start(self, timeout_s: float = 120.0) -> None:
         from workers.actor import TrainWorker
 
+        try:
+            self.plan.check_structure()
+        except ValueError as e:
+            raise JobFailed(f"refusing to start a plan that breaks the plan contract: {e}") from None
         slow = slowdowns(self.plan, self.job.runtime.emulate_speed)
         model_json, train_json = self.job.model_spec.model_dump_json(), self.job.train.model_dump_json()
         plan_json = self.plan.model_dump_json()

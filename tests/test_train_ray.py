@@ -110,6 +110,13 @@ PLANS = {
                  Stage(layer_start=2, layer_end=4, gpu_type="A100-80GB", node="a", devices=["a/2", "a/3"],
                        offload={"recompute_layers": [3]})]),
     ]),
+    "g-optimizer-offload-with-recompute": mk([
+        P(5, 2, [Stage(layer_start=0, layer_end=1, gpu_type="A100-80GB", node="a", devices=["a/0"],
+                       offload={"offload_optimizer": True}),
+                 Stage(layer_start=1, layer_end=4, gpu_type="L4", node="b", devices=["b/0", "b/1"],
+                       offload={"offload_optimizer": True, "recompute_layers": [1, 3]})]),
+        P(3, 3, [S(0, 1, "a", ["a/1"]), S(1, 4, "a", ["a/2", "a/3"])]),
+    ]),
     "d-tp2-in-pipeline-beside-tp2": mk([
         P(4, 2, [S(0, 2, "a", ["a/0", "a/1"]), S(2, 4, "a", ["a/2", "a/3"])]),
         P(4, 4, [S(0, 4, "b", ["b/0", "b/1"], "L4")]),
@@ -230,3 +237,9 @@ def test_node_lost_mid_training_replans_and_matches_uninterrupted_run(cluster):
     losses = [c.progress.losses[s] for s in range(STEPS)]
     for got, want in zip(losses, ref_losses, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def test_plan_breaking_the_tp_contract_is_refused_before_actors(cluster):
+    bad = mk([P(4, 4, [S(0, 4, "a", ["a/0"])]), P(4, 4, [S(0, 4, "a", ["a/1", "a/2"])])])
+    with pytest.raises(JobFailed, match="layer 0 has TP degree 2 in pipeline 1 but 1 elsewhere"):
+        PlanRun(job(8), bad).start()

@@ -95,8 +95,18 @@ class Engine:
         self.module = Stage(self.model, st.layer_start, st.layer_end, self.first, self.last,
                             self.info.tp_rank, st.tp, self.tp_group, self.train.seed, self.dtype,
                             frozenset(st.offload.recompute_layers)).to(self.device)
-        decay = [p for n, p in self.module.params.items() if p.dim() >= 2]
-        no_decay = [p for n, p in self.module.params.items() if p.dim() < 2]
+        # Optimizer offload (AutoHete): master weights and AdamW state live in host memory
+        # (pinned on CUDA); the device keeps working copies. The host copies are the
+        # optimizer's parameters, so export/import and the update read them.
+        self.offload_opt = st.offload.offload_optimizer or st.offload.offload_params
+        pin = self.device.type == "cuda"
+        self.opt_params = {
+            n: (torch.nn.Parameter(p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().to("cpu", copy=True))
+                if self.offload_opt else p)
+            for n, p in self.module.params.items()
+        }
+        decay = [p for p in self.opt_params.values() if p.dim() >= 2]
+        no_decay = [p for p in self.opt_params.values() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.train.lr, betas=self.train.betas, eps=self.train.eps, fused=True,
@@ -164,11 +174,36 @@ class Engine:
             w.wait()
         self._sync_grads()
         self._clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._update()
         report = self.last and self.info.tp_rank == 0
         return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
-                          time.perf_counter() - t0, self._peak_mem())
+                          time.perf_counter() - t0, self._peak_mem(),
+                          {"device_state_bytes": self.device_state_bytes()})
+
+    def _update(self) -> None:
+        if not self.offload_opt:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        # Gradients device->host, first layers first (workers/offload_schedule.py's priority),
+        # fused AdamW on the host, then the updated weights host->device.
+        for name, p in self.module.params.items():
+            self.opt_params[name].grad = p.grad.to("cpu", non_blocking=True)
+            p.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.optimizer.step()
+        with torch.no_grad():
+            for name, p in self.module.params.items():
+                p.copy_(self.opt_params[name], non_blocking=True)
+                self.opt_params[name].grad = None
+
+    def device_state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state resident on the device (activations excluded)."""
+        params = sum(p.numel() * p.element_size() for p in self.module.params.values())
+        opt = 0 if self.offload_opt else sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                                             for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+        return 2 * params + opt
 
     def _emulate_slowdown(self, busy_s: float) -> None:
         # Fake GPUs of a slower type run the same math, then wait out the speed gap.
@@ -216,7 +251,7 @@ class Engine:
         for name, p in self.module.params.items():
             spec = self.module.specs[name]
             sl = spec.local_slice(self.info.tp_rank, self.stage_spec.tp)
-            st = self.optimizer.state.get(p, {})
+            st = self.optimizer.state.get(self.opt_params[name], {})
             out[name] = {
                 "shape": spec.shape, "shard_dim": spec.shard_dim,
                 "slice": [(s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl)],
@@ -238,9 +273,12 @@ class Engine:
                 sl = self.module.specs[name].local_slice(self.info.tp_rank, self.stage_spec.tp)
                 src = full[name]
                 p.copy_(src["param"][sl])
+                if self.offload_opt:
+                    self.opt_params[name].copy_(src["param"][sl])
                 if src.get("exp_avg") is not None and optimizer_steps > 0:
-                    self.optimizer.state[p] = {
+                    q = self.opt_params[name]
+                    self.optimizer.state[q] = {
                         "step": torch.tensor(optimizer_steps, dtype=torch.float32),
-                        "exp_avg": src["exp_avg"][sl].to(p.device, p.dtype).clone(),
-                        "exp_avg_sq": src["exp_avg_sq"][sl].to(p.device, p.dtype).clone(),
+                        "exp_avg": src["exp_avg"][sl].to(q.device, q.dtype).clone(),
+                        "exp_avg_sq": src["exp_avg_sq"][sl].to(q.device, q.dtype).clone(),
                     }
