@@ -28,13 +28,13 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
     for r, p in enumerate(plan["pipelines"]):
         for i, st in enumerate(p["stages"]):
             cap = gpu_info(st["gpu_type"]).mem_gib
-            first = i == 0
+            first = i == 0  # replica-level columns only on its first row
             t.add_row(
                 str(r) if first else "",
                 str(p["num_samples"]) if first else "",
                 f"{p['num_micro_batches']} x {p['micro_batch_size']}" if first else "",
                 str(i),
-                f"{st['tp']}x {st['gpu_type']} @ {st['node']}" if "tp" in st else f"{len(st['devices'])}x {st['gpu_type']} @ {st['node']}",
+                f"{len(st['devices'])}x {st['gpu_type']} @ {st['node']}",
                 f"{st['layer_start']}-{st['layer_end'] - 1}",
                 f"{mem[st['devices'][0]]:.1f} / {cap:.0f} GiB",
                 _offload(st["offload"]),
