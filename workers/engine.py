@@ -46,6 +46,22 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
+def offloaded_update(device_params: list[tuple[str, torch.Tensor]], host_params: dict[str, torch.Tensor],
+                     optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Optimizer offload: gradients device->host (first layers first, workers/offload_schedule.py's
+    priority), fused AdamW on the host copies, updated weights host->device."""
+    for name, p in device_params:
+        host_params[name].grad = p.grad.to("cpu", non_blocking=True)
+        p.grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    optimizer.step()
+    with torch.no_grad():
+        for name, p in device_params:
+            p.copy_(host_params[name], non_blocking=True)
+            host_params[name].grad = None
+
+
 def _extended_layer(layer: int | str, num_layers: int) -> int:
     return -1 if layer == EMBED else num_layers if layer == HEAD else int(layer)
 
@@ -185,18 +201,7 @@ class Engine:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             return
-        # Gradients device->host, first layers first (workers/offload_schedule.py's priority),
-        # fused AdamW on the host, then the updated weights host->device.
-        for name, p in self.module.params.items():
-            self.opt_params[name].grad = p.grad.to("cpu", non_blocking=True)
-            p.grad = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.optimizer.step()
-        with torch.no_grad():
-            for name, p in self.module.params.items():
-                p.copy_(self.opt_params[name], non_blocking=True)
-                self.opt_params[name].grad = None
+        offloaded_update(list(self.module.params.items()), self.opt_params, self.optimizer, self.device)
 
     def device_state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer state resident on the device (activations excluded)."""
