@@ -8,7 +8,7 @@ from typing import Any
 
 from orchestrator.controller import State
 from orchestrator.errors import ConfigError, JobFailed
-from orchestrator.jobfile import JobSpec, load_job, require_cluster
+from orchestrator.jobfile import JobSpec, format_validation, load_job, require_cluster
 from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
 from planner.baselines import all_baselines
@@ -56,9 +56,7 @@ def load_plan(path: str | Path) -> Plan:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON (line {e.lineno}): {e.msg}") from None
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise ConfigError(f"{p}: invalid plan at '{loc}': {first['msg']}") from None
+        raise ConfigError(format_validation(str(p), e, "plan")) from None
     return plan
 
 
@@ -125,7 +123,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     finally:
         ec.shutdown()
     losses = [controller.progress.losses[s] for s in range(steps)]
-    step_times = controller.progress.step_time_s
+    step_times = [controller.progress.step_time_s[s] for s in range(steps)]
     return {
         "job": job.name,
         "plan": controller.plan.model_dump(),

@@ -96,7 +96,7 @@ class Progress:
     losses: dict[int, float] = field(default_factory=dict)
     snapshot: tuple[int, dict, float] | None = None  # (step, state, optimizer steps)
     restarts: int = 0
-    step_time_s: list[float] = field(default_factory=list)
+    step_time_s: dict[int, float] = field(default_factory=dict)
     history: list[str] = field(default_factory=list)  # transitions, for status and tests
 
 
@@ -164,7 +164,7 @@ class Controller:
         try:
             t0 = time.perf_counter()
             loss = self.group.step(s)
-            self.progress.step_time_s.append(time.perf_counter() - t0)
+            self.progress.step_time_s[s] = time.perf_counter() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
             if (s + 1) % self.snapshot_every == 0:
                 state, opt_steps = self.group.export_state()
@@ -177,7 +177,9 @@ class Controller:
         # Work after the newest snapshot is not committed any more: roll back to it.
         snap = self.progress.snapshot
         self.progress.committed = snap[0] if snap else -1
-        self.progress.losses = {k: v for k, v in self.progress.losses.items() if k <= self.progress.committed}
+        keep = self.progress.committed
+        self.progress.losses = {k: v for k, v in self.progress.losses.items() if k <= keep}
+        self.progress.step_time_s = {k: v for k, v in self.progress.step_time_s.items() if k <= keep}
         return State.DISCOVERING
 
     # -- the executor of decisions -------------------------------------------------

@@ -84,7 +84,7 @@ class JobSpec(_Section):
         return self.model.resolve()
 
 
-def _format_validation(path: str, err: ValidationError) -> str:
+def format_validation(path: str, err: ValidationError, what: str = "job file") -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
@@ -94,7 +94,7 @@ def _format_validation(path: str, err: ValidationError) -> str:
         elif e["type"] == "missing":
             msg = "required field is missing; add it"
         lines.append(f"field '{loc}': {msg}")
-    return f"{path}: invalid job file. " + "; ".join(lines)
+    return f"{path}: invalid {what}. " + "; ".join(lines)
 
 
 def parse_job(data: object, source: str = "<job>") -> JobSpec:
@@ -104,7 +104,7 @@ def parse_job(data: object, source: str = "<job>") -> JobSpec:
         job = JobSpec.model_validate(data)
         job.model_spec  # noqa: B018 - validates the model section (preset + overrides)
     except ValidationError as e:
-        raise ConfigError(_format_validation(source, e)) from None
+        raise ConfigError(format_validation(source, e)) from None
     except ValueError as e:
         raise ConfigError(f"{source}: field 'model': {e}") from None
     return job

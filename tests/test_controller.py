@@ -94,6 +94,7 @@ def test_rollback_to_snapshot_when_not_every_step_snapshotted():
     assert c.run() == State.DONE
     assert ("import", 2) in log  # step 2 was committed but not snapshotted: redone after restore
     assert c.progress.losses == {s: 10.0 - s for s in range(5)}
+    assert sorted(c.progress.step_time_s) == list(range(5))  # rolled-back steps leave no stray timing
 
 
 def test_too_many_failures_abort_with_cause():
