@@ -107,6 +107,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         except PlanningError as e:
             raise ConfigError(f"{source}: {e}") from None
     steps = steps or job.steps
+    from orchestrator.driver import ControllerActor, drive, on_head
     from orchestrator.testcluster import EmbeddedCluster
 
     status = on_status or (lambda m: None)
@@ -115,32 +116,40 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     try:
         ec.connect()
         status(f"placing {len(plan.devices())} workers")
-        controller = make_controller(job, steps, on_step, first_plan=plan)
+        actor = ControllerActor.options(**on_head()).remote(job.model_dump_json(), steps, job.name, True,
+                                                            plan.model_dump_json())
         t0 = time.perf_counter()
-        if controller.run() != State.DONE:
-            raise JobFailed(controller.error)
+
+        def on_row(row: dict) -> None:
+            if on_step is not None:
+                on_step(row["step"], row["loss"], row["tokens_per_s"])
+
+        summary = drive(actor, on_row)
         wall = time.perf_counter() - t0
+        if summary["state"] != State.DONE.value:
+            raise JobFailed(summary["error"])
     finally:
         ec.shutdown()
-    losses = [controller.progress.losses[s] for s in range(steps)]
-    step_times = [controller.progress.step_time_s[s] for s in range(steps)]
     return {
         "job": job.name,
-        "plan": controller.plan.model_dump(),
-        "losses": losses,
-        "step_time_s": step_times,
+        "plan": summary["plan"],
+        "losses": summary["losses"],
+        "step_time_s": summary["step_time_s"],
         "tokens_per_s": job.train.global_batch * job.model_spec.seq_len * steps / wall,
         "wall_s": wall,
-        "restarts": controller.progress.restarts,
+        "restarts": summary["restarts"],
     }
 
 
-def make_controller(job: JobSpec, steps: int, on_step=None, first_plan: Plan | None = None):
-    """A Controller over the connected Ray cluster: nodes from Ray, one TrainWorker per GPU."""
+def make_controller(job: JobSpec, steps: int, on_step=None, first_plan: Plan | None = None, nodes=None):
+    """A Controller over the connected Ray cluster: one TrainWorker per GPU.
+
+    Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster).
+    """
     from orchestrator.controller import Controller
     from orchestrator.ray_group import RayNodes, RayWorkerGroup
 
-    controller = Controller(job.model_spec, job.train, steps, RayNodes(job.cluster),
+    controller = Controller(job.model_spec, job.train, steps, nodes or RayNodes(job.cluster),
                             lambda p: RayWorkerGroup(job, p, on_step), snapshot_every=job.runtime.snapshot_every)
     if first_plan is not None:  # a user-supplied (already checked) plan skips the first planning
         controller.cluster, controller.plan, controller.state = job.cluster, first_plan, State.LAUNCHING
@@ -148,30 +157,41 @@ def make_controller(job: JobSpec, steps: int, on_step=None, first_plan: Plan | N
 
 
 def inventory(address: str | None = None, job_path: str | Path | None = None, ec2_region: str | None = None,
-              endpoint_url: str | None = None) -> dict[str, Any]:
-    """The discovered GPUs: of a running cluster (--address), or of a job's embedded test cluster."""
-    import ray
+              endpoint_url: str | None = None, token_file: str | None = None) -> dict[str, Any]:
+    """The discovered GPUs: of a running cluster (--address), or of a job's embedded test cluster.
 
+    An http(s) address is the dashboard: nodes come from its State API (token auth
+    supported). HOST:6379 or 'auto' connects a Ray driver instead.
+    """
     from orchestrator.discovery import Boto3SpotPrices, EC2Facts, RayInventory, to_cluster_spec
 
     started = None
-    if not ray.is_initialized():
-        if address:
-            _check_reachable(address)
-            try:
-                ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise ConfigError(f"cannot reach a Ray cluster at {address!r} ({type(e).__name__}: {e}); "
-                                  "pass the head's GCS address (HOST:6379) or 'auto' on a cluster node") from None
-        elif job_path:
-            from orchestrator.testcluster import EmbeddedCluster
+    nodes_fn = None
+    if address and address.startswith(("http://", "https://")):
+        from orchestrator.jobs import RayJobs
 
-            started = EmbeddedCluster(require_cluster(load_job(job_path), str(job_path)))
-            started.connect()
-        else:
-            raise ConfigError("pass --address HOST:6379 (a running cluster) or --job JOB.yaml (its embedded test cluster)")
+        nodes_fn = RayJobs(address, token_file).nodes
+    else:
+        import ray
+
+        if not ray.is_initialized():
+            if address:
+                _check_reachable(address)
+                try:
+                    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+                except (ConnectionError, RuntimeError, ValueError) as e:
+                    raise ConfigError(f"cannot reach a Ray cluster at {address!r} ({type(e).__name__}: {e}); pass "
+                                      "the dashboard URL (http://HEAD:8265), the GCS address (HOST:6379) or 'auto'") from None
+            elif job_path:
+                from orchestrator.testcluster import EmbeddedCluster
+
+                started = EmbeddedCluster(require_cluster(load_job(job_path), str(job_path)))
+                started.connect()
+            else:
+                raise ConfigError("pass --address http://HEAD:8265 (a running cluster) or --job JOB.yaml "
+                                  "(its embedded test cluster)")
     try:
-        nodes = RayInventory().discover()
+        nodes = RayInventory(nodes_fn).discover()
         if ec2_region or endpoint_url:
             import boto3
 
@@ -189,7 +209,8 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
     return {"cluster": spec.model_dump(), "gpus_by_type": by_type,
             "nodes": [{"name": n.name, "address": n.address, "gpu_type": n.gpu_type, "num_gpus": n.num_gpus,
                        "market": n.market, "zone": n.zone, "instance_type": n.instance_type,
-                       "gpu_mem_gib": n.gpu_mem_gib, "price_per_hour": n.price_per_hour} for n in nodes]}
+                       "gpu_mem_gib": n.gpu_mem_gib, "price_per_hour": n.price_per_hour, "node_id": n.node_id}
+                      for n in nodes]}
 
 
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:

@@ -64,24 +64,58 @@ def plan(
         plan_tables(result, console)
 
 
+ADDRESS_ENV = ["HETSPOT_ADDRESS", "RAY_API_SERVER_ADDRESS"]
+TOKEN_HELP = "file with the cluster's auth token (default: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)"
+
+
+def _address_option(required: bool):
+    help_ = "Ray dashboard of a running cluster, http://HEAD:8265 (or HETSPOT_ADDRESS)"
+    return typer.Option(... if required else None, "--address", envvar=ADDRESS_ENV, help=help_, show_envvar=False)
+
+
+def _token_option():
+    return typer.Option(None, "--token-file", help=TOKEN_HELP)
+
+
 @app.command()
 @_user_errors
 def submit(
     job_file: str = typer.Argument(..., help="job YAML"),
-    plan_file: str | None = typer.Option(None, "--plan", help="a plan JSON (from `hetspot plan --json`) instead of planning"),
+    address: str | None = _address_option(False),
+    token_file: str | None = _token_option(),
+    plan_file: str | None = typer.Option(None, "--plan", help="a plan JSON (from `hetspot plan --json`); local runs only"),
     steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (default: the job's steps)"),
-    as_json: bool = typer.Option(False, "--json", help="print plan, per-step losses, tokens/s and step times as JSON"),
+    follow: bool = typer.Option(False, "--follow", help="with --address: stream the job's logs until it ends"),
+    as_json: bool = typer.Option(False, "--json", help="print the result (local) or the job id (--address) as JSON"),
 ) -> None:
-    """Train the job on the embedded Ray test cluster described by its cluster: section."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """Train a job: on a running Ray cluster through Ray Jobs (--address), or on the embedded test cluster."""
     from orchestrator import api
     from orchestrator.jobfile import load_job
 
-    total = steps or load_job(job_file).steps
-    quiet = as_json
+    job = load_job(job_file)  # validate before anything starts or is sent
+    if address:
+        from orchestrator.errors import ConfigError
+        from orchestrator.jobs import RayJobs
+
+        if plan_file:
+            raise ConfigError("--plan works for local runs only; on a cluster the job plans on the GPUs it finds")
+        jobs = RayJobs(address, token_file)
+        job_id = jobs.submit(job, steps)
+        if as_json:
+            _print_json({"job_id": job_id, "address": jobs.url})
+        else:
+            console.print(f"submitted [bold]{job_id}[/] to {jobs.url}\n"
+                          f"  hetspot status {job_id} --address {jobs.url}\n"
+                          f"  hetspot logs {job_id} --address {jobs.url} --follow")
+        if follow:
+            for chunk in jobs.follow(job_id):
+                sys.stdout.write(chunk)
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = steps or job.steps
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), console=err_console, disable=quiet)
+                        TimeElapsedColumn(), console=err_console, disable=as_json)
     with progress:
         task = progress.add_task("train", total=total, info="starting")
 
@@ -89,7 +123,7 @@ def submit(
             progress.update(task, info=msg)
 
         def on_step(s: int, loss: float, tok_s: float) -> None:
-            progress.update(task, advance=1, info=f"step {s} loss {loss:.4f} {tok_s:,.0f} tok/s")
+            progress.update(task, completed=s + 1, info=f"step {s} loss {loss:.4f} {tok_s:,.0f} tok/s")
 
         result = api.submit_local(job_file, plan_file, steps, on_step=on_step, on_status=on_status)
     if as_json:
@@ -101,8 +135,92 @@ def submit(
 
 @app.command()
 @_user_errors
+def status(
+    job_id: str = typer.Argument(..., help="the id `hetspot submit --address` printed"),
+    address: str = _address_option(True),
+    token_file: str | None = _token_option(),
+    as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
+) -> None:
+    """A submitted job's state and its last committed step (loss, tokens/s, MFU)."""
+    from orchestrator.jobs import RayJobs
+
+    st = RayJobs(address, token_file).status(job_id)
+    if as_json:
+        _print_json(st)
+        return
+    console.print(f"[bold]{job_id}[/]: {st['status']}" + (f" ({st['message']})" if st["message"] else ""))
+    p = st["progress"]
+    if p:
+        console.print(f"  step {p['step'] + 1}/{p['steps']}: loss {p['loss']:.4f}, {p['tokens_per_s']:,.0f} tokens/s, "
+                      f"MFU {p['mfu']:.1%}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
+    else:
+        console.print("  no step committed yet")
+
+
+@app.command()
+@_user_errors
+def logs(
+    job_id: str = typer.Argument(..., help="job id"),
+    address: str = _address_option(True),
+    token_file: str | None = _token_option(),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
+) -> None:
+    """The job driver's output: progress lines, and worker lines naming node, rank and stage."""
+    from orchestrator.jobs import RayJobs
+
+    jobs = RayJobs(address, token_file)
+    if follow:
+        for chunk in jobs.follow(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    else:
+        sys.stdout.write(jobs.logs(job_id))
+
+
+@app.command()
+@_user_errors
+def stop(
+    job_id: str = typer.Argument(..., help="job id"),
+    address: str = _address_option(True),
+    token_file: str | None = _token_option(),
+) -> None:
+    """Stop a submitted job (its controller, workers and placement groups go with it)."""
+    from orchestrator.jobs import RayJobs
+
+    stopped = RayJobs(address, token_file).stop(job_id)
+    console.print(f"{job_id}: {'stop requested' if stopped else 'already finished'}")
+
+
+@app.command(name="list")
+@_user_errors
+def list_jobs(
+    address: str = _address_option(True),
+    token_file: str | None = _token_option(),
+    as_json: bool = typer.Option(False, "--json", help="print the jobs as JSON"),
+) -> None:
+    """hetspot jobs on a running cluster, oldest first."""
+    from rich.table import Table
+
+    from orchestrator.jobs import RayJobs
+
+    rows = RayJobs(address, token_file).list()
+    if as_json:
+        _print_json(rows)
+        return
+    t = Table(title="hetspot jobs")
+    for col in ("job id", "name", "status"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["job_id"], r["name"], r["status"])
+    console.print(t)
+
+
+@app.command()
+@_user_errors
 def inventory(
-    address: str | None = typer.Option(None, "--address", help="Ray GCS address of a running cluster (HOST:6379 or auto)"),
+    address: str | None = typer.Option(None, "--address", envvar=ADDRESS_ENV, show_envvar=False,
+                                       help="a running cluster: dashboard http://HEAD:8265, or GCS HOST:6379 / auto"),
+    token_file: str | None = _token_option(),
     job_file: str | None = typer.Option(None, "--job", help="show the embedded test cluster of this job file"),
     ec2_region: str | None = typer.Option(None, "--ec2-region", help="read EC2 facts for nodes with an instance id"),
     endpoint_url: str | None = typer.Option(None, "--endpoint-url", help="EC2 endpoint (default: AWS_ENDPOINT_URL or AWS)"),
@@ -113,7 +231,7 @@ def inventory(
 
     from orchestrator import api
 
-    result = api.inventory(address, job_file, ec2_region, endpoint_url)
+    result = api.inventory(address, job_file, ec2_region, endpoint_url, token_file)
     if as_json:
         _print_json(result)
         return

@@ -34,6 +34,7 @@ class DiscoveredNode:
     instance_type: str | None = None
     gpu_mem_gib: float | None = None
     price_per_hour: float | None = None
+    node_id: str = ""  # Ray's node id: placement pins bundles to it (label ray.io/node-id)
 
     def to_spec(self) -> NodeSpec:
         return NodeSpec(name=self.name, gpu_type=self.gpu_type, num_gpus=self.num_gpus,
@@ -76,13 +77,15 @@ class RayInventory:
             if gpu is None:
                 continue  # a GPU node whose type nobody told us; EC2 facts may still name it
             out.append(DiscoveredNode(
-                name=labels.get("hetspot/node") or n.get("NodeName") or n["NodeID"][:12],
+                # Several Ray nodes can share one IP (NodeName), so the default name adds the id.
+                name=labels.get("hetspot/node") or f"{n.get('NodeName', 'node')}-{n['NodeID'][:6]}",
                 gpu_type=catalog_type(gpu),
                 num_gpus=gpus,
                 market=labels.get("hetspot/market") or labels.get("ray.io/market-type", "on-demand").lower(),
                 zone=labels.get("ray.io/availability-zone", ""),
                 address=n.get("NodeManagerAddress", ""),
                 instance_id=labels.get("hetspot/instance-id") or labels.get("ray.io/instance-id"),
+                node_id=n["NodeID"],
             ))
         return sorted(out, key=lambda d: d.name)
 
@@ -152,6 +155,11 @@ class EC2Facts:
         if self.prices is not None:
             updates["price_per_hour"] = self.prices.price(itype, zone)
         return replace(node, **updates)
+
+
+def node_ids(nodes_fn: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, str]:
+    """Node name (as discovery names it) -> Ray node id, for the alive GPU nodes."""
+    return {d.name: d.node_id for d in RayInventory(nodes_fn).discover()}
 
 
 def to_cluster_spec(nodes: list[DiscoveredNode], calibration: dict[str, float] | None = None) -> ClusterSpec:

@@ -68,6 +68,10 @@ class RuntimeSpec(_Section):
     step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
     collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")
     snapshot_every: int = Field(default=5, ge=1, description="keep a state snapshot every k committed steps")
+    profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "
+                                                    "(skipped on fake GPUs)")
+    tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX)")
+    log_every: int = Field(default=10, ge=1, description="workers log a structured line every k steps")
 
 
 class JobSpec(_Section):

@@ -15,6 +15,7 @@ class RayWorkerGroup:
     def __init__(self, job: JobSpec, plan: Plan, on_step=None):
         self.run = PlanRun(job, plan)
         self.on_step = on_step
+        self.last_peak_mem = 0
 
     def start(self) -> None:
         try:
@@ -24,7 +25,9 @@ class RayWorkerGroup:
 
     def step(self, step_index: int) -> float:
         try:
-            return self.run.run(1, first_step=step_index, on_step=self.on_step).losses[0]
+            r = self.run.run(1, first_step=step_index, on_step=self.on_step)
+            self.last_peak_mem = r.peak_mem_bytes[0]
+            return r.losses[0]
         except JobFailed as e:
             raise WorkerFailure(f"step {step_index}", str(e)) from None
 

@@ -2,8 +2,8 @@
 
 A plain controller loop (the Controller actor with explicit states builds on
 it). Placement: one STRICT_PACK placement group per stage (a TP group is one
-node), each bundle pinned to the plan's node by its `hetspot_node:<name>`
-resource, one TrainWorker per bundle. Step s is committed once every worker
+node), each bundle pinned to the plan's node through Ray's `ray.io/node-id`
+label (the node found by its discovery name), one TrainWorker per bundle. Step s is committed once every worker
 returned its result for s. The first worker error, or a dead actor, ends the
 run at once with a message naming the rank and stage; the remaining actors
 are killed so no survivor waits out a collective timeout.
@@ -23,7 +23,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.errors import JobFailed
 from orchestrator.jobfile import JobSpec
-from orchestrator.testcluster import node_resource
 from planner.catalog import gpu_info
 from planner.plan_types import Plan
 from workers import layout
@@ -35,6 +34,7 @@ log = logging.getLogger("hetspot.runner")
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
+    peak_mem_bytes: list[int] = field(default_factory=list)  # per step, the largest over workers
     tokens_per_s: float = 0.0
     wall_s: float = 0.0
 
@@ -62,19 +62,27 @@ class PlanRun:
             self.plan.check_structure()
         except ValueError as e:
             raise JobFailed(f"refusing to start a plan that breaks the plan contract: {e}") from None
+        from orchestrator.discovery import node_ids
+
+        ids = node_ids()
+        missing = sorted({st.node for p in self.plan.pipelines for st in p.stages} - set(ids))
+        if missing:
+            raise JobFailed(f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
+                            f"(it has {', '.join(sorted(ids)) or 'none'})")
         slow = slowdowns(self.plan, self.job.runtime.emulate_speed)
         model_json, train_json = self.job.model_spec.model_dump_json(), self.job.train.model_dump_json()
         plan_json = self.plan.model_dump_json()
         for p in self.plan.pipelines:
             for st in p.stages:
-                pg = placement_group([{"GPU": 1, node_resource(st.node): 0.001}] * st.tp, strategy="STRICT_PACK")
+                pg = placement_group([{"GPU": 1}] * st.tp, strategy="STRICT_PACK",
+                                     bundle_label_selector=[{"ray.io/node-id": ids[st.node]}] * st.tp)
                 self.pgs.append(pg)
                 for k in range(st.tp):
                     self.workers.append(TrainWorker.options(
                         num_gpus=1,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
                     ).remote(plan_json, len(self.workers), model_json, train_json, self.job.data.model_dump(),
-                             self.job.runtime.dtype, slow[st.gpu_type]))
+                             self.job.runtime.dtype, slow[st.gpu_type], self.job.runtime.log_every))
         try:
             ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)
         except GetTimeoutError:
@@ -96,6 +104,7 @@ class PlanRun:
             loss = sum(o.loss for o in outs if o.loss is not None)
             result.losses.append(loss)
             result.step_time_s.append(dt)
+            result.peak_mem_bytes.append(max(o.peak_mem_bytes for o in outs))
             log.info("step %d committed: loss %.4f, %.2f s", s, loss, dt)
             if on_step:
                 on_step(s, loss, tokens / dt)

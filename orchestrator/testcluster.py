@@ -1,8 +1,8 @@
 """The embedded test cluster: a multi-node `ray.cluster_utils.Cluster` with fake GPUs.
 
 Each job node becomes a Ray node advertising `num_gpus`, the resource
-`accelerator_type:<TYPE>` (as Ray sets on real GPU nodes), a per-node resource
-`hetspot_node:<name>` that placement pins to, and labels for GPU type and market.
+`accelerator_type:<TYPE>` (as Ray sets on real GPU nodes), and labels for GPU
+type, market and node name (discovery reads the name from `hetspot/node`).
 Health checks are tuned so a removed node is declared dead in about a second.
 The dashboard binds to 127.0.0.1 only.
 """
@@ -17,10 +17,6 @@ log = logging.getLogger(__name__)
 
 HEALTH = {"health_check_period_ms": 200, "health_check_failure_threshold": 5, "health_check_timeout_ms": 200,
           "health_check_initial_delay_ms": 0}
-
-
-def node_resource(name: str) -> str:
-    return f"hetspot_node:{name}"
 
 
 class EmbeddedCluster:
@@ -40,7 +36,7 @@ class EmbeddedCluster:
     def add(self, n):
         return self.cluster.add_node(
             num_cpus=n.num_gpus, num_gpus=n.num_gpus,
-            resources={f"accelerator_type:{n.gpu_type}": 1, node_resource(n.name): 1000},
+            resources={f"accelerator_type:{n.gpu_type}": 1},
             labels={"hetspot/gpu-type": n.gpu_type, "hetspot/market": n.market, "hetspot/node": n.name},
         )
 

@@ -12,6 +12,7 @@ from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
 from workers.data import make_dataset
 from workers.engine import Engine, StepResult
+from workers.logs import structured_logger
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -19,7 +20,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 @ray.remote(num_cpus=0)
 class TrainWorker:
     def __init__(self, plan_json: str, rank: int, model_json: str, train_json: str, data: dict,
-                 dtype: str = "float32", slowdown: float = 1.0):
+                 dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10):
         torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
         model, train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
         dataset = make_dataset(data.get("kind", "synthetic"), model.seq_len, model.vocab_size, train.seed,
@@ -27,6 +28,10 @@ class TrainWorker:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = Engine(Plan.model_validate_json(plan_json), rank, model, train, dataset,
                              DTYPES[dtype], slowdown, device)
+        info, st = self.engine.info, self.engine.stage_spec
+        self.log = structured_logger("hetspot.worker", node=info.node, rank=rank, pipeline=info.pipeline,
+                                     stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)
+        self.log_every = log_every
 
     def rendezvous_address(self) -> str:
         """Rank 0 picks a free port on its node for torch.distributed's TCP rendezvous."""
@@ -38,10 +43,23 @@ class TrainWorker:
 
     def connect(self, init_method: str, timeout_s: float) -> int:
         self.engine.connect(init_method, timeout_s)
+        st = self.engine.stage_spec
+        self.log.info("joined world of %d: layers [%d, %d), %d micro-batches, recompute %d layers, "
+                      "offload params=%s optimizer=%s", len(self.engine.plan.devices()), st.layer_start,
+                      st.layer_end, len(self.engine.pipe.micro_batch_sizes()), len(st.offload.recompute_layers),
+                      st.offload.offload_params, st.offload.offload_optimizer)
         return os.getpid()
 
     def step(self, step_index: int) -> StepResult:
-        return self.engine.step(step_index)
+        try:
+            r = self.engine.step(step_index)
+        except Exception as e:
+            self.log.error("step %d failed: %s", step_index, e)
+            raise
+        if step_index % self.log_every == 0:
+            self.log.info("step %d: %d samples, %.3f s, peak memory %.1f MiB", step_index, r.num_samples,
+                          r.time_s, r.peak_mem_bytes / 2**20)
+        return r
 
     def inject_fault(self, step_index: int, kind: str = "raise") -> None:
         self.engine.inject_fault(step_index, kind)

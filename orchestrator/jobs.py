@@ -1,0 +1,193 @@
+"""Talking to a running Ray cluster over its dashboard's HTTP API: Ray Jobs and the State API.
+
+`hetspot submit --address http://HEAD:8265` hands the job to Ray Jobs
+(`JobSubmissionClient`), as a Ray user expects: the entry point is
+`python -m orchestrator.driver` on the cluster (hetspot must be installed
+there, as with any library), with the validated job spec in its environment.
+`status`, `logs`, `stop` and `list` are the same client's calls.
+
+Token authentication (Ray 2.60): a head started with `RAY_AUTH_MODE=token`,
+or where `~/.ray/auth_token` exists, answers 401 without a token and 403 for
+a wrong one. The token comes from, in order: `--token-file`, `RAY_AUTH_TOKEN`,
+`RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`. It is sent as a Bearer header and
+never printed, logged, put into job metadata or the runtime env.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from orchestrator.driver import ENV_ID, ENV_JOB, ENV_STEPS, PROGRESS
+from orchestrator.errors import ConfigError
+from orchestrator.jobfile import JobSpec
+
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+FIX_TOKEN = ("pass --token-file PATH, set RAY_AUTH_TOKEN, or put the cluster's token in ~/.ray/auth_token "
+             "(on the head: `ray get-auth-token`)")
+
+
+def resolve_token(token_file: str | None = None) -> tuple[str | None, str]:
+    """(token, where it came from). The token itself is never shown."""
+    if token_file:
+        p = Path(token_file).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"--token-file {token_file!r} does not exist; pass the file holding the cluster's token")
+        return _read_token(p, "--token-file"), "--token-file"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
+    for where in (os.environ.get("RAY_AUTH_TOKEN_PATH"), "~/.ray/auth_token"):
+        if where and Path(where).expanduser().is_file():
+            return _read_token(Path(where).expanduser(), where), where
+    return None, "none"
+
+
+def _read_token(p: Path, where: str) -> str:
+    token = p.read_text().strip()
+    if not token:
+        raise ConfigError(f"the token file from {where} is empty; {FIX_TOKEN}")
+    return token
+
+
+def dashboard_url(address: str) -> str:
+    """`http://HOST:8265` from `HOST:PORT` or a URL; checked reachable within seconds."""
+    url = address if "://" in address else f"http://{address}"
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ConfigError(f"--address {address!r} must be the Ray dashboard URL, like http://HEAD:8265")
+    port = u.port or (443 if u.scheme == "https" else 8265)
+    try:
+        socket.create_connection((u.hostname, port), timeout=3.0).close()
+    except OSError as e:
+        raise ConfigError(f"cannot reach the Ray dashboard at {url}: {e.strerror or e}. Check the head is up and "
+                          "its dashboard port (default 8265) is reachable.") from None
+    return f"{u.scheme}://{u.hostname}:{port}"
+
+
+class RayJobs:
+    """A thin, error-translating wrapper of JobSubmissionClient for one cluster."""
+
+    def __init__(self, address: str, token_file: str | None = None):
+        from ray.job_submission import JobSubmissionClient
+
+        self.url = dashboard_url(address)
+        token, self.token_source = resolve_token(token_file)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = self._call(lambda: JobSubmissionClient(self.url, headers=self.headers))
+
+    def _call(self, fn, job_id: str | None = None):
+        from ray.exceptions import AuthenticationError
+
+        try:
+            return fn()
+        except AuthenticationError as e:
+            if "Authentication required" in str(e):
+                raise ConfigError(f"the cluster at {self.url} requires an authentication token and none was "
+                                  f"found; {FIX_TOKEN}") from None
+            raise ConfigError(f"the cluster at {self.url} rejected the token from {self.token_source}; "
+                              f"{FIX_TOKEN}") from None
+        except RuntimeError as e:
+            text = str(e)
+            if job_id is not None and ("404" in text or "does not exist" in text):
+                raise ConfigError(f"no job {job_id!r} on the cluster at {self.url}; `hetspot list --address "
+                                  f"{self.url}` shows its jobs") from None
+            raise ConfigError(f"the Ray dashboard at {self.url} answered: {_redact(text, self.headers)}") from None
+        except OSError as e:  # requests' ConnectionError and friends
+            raise ConfigError(f"lost the connection to {self.url}: {type(e).__name__}") from None
+
+    # -- jobs -----------------------------------------------------------------
+    def submit(self, job: JobSpec, steps: int | None = None) -> str:
+        job_id = f"hetspot-{_slug(job.name)}-{secrets.token_hex(4)}"
+        # Worker lines reach the job log undeduplicated and without colour codes, so they stay parseable.
+        env = {ENV_JOB: job.model_dump_json(), ENV_ID: job_id, "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0"}
+        if steps:
+            env[ENV_STEPS] = str(steps)
+        return self._call(lambda: self.client.submit_job(
+            entrypoint="python -m orchestrator.driver", submission_id=job_id,
+            runtime_env={"env_vars": env}, metadata={"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps)},
+        ))
+
+    def status(self, job_id: str) -> dict:
+        info = self._call(lambda: self.client.get_job_info(job_id), job_id)
+        out = {"job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
+               "message": info.message, "start_time": info.start_time, "end_time": info.end_time,
+               "metadata": info.metadata or {}}
+        out["progress"] = last_progress(self.logs(job_id))
+        return out
+
+    def logs(self, job_id: str) -> str:
+        return self._call(lambda: self.client.get_job_logs(job_id), job_id)
+
+    def follow(self, job_id: str):
+        """Yield log chunks as the driver writes them, until the job ends."""
+        import asyncio
+
+        self.status(job_id)  # a clear error for an unknown id before streaming
+        agen = self.client.tail_job_logs(job_id)
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(agen.aclose())
+            loop.close()
+
+    def stop(self, job_id: str) -> bool:
+        self.status(job_id)
+        return bool(self._call(lambda: self.client.stop_job(job_id), job_id))
+
+    def list(self) -> list[dict]:
+        rows = []
+        for info in self._call(self.client.list_jobs):
+            if not (info.metadata or {}).get("hetspot_job"):
+                continue
+            rows.append({"job_id": info.submission_id, "name": info.metadata["hetspot_job"],
+                         "status": str(getattr(info.status, "value", info.status)), "start_time": info.start_time,
+                         "end_time": info.end_time})
+        return sorted(rows, key=lambda r: r["start_time"] or 0)
+
+    # -- nodes ----------------------------------------------------------------
+    def nodes(self) -> list[dict]:
+        """Alive nodes in `ray.nodes()` form, from the State API (for discovery over HTTP)."""
+        from ray.util.state.api import StateApiClient
+        from ray.util.state.common import ListApiOptions, StateResource
+
+        client = self._call(lambda: StateApiClient(self.url, headers=self.headers | {"Content-Type": "application/json"}))
+        states = self._call(lambda: client.list(StateResource.NODES, ListApiOptions(detail=True, limit=10_000),
+                                                raise_on_missing_output=False))
+        out = []
+        for n in states:
+            n = n if isinstance(n, dict) else n.__dict__
+            out.append({"NodeID": n["node_id"], "Alive": n["state"] == "ALIVE", "NodeName": n.get("node_name") or
+                        n.get("node_ip"), "NodeManagerAddress": n.get("node_ip", ""),
+                        "Resources": n.get("resources_total") or {}, "Labels": n.get("labels") or {}})
+        return out
+
+
+def last_progress(logs: str) -> dict | None:
+    for line in reversed(logs.splitlines()):
+        i = line.find(PROGRESS)
+        if i >= 0:
+            try:
+                return json.loads(line[i + len(PROGRESS):])
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def _slug(name: str) -> str:
+    s = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return s[:32] or "job"
+
+
+def _redact(text: str, headers: dict) -> str:
+    for v in headers.values():
+        text = text.replace(v, "<redacted>").replace(v.removeprefix("Bearer "), "<redacted>")
+    return text

@@ -1,0 +1,72 @@
+"""Per-step metrics: Ray metrics (scraped by Prometheus), an optional TensorBoard log, structured logs.
+
+`step_row` turns one committed step into the figures a user watches: loss,
+tokens/s, MFU against the plan's fleet peak, step time and peak device memory.
+`StepMetrics` publishes them as `ray.util.metrics` gauges tagged with the job
+id; Ray's metrics agent on each node exports them for Prometheus with the
+`ray_` prefix (`ray_hetspot_train_loss`, ...). `TensorBoardLog` writes the same
+rows as scalars when `runtime.tensorboard_dir` is set.
+"""
+
+from __future__ import annotations
+
+from planner.catalog import gpu_info
+from planner.cost import model_flops_per_sample
+from planner.plan_types import Plan
+from planner.specs import ModelSpec
+
+GAUGES = {
+    "loss": ("hetspot_train_loss", "training loss of the last committed step"),
+    "tokens_per_s": ("hetspot_tokens_per_second", "tokens trained per second in the last step"),
+    "mfu": ("hetspot_mfu", "model FLOPs utilisation against the plan's fleet peak"),
+    "step_time_s": ("hetspot_step_time_seconds", "wall time of the last committed step"),
+    "device_memory_bytes": ("hetspot_device_memory_bytes", "largest per-worker peak memory in the last step"),
+    "step": ("hetspot_step", "index of the last committed step"),
+    "restarts": ("hetspot_restarts", "re-plans after failures so far"),
+}
+
+
+def fleet_peak_flops(plan: Plan) -> float:
+    return sum(gpu_info(st.gpu_type).peak_tflops * 1e12 * st.tp for p in plan.pipelines for st in p.stages)
+
+
+def step_row(model: ModelSpec, plan: Plan, step: int, loss: float, step_time_s: float,
+             device_memory_bytes: int, restarts: int) -> dict:
+    tokens_per_s = plan.global_batch * model.seq_len / step_time_s if step_time_s > 0 else 0.0
+    flops_per_s = model_flops_per_sample(model) * plan.global_batch / step_time_s if step_time_s > 0 else 0.0
+    return {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": flops_per_s / fleet_peak_flops(plan),
+            "step_time_s": step_time_s, "device_memory_bytes": device_memory_bytes, "restarts": restarts}
+
+
+class StepMetrics:
+    def __init__(self, job_id: str):
+        from ray.util.metrics import Gauge
+
+        self.gauges = {}
+        for key, (name, desc) in GAUGES.items():
+            g = Gauge(name, description=desc, tag_keys=("job",))
+            g.set_default_tags({"job": job_id})
+            self.gauges[key] = g
+
+    def record(self, row: dict) -> None:
+        for key, g in self.gauges.items():
+            g.set(float(row[key]))
+
+
+class TensorBoardLog:
+    """Scalars under train/ in a TensorBoard event file (tensorboardX, the `tensorboard` extra)."""
+
+    def __init__(self, logdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise RuntimeError("runtime.tensorboard_dir needs tensorboardX: pip install 'hetspot[tensorboard]'") from None
+        self.writer = SummaryWriter(logdir=logdir)
+
+    def record(self, row: dict) -> None:
+        for key in ("loss", "tokens_per_s", "mfu", "step_time_s", "device_memory_bytes"):
+            self.writer.add_scalar(f"train/{key}", row[key], row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

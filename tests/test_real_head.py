@@ -1,0 +1,205 @@
+"""A real `ray start --head` cluster with fake GPUs of two types, driven only through the `hetspot` CLI.
+
+Head: 2 fake A100-80GB; a second `ray start` node: 2 fake T4 (spot). Each run
+uses its own HOME (so no ~/.ray/auth_token leaks in) and RAY_AUTH_MODE, and
+puts this interpreter's bin directory first on PATH, as an activated virtual
+env would, so the Ray Jobs entry point finds hetspot. Runs twice: with token
+authentication off, then on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+BIN = Path(sys.executable).parent
+HETSPOT = str(BIN / "hetspot")
+RAY = str(BIN / "ray")
+JOB = """
+name: head-test
+model: {preset: tiny}
+train: {global_batch: 8, lr: 0.003, precision: fp32}
+runtime: {log_every: 1}
+steps: 4
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RealHead:
+    def __init__(self, tmp: Path, auth: bool):
+        self.home = tmp / "home"
+        (self.home / ".ray").mkdir(parents=True)
+        self.token = secrets.token_hex(32) if auth else None
+        if auth:
+            (self.home / ".ray" / "auth_token").write_text(self.token)
+        self.gcs, self.dash, self.metrics = _free_port(), _free_port(), _free_port()
+        self.url = f"http://127.0.0.1:{self.dash}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
+        self.env |= {"HOME": str(self.home), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+                     "RAY_AUTH_MODE": "token" if auth else "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        self.tmp = tmp
+
+    def start(self) -> None:
+        import tempfile
+
+        ray_tmp = self.ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
+        self._ray("start", "--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dash}",
+                  "--num-cpus=2", "--num-gpus=2", '--resources={"accelerator_type:A100-80GB": 1}',
+                  "--labels=hetspot/gpu-type=A100-80GB,hetspot/node=head-a100", f"--temp-dir={ray_tmp}",
+                  f"--metrics-export-port={self.metrics}", '--system-config={"metrics_report_interval_ms": 500}')
+        self._ray("start", f"--address=127.0.0.1:{self.gcs}", "--num-cpus=2", "--num-gpus=2",
+                  '--resources={"accelerator_type:T4": 1}', "--labels=hetspot/gpu-type=T4,hetspot/node=t4-spot,"
+                  "hetspot/market=spot")
+
+    def stop(self) -> None:
+        import shutil
+
+        subprocess.run([RAY, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        if getattr(self, "ray_tmp", None):
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+    def _ray(self, *args: str) -> None:
+        r = subprocess.run([RAY, *args, "--disable-usage-stats"], env=self.env, capture_output=True, text=True,
+                           timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def cli(head: RealHead, *args: str, home: Path | None = None, extra_env: dict | None = None, timeout: float = 120):
+    """Run `hetspot ...` as a user on another machine would: no RAY_AUTH_MODE, their own HOME."""
+    env = {k: v for k, v in head.env.items() if k != "RAY_AUTH_MODE"} | {"HOME": str(home or head.home)}
+    env |= extra_env or {}
+    r = subprocess.run([HETSPOT, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def wait_status(head: RealHead, job_id: str, want: tuple[str, ...], *auth: str, timeout: float = 180, **kw) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = cli(head, "status", job_id, "--address", head.url, "--json", *auth, **kw)
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        if st["status"] in want or time.monotonic() > deadline:
+            return st
+        time.sleep(1.0)
+
+
+def scrape(port: int, name: str, job_id: str, timeout: float = 30) -> float | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + "{") and f'job="{job_id}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        time.sleep(0.5)
+    return None
+
+
+@pytest.fixture(params=["auth-off", "auth-token"])
+def head(request, tmp_path):
+    h = RealHead(tmp_path, auth=request.param == "auth-token")
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
+
+
+def test_cli_against_a_real_head(head, tmp_path):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(JOB)
+    user_home = tmp_path / "user"  # the user's machine: no token file unless they pass one
+    user_home.mkdir()
+    auth = []
+    if head.token:
+        token_file = tmp_path / "token"
+        token_file.write_text(head.token)
+        # Without a token, and with a wrong one: a clear message, exit 2, no traceback.
+        r = cli(head, "inventory", "--address", head.url, "--json", home=user_home)
+        assert r.returncode == 2 and "requires an authentication token" in r.stderr and "--token-file" in r.stderr
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-the-token")
+        r = cli(head, "list", "--address", head.url, "--token-file", str(wrong), home=user_home)
+        assert r.returncode == 2 and "rejected the token" in r.stderr
+        auth = ["--token-file", str(token_file)]
+    outputs = []
+
+    # inventory: both fake GPU types, with counts and markets
+    r = cli(head, "inventory", "--address", head.url, "--json", *auth, home=user_home)
+    assert r.returncode == 0, r.stderr
+    inv = json.loads(r.stdout)
+    outputs.append(r.stdout)
+    assert inv["gpus_by_type"] == {"A100-80GB": 2, "T4": 2}
+    assert {n["name"]: n["market"] for n in inv["nodes"]} == {"head-a100": "on-demand", "t4-spot": "spot"}
+
+    # submit through Ray Jobs: a job id comes back at once, training runs on the cluster
+    r = cli(head, "submit", str(job_file), "--address", head.url, "--json", *auth, home=user_home)
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+    st = wait_status(head, job_id, ("SUCCEEDED", "FAILED", "STOPPED"), *auth, home=user_home)
+    if head.token:  # RAY_AUTH_TOKEN works like --token-file
+        st = wait_status(head, job_id, ("SUCCEEDED",), home=user_home, extra_env={"RAY_AUTH_TOKEN": head.token})
+    logs = cli(head, "logs", job_id, "--address", head.url, *auth, home=user_home).stdout
+    assert st["status"] == "SUCCEEDED", logs[-3000:]
+    p = st["progress"]
+    assert p["step"] == 3 and p["steps"] == 4 and 0 < p["loss"] < 20 and p["tokens_per_s"] > 0
+    # structured worker lines name node, rank and stage; progress lines carry every step
+    assert "node=head-a100 rank=0 pipeline=0 stage=0" in logs
+    assert sum("hetspot-progress" in line for line in logs.splitlines()) == 4
+    outputs += [json.dumps(st), logs]
+
+    r = cli(head, "list", "--address", head.url, "--json", *auth, home=user_home)
+    assert [j["job_id"] for j in json.loads(r.stdout)] == [job_id]
+    outputs.append(r.stdout)
+
+    # unknown job id: exit 2 and the fix
+    r = cli(head, "status", "no-such-job", "--address", head.url, *auth, home=user_home)
+    assert r.returncode == 2 and "no job 'no-such-job'" in r.stderr and "hetspot list" in r.stderr
+
+    if head.token:
+        for out in outputs:  # the token never shows in --json output, status or logs
+            assert head.token not in out
+        return
+
+    # metrics: Ray's metrics agent exports the controller's gauges for Prometheus
+    loss = scrape(head.metrics, "ray_hetspot_train_loss", job_id)
+    assert loss is not None and loss == pytest.approx(p["loss"], rel=1e-6)
+    assert scrape(head.metrics, "ray_hetspot_step", job_id) == 3
+
+    # stop: a long job, stopped while it trains; its workers and placement groups go away
+    r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--json", home=user_home)
+    long_id = json.loads(r.stdout)["job_id"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = json.loads(cli(head, "status", long_id, "--address", head.url, "--json").stdout)
+        if st["progress"] is not None:
+            break
+        time.sleep(1.0)
+    assert st["status"] == "RUNNING" and st["progress"] is not None
+    r = cli(head, "stop", long_id, "--address", head.url)
+    assert r.returncode == 0 and "stop requested" in r.stdout
+    assert wait_status(head, long_id, ("STOPPED", "FAILED", "SUCCEEDED"), timeout=60)["status"] == "STOPPED"
+    pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format", "json"],
+                         env=head.env, capture_output=True, text=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while '"CREATED"' in pgs.stdout and time.monotonic() < deadline:
+        time.sleep(1.0)
+        pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format",
+                              "json"], env=head.env, capture_output=True, text=True, timeout=60)
+    assert pgs.returncode == 0 and '"CREATED"' not in pgs.stdout, pgs.stdout
