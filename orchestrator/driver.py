@@ -84,7 +84,8 @@ class ControllerActor:
         if c.plan is not None and c.plan is not self.plan_seen and state == State.TRAINING:
             self.plan_seen = c.plan
             out["plan"] = {"pipelines": len(c.plan.pipelines), "gpus": len(c.plan.devices()),
-                           "predicted_tokens_per_s": c.plan.estimate.tokens_per_s if c.plan.estimate else None}
+                           "predicted_tokens_per_s": c.plan.estimate.tokens_per_s if c.plan.estimate else None,
+                           "profiling": dict(getattr(c.nodes, "notes", {}))}
         self.reported = min(self.reported, c.progress.committed)  # a rollback re-runs steps
         for s in range(self.reported + 1, c.progress.committed + 1):
             row = step_row(c.model, c.plan, s, c.progress.losses[s], c.progress.step_time_s[s],
@@ -144,6 +145,8 @@ def main() -> int:
             p = out["plan"]
             print(f"hetspot: training on {p['gpus']} GPUs in {p['pipelines']} pipelines, "
                   f"predicted {p['predicted_tokens_per_s'] or 0:,.0f} tokens/s", flush=True)
+            for gpu, note in p["profiling"].items():
+                print(f"hetspot: profiling {gpu}: {note}", flush=True)
 
     def on_row(row: dict) -> None:
         print(PROGRESS + json.dumps(row | {"steps": steps, "elapsed_s": round(time.perf_counter() - t0, 3)}),

@@ -162,6 +162,7 @@ def test_cli_against_a_real_head(head, tmp_path):
     # structured worker lines name node, rank and stage; progress lines carry every step
     assert "node=head-a100 rank=0 pipeline=0 stage=0" in logs
     assert sum("hetspot-progress" in line for line in logs.splitlines()) == 4
+    assert "profiling T4: skipped: no CUDA device" in logs  # the profiling pass ran and saw fake GPUs
     outputs += [json.dumps(st), logs]
 
     r = cli(head, "list", "--address", head.url, "--json", *auth, home=user_home)

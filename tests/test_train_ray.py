@@ -243,3 +243,59 @@ def test_plan_breaking_the_tp_contract_is_refused_before_actors(cluster):
     bad = mk([P(4, 4, [S(0, 4, "a", ["a/0"])]), P(4, 4, [S(0, 4, "a", ["a/1", "a/2"])])])
     with pytest.raises(JobFailed, match="layer 0 has TP degree 2 in pipeline 1 but 1 elsewhere"):
         PlanRun(job(8), bad).start()
+
+
+def read_scalars(logdir) -> dict[str, dict[int, float]]:
+    """Scalars from TensorBoard event files: TFRecord frames of Event protos."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, dict[int, float]] = {}
+    for f in Path(logdir).glob("events.out.tfevents.*"):
+        data, i = f.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            ev = event_pb2.Event()
+            ev.ParseFromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                out.setdefault(v.tag, {})[ev.step] = v.simple_value
+    return out
+
+
+def test_controller_actor_trains_and_records_metrics(cluster, tmp_path):
+    """The Controller as a Ray actor: same losses as the 1-device run, one metrics row per
+    committed step, and the same rows in a TensorBoard event log."""
+    from orchestrator.driver import ControllerActor, drive, on_head
+
+    j = job(8)
+    j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"tensorboard_dir": str(tmp_path / "tb")})})
+    rows = []
+    actor = ControllerActor.options(**on_head()).remote(j.model_dump_json(), STEPS, "actor-test", True)
+    summary = drive(actor, rows.append)
+    ray.kill(actor)
+    assert summary["state"] == "done", summary["error"]
+    assert summary["history"][:3] == ["discovering->planning", "planning->launching", "launching->training"]
+    ref_losses, _ = reference(job(8))
+    for got, want in zip(summary["losses"], ref_losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    for r in rows:
+        assert r["loss"] == summary["losses"][r["step"]] and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["device_memory_bytes"] > 0
+    tb = read_scalars(tmp_path / "tb")
+    assert sorted(tb["train/loss"]) == list(range(STEPS))
+    for s, v in tb["train/loss"].items():
+        assert v == pytest.approx(summary["losses"][s], rel=1e-6)
+
+
+def test_profiling_pass_skips_fake_gpus(cluster):
+    from orchestrator.discovery import RayInventory
+    from orchestrator.profiling import profile_cluster
+
+    calibration, notes = profile_cluster(RayInventory().discover(), timeout_s=60)
+    assert calibration == {}
+    assert set(notes) == {"A100-80GB", "L4", "T4"}
+    assert all(n.startswith("skipped: no CUDA") for n in notes.values())

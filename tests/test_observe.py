@@ -1,0 +1,78 @@
+"""Metrics rows, profiling calibration, token resolution and progress parsing: pure pieces of issue 5."""
+
+import json
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.jobs import _redact, dashboard_url, last_progress, resolve_token
+from orchestrator.observe import fleet_peak_flops, step_row
+from orchestrator.profiling import Measurement, calibration, measure
+from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec, plan
+from planner.cost import model_flops_per_sample
+
+pytestmark = pytest.mark.unit
+
+
+def test_step_row_mfu_is_model_flops_over_fleet_peak():
+    cluster = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
+                                 NodeSpec(name="b", gpu_type="T4", num_gpus=1)])
+    model = ModelSpec.preset("gpt-125m")
+    p = plan(cluster, model, TrainSpec(global_batch=32))
+    used = {d for d in p.devices()}
+    peak = sum((312e12 if d.startswith("a/") else 65e12) for d in used)
+    assert fleet_peak_flops(p) == pytest.approx(peak)
+    row = step_row(model, p, 7, 2.5, 0.5, 123, 1)
+    assert row["tokens_per_s"] == pytest.approx(32 * model.seq_len / 0.5)
+    assert row["mfu"] == pytest.approx(model_flops_per_sample(model) * 32 / 0.5 / peak)
+    assert (row["step"], row["loss"], row["device_memory_bytes"], row["restarts"]) == (7, 2.5, 123, 1)
+
+
+def test_calibration_is_measured_over_peak_and_clamped():
+    ms = [Measurement("A100-80GB", 156.0, 20.0, 20.0, "cuda"), Measurement("T4", 500.0, None, None, "cuda")]
+    assert calibration(ms) == {"A100-80GB": 0.5, "T4": 1.0}
+    ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=1)], calibration=calibration(ms))
+
+
+def test_measure_runs_on_cpu():
+    m = measure("A100-80GB", device="cpu", n=128, repeats=2)
+    assert m.matmul_tflops > 0 and m.h2d_gb_s is None and m.device == "cpu"
+
+
+def test_token_sources_in_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    assert resolve_token() == (None, "none")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("home-token\n")
+    assert resolve_token() == ("home-token", "~/.ray/auth_token")
+    other = tmp_path / "other"
+    other.write_text("path-token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(other))
+    assert resolve_token()[0] == "path-token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "env-token")
+    assert resolve_token()[0] == "env-token"
+    flag = tmp_path / "flag"
+    flag.write_text("flag-token")
+    assert resolve_token(str(flag)) == ("flag-token", "--token-file")
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_token(str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match="empty"):
+        resolve_token(str(tmp_path / "empty"))
+
+
+def test_bad_addresses_fail_fast_with_the_fix():
+    with pytest.raises(ConfigError, match="dashboard URL"):
+        dashboard_url("ftp://x")
+    with pytest.raises(ConfigError, match="cannot reach the Ray dashboard"):
+        dashboard_url("127.0.0.1:1")
+
+
+def test_last_progress_and_redaction():
+    logs = "\n".join(["noise", "hetspot-progress " + json.dumps({"step": 0}), "(Worker) x",
+                      "hetspot-progress " + json.dumps({"step": 1}), "hetspot-progress {broken"])
+    assert last_progress(logs) == {"step": 1}
+    assert last_progress("nothing") is None
+    assert _redact("bad token s3cr3t in Bearer s3cr3t", {"Authorization": "Bearer s3cr3t"}).count("s3cr3t") == 0
