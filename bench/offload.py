@@ -1,22 +1,26 @@
-"""Offload benchmark. On this CPU-only machine: CPU AdamW throughput (issue 4, item 5).
+"""Offload benchmark (issue 4). On a CPU-only machine it runs the CPU parts; the GPU part needs CUDA.
 
-    python bench/offload.py [--params 50e6] [--repeats 7]
+    python bench/offload.py [--params 50e6] [--repeats 7] [--steps 6]
 
-Compares, on the same parameters (a GPT-shaped set of tensors, fp32):
-  torch fused    torch.optim.AdamW(fused=True): what the engine's host optimizer runs
-  torch foreach  torch.optim.AdamW(foreach=True)
-  hetspot host   workers.engine.offloaded_update: grads device->host, fused AdamW on the
-                 host copies, weights host->device (on CPU the "device" is host memory too,
-                 so the copies are memcpys)
-Reports median params/s over repeats and the ratio to torch fused. The hetspot row times
-the update minus the separately measured time to fill the gradients it consumes.
-The GPU part of the benchmark (largest trainable model per policy, step time against
-the transfer/compute bound, overlap speed-up) needs a CUDA machine and is not here yet.
+1. CPU optimizer: AdamW params/s on the same GPT-shaped fp32 tensors:
+     torch fused     torch.optim.AdamW(fused=True)
+     torch foreach   torch.optim.AdamW(foreach=True)
+     hetspot update  the engine's update under offload: fused AdamW on the host master
+                     weights (gradients already streamed there during backward)
+     + copy-back     the same plus copying the weights back to resident device copies
+                     (optimizer offload without parameter offload; a memcpy on CPU)
+2. Memory: for each offload policy, the engine's measured peak of device-resident bytes
+   (DeviceMeter, one rank of the `small` GPT) against the planner's `cost.stage_memory`.
+3. Overlap: step time with parameter offload, prefetching one layer ahead on the copy lane
+   (a thread on CPU, a CUDA stream on GPU), against serial fetching (prefetch depth 0).
+Medians over repeats. The GPU items of the issue (largest GPT per policy under a 16 GB cap,
+step time against the transfer bound) need a CUDA device and are skipped without one.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
 import sys
 import time
@@ -26,7 +30,9 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
-from workers.engine import offloaded_update  # noqa: E402
+from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost  # noqa: E402
+from workers.data import make_dataset  # noqa: E402
+from workers.engine import Engine  # noqa: E402
 
 
 def _tensors(total: int, hidden: int = 1024) -> list[torch.Tensor]:
@@ -50,33 +56,106 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--params", type=float, default=50e6)
-    ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
-    params = _tensors(int(args.params))
+def cpu_optimizer(total: float, repeats: int) -> None:
+    params = _tensors(int(total))
     n = sum(p.numel() for p in params)
     rows = {}
     for name, kw in (("torch fused", {"fused": True}), ("torch foreach", {"foreach": True})):
         opt = torch.optim.AdamW(params, lr=1e-4, **kw)
-        rows[name] = n / _time(opt.step, args.repeats)
-    host = {str(i): torch.nn.Parameter(p.detach().clone()) for i, p in enumerate(params)}
-    opt = torch.optim.AdamW(list(host.values()), lr=1e-4, fused=True)
-    named = [(str(i), p) for i, p in enumerate(params)]
+        rows[name] = n / _time(opt.step, repeats)
+    host = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for h, p in zip(host, params, strict=True):
+        h.grad = p.grad.clone()
+    opt = torch.optim.AdamW(host, lr=1e-4, fused=True)
+    rows["hetspot update (host masters)"] = n / _time(opt.step, repeats)
+    device = [p.detach().clone() for p in params]
 
-    def step():
-        for _, p in named:  # backward would have produced these
-            p.grad = torch.full_like(p, 1e-3)
-        offloaded_update(named, host, opt, torch.device("cpu"))
+    def with_copy_back():
+        opt.step()
+        with torch.no_grad():
+            for d, h in zip(device, host, strict=True):
+                d.copy_(h)
 
-    grads_s = _time(lambda: [setattr(p, "grad", torch.full_like(p, 1e-3)) for _, p in named], args.repeats)
-    rows["hetspot host update"] = n / max(_time(step, args.repeats) - grads_s, 1e-9)
-    print(f"{n / 1e6:.1f} M parameters, {torch.get_num_threads()} threads, median of {args.repeats}\n")
+    rows["hetspot update + copy-back"] = n / _time(with_copy_back, repeats)
+    print(f"## CPU optimizer: {n / 1e6:.1f} M parameters, {torch.get_num_threads()} threads, median of {repeats}\n")
     print("| optimizer | M params/s | vs torch fused |")
     print("|---|---|---|")
     for name, rate in rows.items():
         print(f"| {name} | {rate / 1e6:,.0f} | {rate / rows['torch fused']:.2f}x |")
+
+
+TRAIN = TrainSpec(global_batch=8, lr=0.01, precision="fp32")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine(model: ModelSpec, offload: dict, meter: bool, mb: int = 4) -> Engine:
+    st = Stage(layer_start=0, layer_end=model.num_layers, gpu_type="A100-80GB", node="a", devices=["a/0"],
+               offload=offload)
+    plan = Plan(model_name=model.name, num_layers=model.num_layers, global_batch=TRAIN.global_batch,
+                pipelines=[Pipeline(num_samples=8, micro_batch_size=mb, num_micro_batches=8 // mb, stages=[st])])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    e = Engine(plan, 0, model, TRAIN, make_dataset("synthetic", model.seq_len, model.vocab_size, 0),
+               torch.float32, device=device, meter_memory=meter)
+    e.connect(f"tcp://127.0.0.1:{_port()}", 60)
+    return e
+
+
+def memory(steps: int) -> None:
+    model = ModelSpec.preset("small")
+    L = list(range(model.num_layers))
+    slot = cost.make_slot(ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=1)]), TRAIN, "a", 1)
+    shape = cost.StageShape(model.num_layers, True, True)
+    print(f"\n## Device memory by policy: `small` GPT ({model.num_params / 1e6:.2f} M params), micro-batch 4, fp32\n")
+    print("| policy | measured peak MiB | planner MiB | measured / planner |")
+    print("|---|---|---|---|")
+    for name, off in (("none", {}), ("recompute 3 of 6", {"recompute_layers": L[:3]}),
+                      ("optimizer offload", {"offload_optimizer": True}),
+                      ("params + optimizer", {"offload_optimizer": True, "offload_params": True}),
+                      ("all (recompute 6)", {"offload_optimizer": True, "offload_params": True, "recompute_layers": L})):
+        e = _engine(model, off, meter=True)
+        try:
+            peak = [e.step(s).extra["device_peak_bytes"] for s in range(steps)][-1]
+        finally:
+            e.close()
+        want = cost.stage_memory(slot, model, TRAIN, shape, 4, 1, cost.knobs(e.stage_spec.offload))
+        print(f"| {name} | {peak / 2**20:.2f} | {want / 2**20:.2f} | {peak / want:.3f} |")
+
+
+def overlap(steps: int, repeats: int) -> None:
+    model = ModelSpec(name="wide", num_layers=8, hidden_size=512, num_heads=8, vocab_size=256, seq_len=64)
+    print(f"\n## Parameter offload: prefetch vs serial fetch ({model.num_params / 1e6:.1f} M params, "
+          f"{'CUDA' if torch.cuda.is_available() else 'CPU, copy lane = a thread'})\n")
+    print("| fetch | median step s | speed-up |")
+    print("|---|---|---|")
+    base = None
+    for name, depth in (("serial (depth 0)", 0), ("prefetch 1 layer ahead", 1), ("prefetch 2 layers ahead", 2)):
+        e = _engine(model, {"offload_optimizer": True, "offload_params": True, "prefetch_depth": depth}, meter=False)
+        try:
+            times = [e.step(s).time_s for s in range(steps * repeats)][1:]
+        finally:
+            e.close()
+        t = statistics.median(times)
+        base = base or t
+        print(f"| {name} | {t:.3f} | {base / t:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=50e6)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    cpu_optimizer(args.params, args.repeats)
+    memory(args.steps)
+    overlap(args.steps, args.repeats)
+    if not torch.cuda.is_available():
+        print("\nNo CUDA device: the GPU items (largest GPT per policy under a 16 GB cap, step time against "
+              "max(compute, H2D, D2H, CPU AdamW)) were not run.")
 
 
 if __name__ == "__main__":

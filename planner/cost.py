@@ -169,11 +169,18 @@ def stage_memory(
     edge_p = shape.first * model.embed_params + shape.last * model.head_params
     p_dev = n * layer_p + edge_p
     weights = (min(n, policy.prefetch_depth + 1) * layer_p + edge_p) * pb if policy.offload_params else p_dev * pb
-    grads = (min(n, 2) * layer_p + edge_p) * pb if policy.offload_optimizer else p_dev * pb
+    # Offloaded optimizer: each gradient streams to the host as soon as backward produces
+    # it (workers/offload.py), so one tensor's gradient is on the device at a time.
+    biggest = max(model.ffn * model.hidden_size / tp if n else 0.0,
+                  model.vocab_size * model.hidden_size if shape.first or shape.last else 0.0)
+    grads = biggest * pb if policy.offload_optimizer else p_dev * pb
     opt = 0.0 if policy.offload_optimizer else p_dev * train.optimizer_bytes_per_param
     full = s * b * h * (10 + 24 / tp) * pb / 2
     ckpt = s * b * h * pb
-    acts = inflight * ((n - r) * full + r * ckpt) + (full if r else 0.0)
+    # Recomputed layers are the stage's first ones (policy.to_policy), which backward reaches
+    # last: by the time one of them is recomputed, the stored layers above it are freed.
+    per_mb = (n - r) * full + r * ckpt
+    acts = (inflight - 1) * per_mb + max(per_mb, r * ckpt + full if r else 0.0)
     logits = 2 * s * b * model.vocab_size * 4 if shape.last else 0.0
     return weights + grads + opt + acts + logits
 

@@ -31,7 +31,8 @@ def _min_recompute(slot, model, train, shape, b, k, opt, params) -> int | None:
     saving = k * (full - ckpt)
     if n == 0 or saving <= 0:
         return None
-    r = max(1, math.ceil((mem0 + full - slot.mem_cap_bytes) / saving))
+    # Each recomputed layer saves at most `saving`, so this is a lower bound; walk up from it.
+    r = max(1, math.ceil((mem0 - slot.mem_cap_bytes) / saving))
     while r <= n:
         if cost.stage_memory(slot, model, train, shape, b, k, cost.Knobs(r, opt, params)) <= slot.mem_cap_bytes:
             return r

@@ -117,6 +117,13 @@ PLANS = {
                        offload={"offload_optimizer": True, "recompute_layers": [1, 3]})]),
         P(3, 3, [S(0, 1, "a", ["a/1"]), S(1, 4, "a", ["a/2", "a/3"])]),
     ]),
+    "h-param-offload-tp-pipeline-beside-dp": mk([
+        P(5, 2, [Stage(layer_start=0, layer_end=2, gpu_type="A100-80GB", node="a", devices=["a/0"],
+                       offload={"offload_optimizer": True, "offload_params": True}),
+                 Stage(layer_start=2, layer_end=4, gpu_type="L4", node="b", devices=["b/0", "b/1"],
+                       offload={"offload_optimizer": True, "offload_params": True, "recompute_layers": [2]})]),
+        P(3, 3, [S(0, 2, "c", ["c/0"], "T4"), S(2, 4, "a", ["a/1", "a/2"])]),
+    ]),
     "d-tp2-in-pipeline-beside-tp2": mk([
         P(4, 2, [S(0, 2, "a", ["a/0", "a/1"]), S(2, 4, "a", ["a/2", "a/3"])]),
         P(4, 4, [S(0, 4, "b", ["b/0", "b/1"], "L4")]),

@@ -15,6 +15,7 @@ So every plan computes the same step as one device, up to reduction order.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from dataclasses import dataclass, field
@@ -46,29 +47,15 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
-def offloaded_update(device_params: list[tuple[str, torch.Tensor]], host_params: dict[str, torch.Tensor],
-                     optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Optimizer offload: gradients device->host (first layers first, workers/offload_schedule.py's
-    priority), fused AdamW on the host copies, updated weights host->device."""
-    for name, p in device_params:
-        host_params[name].grad = p.grad.to("cpu", non_blocking=True)
-        p.grad = None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    optimizer.step()
-    with torch.no_grad():
-        for name, p in device_params:
-            p.copy_(host_params[name], non_blocking=True)
-            host_params[name].grad = None
-
-
 def _extended_layer(layer: int | str, num_layers: int) -> int:
     return -1 if layer == EMBED else num_layers if layer == HEAD else int(layer)
 
 
 class Engine:
     def __init__(self, plan: Plan, rank: int, model: ModelSpec, train: TrainSpec, dataset: Dataset,
-                 dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu"):
+                 dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu",
+                 device_budget_bytes: float | None = None, meter_memory: bool = False):
+        self.device_budget, self.meter_memory = device_budget_bytes, meter_memory
         self.plan, self.rank, self.model, self.train, self.data = plan, rank, model, train, dataset
         self.dtype, self.slowdown, self.device = dtype, slowdown, torch.device(device)
         self.info = layout.ranks(plan)[rank]
@@ -107,6 +94,8 @@ class Engine:
         self._build()
 
     def _build(self) -> None:
+        from workers.offload import DeviceMeter, ParamStore
+
         st = self.stage_spec
         self.module = Stage(self.model, st.layer_start, st.layer_end, self.first, self.last,
                             self.info.tp_rank, st.tp, self.tp_group, self.train.seed, self.dtype,
@@ -121,6 +110,24 @@ class Engine:
                 if self.offload_opt else p)
             for n, p in self.module.params.items()
         }
+        self.meter = DeviceMeter(self.device_budget, self.meter_memory, self.device)
+        self.store = None
+        if st.offload.offload_params:
+            # Parameter offload: block weights leave the device; the module reads them through the store.
+            blocks = {n for n, spec in self.module.specs.items() if isinstance(spec.layer, int)}
+            for n in blocks:
+                self.module.params[n] = self.opt_params[n]
+                self.module.register_parameter(n.replace(".", "__"), self.opt_params[n])
+            self.store = ParamStore({n: self.opt_params[n] for n in blocks}, lambda n: self.module.specs[n].layer,
+                                    list(range(st.layer_start, st.layer_end)), self.device,
+                                    st.offload.prefetch_depth, self.meter)
+            self.module.store = self.store
+        self.resident = {n: p for n, p in self.module.params.items() if p.device == self.device and
+                         (self.store is None or n not in self.store.host)}
+        if self.offload_opt:
+            # Gradients stream to the host as backward produces them and accumulate there.
+            for n, p in self.resident.items():
+                p.register_post_accumulate_grad_hook(self._grad_to_host(self.opt_params[n]))
         decay = [p for p in self.opt_params.values() if p.dim() >= 2]
         no_decay = [p for p in self.opt_params.values() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -128,8 +135,27 @@ class Engine:
             lr=self.train.lr, betas=self.train.betas, eps=self.train.eps, fused=True,
         )
         self.peers = layout.p2p_peers(self.plan, self.info.pipeline, self.info.stage, self.info.tp_rank)
+        self.meter.set_static(list(self.resident.values()))
+
+    def _grad_to_host(self, host: torch.nn.Parameter):
+        def hook(p: torch.Tensor) -> None:
+            with self.meter.paused():
+                if host.grad is None:
+                    host.grad = p.grad.to("cpu", copy=True)
+                else:
+                    host.grad.add_(p.grad.to("cpu"))
+            p.grad = None
+
+        return hook
+
+    @property
+    def grad_params(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters whose `.grad` holds the step's gradient: host masters under offload."""
+        return self.opt_params if self.offload_opt else self.module.params
 
     def close(self) -> None:
+        if getattr(self, "store", None) is not None:
+            self.store.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -142,6 +168,9 @@ class Engine:
 
     def _step(self, step_index: int) -> StepResult:
         t0 = time.perf_counter()
+        self.meter.reset_peak()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.fault is not None and self.fault[0] == step_index:
             if self.fault[1] == "hang":
                 time.sleep(3600)
@@ -156,59 +185,84 @@ class Engine:
         pending: list = []
         loss_total = 0.0
         ops = op_order(self.info.stage, len(self.pipe.stages), len(sizes), self.pipe.schedule)
-        for kind, j in ops:
-            t_op = time.perf_counter()
-            if kind == "F":
-                tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device)
-                if self.first:
-                    inp = tokens[:, :-1]
+        with self.meter.tracking():  # device-side bytes as they live (CPU accounting)
+            for kind, j in ops:
+                t_op = time.perf_counter()
+                if kind == "F":
+                    tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device)
+                    if self.first:
+                        inp = tokens[:, :-1]
+                    else:
+                        inp = torch.empty(sizes[j], seq, h, dtype=self.dtype, device=self.device)
+                        dist.recv(inp, src=recv_act, tag=2 * j)
+                        inp.requires_grad_()
+                    with self._saved_hooks():
+                        out = self.module(inp)
+                    if self.last:
+                        out = self.module.loss_sum(out, tokens[:, 1:]) / big_b
+                        loss_total += out.item()
+                    else:
+                        act = out.detach().contiguous()
+                        pending += [dist.isend(act, dst=d, tag=2 * j) for d in send_act]
+                    saved[j] = (inp, out)
                 else:
-                    inp = torch.empty(sizes[j], seq, h, dtype=self.dtype, device=self.device)
-                    dist.recv(inp, src=recv_act, tag=2 * j)
-                    inp.requires_grad_()
-                out = self.module(inp)
-                if self.last:
-                    out = self.module.loss_sum(out, tokens[:, 1:]) / big_b
-                    loss_total += out.item()
-                else:
-                    act = out.detach().contiguous()
-                    pending += [dist.isend(act, dst=d, tag=2 * j) for d in send_act]
-                saved[j] = (inp, out)
-            else:
-                inp, out = saved.pop(j)
-                if self.last:
-                    out.backward()
-                else:
-                    grad = torch.empty_like(out)
-                    dist.recv(grad, src=recv_grad, tag=2 * j + 1)
+                    inp, out = saved.pop(j)
+                    if self.last:
+                        grad = None
+                    else:
+                        grad = torch.empty_like(out)
+                        dist.recv(grad, src=recv_grad, tag=2 * j + 1)
+                    if self.store is not None:
+                        self.store.phase = "bwd"
                     out.backward(grad)
-                if not self.first:
-                    g = inp.grad.contiguous()
-                    pending += [dist.isend(g, dst=d, tag=2 * j + 1) for d in send_grad]
-            self._emulate_slowdown(time.perf_counter() - t_op)
+                    out = grad = None  # the micro-batch's graph (and a checkpoint's leftovers) go now
+                    if not self.first:
+                        g = inp.grad.contiguous()
+                        pending += [dist.isend(g, dst=d, tag=2 * j + 1) for d in send_grad]
+                    inp = None
+                    if self.store is not None:
+                        self.store.end_backward()
+                        self.store.phase = "fwd"
+                self._emulate_slowdown(time.perf_counter() - t_op)
         for w in pending:
             w.wait()
+        if self.store is not None:
+            self.store.drain()
         self._sync_grads()
         self._clip()
         self._update()
         report = self.last and self.info.tp_rank == 0
         return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
                           time.perf_counter() - t0, self._peak_mem(),
-                          {"device_state_bytes": self.device_state_bytes()})
+                          {"device_state_bytes": self.device_state_bytes(), "device_peak_bytes": self.meter.peak,
+                           "device_budget_bytes": self.device_budget,
+                           "h2d_fetches": self.store.fetches if self.store is not None else 0})
+
+    def _saved_hooks(self):
+        return self.store.hooks() if self.store is not None else contextlib.nullcontext()
 
     def _update(self) -> None:
-        if not self.offload_opt:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        offloaded_update(list(self.module.params.items()), self.opt_params, self.optimizer, self.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.offload_opt and self.meter.enabled and self.meter.static == self._param_bytes():
+            # AdamW's moments now exist on the device: static state from here on
+            self.meter.set_static(list(self.resident.values()) + [t for st in self.optimizer.state.values()
+                                                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0])
+        if self.offload_opt:  # updated weights stream back to the resident device copies
+            with torch.no_grad():
+                for n, p in self.resident.items():
+                    p.copy_(self.opt_params[n], non_blocking=True)
+
+    def _param_bytes(self) -> int:
+        return sum(p.untyped_storage().nbytes() for p in self.resident.values())
 
     def device_state_bytes(self) -> int:
-        """Bytes of parameters, gradients and optimizer state resident on the device (activations excluded)."""
-        params = sum(p.numel() * p.element_size() for p in self.module.params.values())
-        opt = 0 if self.offload_opt else sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                                             for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-        return 2 * params + opt
+        """Bytes of parameters and optimizer state that stay on the device. Gradients, activations
+        and prefetched weights are created during the step; the meter tracks them as they live."""
+        params = sum(p.numel() * p.element_size() for p in self.resident.values())
+        if self.offload_opt:
+            return params
+        return 3 * params  # weights and AdamW's two moments
 
     def _emulate_slowdown(self, busy_s: float) -> None:
         # Fake GPUs of a slower type run the same math, then wait out the speed gap.
@@ -219,9 +273,9 @@ class Engine:
         """Layer-wise all-reduce per (segment, TP rank), one flat bucket per segment (AutoHet §4)."""
         n_layers = self.model.num_layers
         for gg, group in self.grad_groups:
-            params = [p for name, p in self.module.params.items()
+            params = [p for name, p in self.grad_params.items()
                       if gg.start <= _extended_layer(self.module.specs[name].layer, n_layers) < gg.end]
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self.device)  # host grads: via the device
             dist.all_reduce(flat, group=group)
             at = 0
             for p in params:
@@ -234,13 +288,13 @@ class Engine:
             return
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.info.pipeline == 0:
-            for name, p in self.module.params.items():
+            for name, p in self.grad_params.items():
                 if self.module.specs[name].shard_dim is not None or self.info.tp_rank == 0:
-                    sq += p.grad.double().pow(2).sum()
+                    sq += p.grad.double().pow(2).sum().to(self.device)
         dist.all_reduce(sq)
         coef = self.train.grad_clip / (float(sq.sqrt()) + 1e-6)
         if coef < 1.0:
-            for p in self.module.params.values():
+            for p in self.grad_params.values():
                 p.grad.mul_(coef)
 
     def _peak_mem(self) -> int:

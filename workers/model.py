@@ -137,6 +137,7 @@ class Stage(torch.nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.tp_group = tp_group if tp_size > 1 else None
         self.recompute = recompute_layers
+        self.store = None  # a workers.offload.ParamStore when block weights live in host memory
         specs = (embed_params(model) if first else []) + [p for i in self.layers for p in block_params(model, i)]
         specs += head_params(model) if last else []
         self.specs = {s.name: s for s in specs}
@@ -148,6 +149,8 @@ class Stage(torch.nn.Module):
 
     def _block(self, x: torch.Tensor, i: int) -> torch.Tensor:
         P, g = self.params, self.tp_group
+        if self.store is not None and i in self.store.names:
+            P = self.store.weights(i)  # device copies of host-resident weights
         pre = f"h.{i}."
         b, s, h = x.shape
         heads = self.m.num_heads // self.tp_size
