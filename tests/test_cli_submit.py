@@ -95,3 +95,28 @@ def test_inventory_unreachable_address_fails_fast():
     res = runner.invoke(app, ["inventory", "--address", "127.0.0.1:1"])
     assert res.exit_code == 2 and "cannot reach a Ray cluster" in res.output
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("args", [
+    ["status", "some-job"], ["logs", "some-job"], ["stop", "some-job"], ["list"], ["inventory"],
+])
+def test_cluster_commands_unreachable_dashboard_exit_2(args):
+    res = runner.invoke(app, [*args, "--address", "http://127.0.0.1:1"])
+    assert res.exit_code == 2 and "cannot reach" in res.output and "Traceback" not in res.output
+
+
+def test_submit_to_a_cluster_validates_the_job_first(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "train": {"global_batch": 8, "lr": "fast"}}))
+    # the job file is checked before the (unreachable) cluster is contacted
+    res = runner.invoke(app, ["submit", str(bad), "--address", "http://127.0.0.1:1"])
+    assert res.exit_code == 2 and "field 'train.lr'" in res.output and "cannot reach" not in res.output
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "train": {"global_batch": 8}}))
+    res = runner.invoke(app, ["submit", str(ok), "--address", "http://127.0.0.1:1", "--plan", "p.json"])
+    assert res.exit_code == 2 and "--plan works for local runs only" in res.output
+
+
+def test_missing_address_names_the_option():
+    res = runner.invoke(app, ["status", "some-job"], env={"HETSPOT_ADDRESS": "", "RAY_API_SERVER_ADDRESS": ""})
+    assert res.exit_code == 2 and "--address" in res.output

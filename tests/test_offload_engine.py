@@ -43,6 +43,7 @@ def run(model: ModelSpec, offload: dict, steps: int, dtype=torch.float64, budget
     e.connect(f"tcp://127.0.0.1:{_port()}", 30)
     try:
         results = [e.step(s) for s in range(steps)]
+        e.settle()  # the last host update may still run, overlapped with what would be the next step
         params = {n: p.detach().clone() for n, p in e.module.params.items()}
     finally:
         e.close()
@@ -121,3 +122,56 @@ def test_budget_below_the_no_offload_need():
     assert plain[-1].extra["device_peak_bytes"] > budget
     assert peak <= budget
     assert abs(peak / cost.stage_memory(slot, model, TRAIN, shape, MB, 1, kn) - 1) <= 0.10
+
+
+def test_host_update_runs_first_layers_first_and_overlaps_the_next_forward():
+    import threading
+    import time
+
+    from workers.offload import LayerwiseUpdate
+
+    params = {layer: [torch.nn.Parameter(torch.ones(4))] for layer in (-1, 0, 1, 2)}
+    for ps in params.values():
+        ps[0].grad = torch.ones(4)
+    release = threading.Event()
+
+    def after(layer):
+        if layer == 2:  # the last layer's update is slow
+            release.wait(5)
+
+    up = LayerwiseUpdate(sorted(params.items(), reverse=True), lambda ps: torch.optim.AdamW(ps, lr=0.1), after)
+    up.start()
+    up.wait(-1)
+    up.wait(0)  # the next forward can use the first layers ...
+    assert not up.ready[2].is_set()  # ... while the last one is still updating
+    release.set()
+    up.join()
+    assert up.log == [-1, 0, 1, 2]
+    assert all(float(ps[0].detach()[0]) < 1.0 for ps in params.values())
+
+    serial = LayerwiseUpdate(sorted(params.items()), lambda ps: torch.optim.AdamW(ps, lr=0.1), lambda layer: time.sleep(0.01),
+                             overlap=False)
+    for ps in params.values():
+        ps[0].grad = torch.ones(4)
+    serial.start()
+    assert all(ev.is_set() for ev in serial.ready.values()) and serial.thread is None
+
+
+def test_overlapped_and_serial_host_updates_train_identically():
+    model = ModelSpec.preset("tiny")
+    off = POLICIES["param+optimizer"](model)
+    ds = make_dataset("synthetic", model.seq_len, model.vocab_size, 0)
+    got = {}
+    for overlap in (True, False):
+        e = Engine(one_stage_plan(model, off), 0, model, TRAIN, ds, torch.float64, overlap_update=overlap)
+        e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+        try:
+            losses = [e.step(s).loss for s in range(3)]
+            e.settle()
+            assert e.updater.log == [-1, *range(model.num_layers), model.num_layers]
+            got[overlap] = (losses, {n: p.detach().clone() for n, p in e.module.params.items()})
+        finally:
+            e.close()
+    assert got[True][0] == got[False][0]
+    for n, p in got[False][1].items():
+        torch.testing.assert_close(got[True][1][n], p, rtol=0, atol=0)

@@ -54,8 +54,10 @@ def _extended_layer(layer: int | str, num_layers: int) -> int:
 class Engine:
     def __init__(self, plan: Plan, rank: int, model: ModelSpec, train: TrainSpec, dataset: Dataset,
                  dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu",
-                 device_budget_bytes: float | None = None, meter_memory: bool = False):
+                 device_budget_bytes: float | None = None, meter_memory: bool = False,
+                 overlap_update: bool = True):
         self.device_budget, self.meter_memory = device_budget_bytes, meter_memory
+        self.overlap_update = overlap_update
         self.plan, self.rank, self.model, self.train, self.data = plan, rank, model, train, dataset
         self.dtype, self.slowdown, self.device = dtype, slowdown, torch.device(device)
         self.info = layout.ranks(plan)[rank]
@@ -128,14 +130,43 @@ class Engine:
             # Gradients stream to the host as backward produces them and accumulate there.
             for n, p in self.resident.items():
                 p.register_post_accumulate_grad_hook(self._grad_to_host(self.opt_params[n]))
-        decay = [p for p in self.opt_params.values() if p.dim() >= 2]
-        no_decay = [p for p in self.opt_params.values() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.train.lr, betas=self.train.betas, eps=self.train.eps, fused=True,
-        )
+        self.updater = None
+        if self.offload_opt:
+            # The host optimizer runs per layer on a thread, first layers first (LayerwiseUpdate).
+            from workers.offload import LayerwiseUpdate
+
+            n_layers = self.model.num_layers
+            by_layer: dict[int, list] = {}
+            for n, q in self.opt_params.items():
+                by_layer.setdefault(_extended_layer(self.module.specs[n].layer, n_layers), []).append(q)
+            self.updater = LayerwiseUpdate(sorted(by_layer.items()), self._adamw, self._copy_back, self.overlap_update)
+            self.module.before_layer = self.updater.wait
+            if self.store is not None:
+                self.store.before_copy = self.updater.wait
+            self.optimizer = None
+        else:
+            self.optimizer = self._adamw(list(self.opt_params.values()))
         self.peers = layout.p2p_peers(self.plan, self.info.pipeline, self.info.stage, self.info.tp_rank)
         self.meter.set_static(list(self.resident.values()))
+
+    def _adamw(self, params: list) -> torch.optim.AdamW:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.train.lr, betas=self.train.betas,
+                                 eps=self.train.eps, fused=True)
+
+    def _copy_back(self, layer: int) -> None:
+        """After a layer's host update: its resident device copies take the new weights."""
+        with torch.no_grad():
+            for n, p in self.resident.items():
+                if _extended_layer(self.module.specs[n].layer, self.model.num_layers) == layer:
+                    p.copy_(self.opt_params[n], non_blocking=True)
+
+    def _opt_states(self):
+        return self.updater.states() if self.updater is not None else self.optimizer.state.values()
+
+    def _opt_state(self, q) -> dict:
+        return self.updater.state_of(q) if self.updater is not None else self.optimizer.state.get(q, {})
 
     def _grad_to_host(self, host: torch.nn.Parameter):
         def hook(p: torch.Tensor) -> None:
@@ -154,6 +185,8 @@ class Engine:
         return self.opt_params if self.offload_opt else self.module.params
 
     def close(self) -> None:
+        if getattr(self, "updater", None) is not None:
+            self.updater.join()
         if getattr(self, "store", None) is not None:
             self.store.close()
         if dist.is_initialized():
@@ -242,16 +275,20 @@ class Engine:
         return self.store.hooks() if self.store is not None else contextlib.nullcontext()
 
     def _update(self) -> None:
+        if self.updater is not None:  # host AdamW per layer on a thread; the next forward waits per layer
+            self.updater.start()
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not self.offload_opt and self.meter.enabled and self.meter.static == self._param_bytes():
+        if self.meter.enabled and self.meter.static == self._param_bytes():
             # AdamW's moments now exist on the device: static state from here on
             self.meter.set_static(list(self.resident.values()) + [t for st in self.optimizer.state.values()
                                                                    for t in st.values() if torch.is_tensor(t) and t.dim() > 0])
-        if self.offload_opt:  # updated weights stream back to the resident device copies
-            with torch.no_grad():
-                for n, p in self.resident.items():
-                    p.copy_(self.opt_params[n], non_blocking=True)
+
+    def settle(self) -> None:
+        """Wait for an overlapped host update to finish (before reading or replacing state)."""
+        if self.updater is not None:
+            self.updater.join()
 
     def _param_bytes(self) -> int:
         return sum(p.untyped_storage().nbytes() for p in self.resident.values())
@@ -305,12 +342,13 @@ class Engine:
     # -- state by canonical name --------------------------------------------
     def export_state(self) -> dict[str, dict]:
         """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state."""
+        self.settle()
         out = {}
-        steps = {float(st["step"]) for st in self.optimizer.state.values() if "step" in st}
+        steps = {float(st["step"]) for st in self._opt_states() if "step" in st}
         for name, p in self.module.params.items():
             spec = self.module.specs[name]
             sl = spec.local_slice(self.info.tp_rank, self.stage_spec.tp)
-            st = self.optimizer.state.get(self.opt_params[name], {})
+            st = self._opt_state(self.opt_params[name])
             out[name] = {
                 "shape": spec.shape, "shard_dim": spec.shard_dim,
                 "slice": [(s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl)],
@@ -327,6 +365,7 @@ class Engine:
         State saved under any plan restores into any other: each rank cuts its own
         TP slice out of the full, unsharded tensors.
         """
+        self.settle()
         with torch.no_grad():
             for name, p in self.module.params.items():
                 sl = self.module.specs[name].local_slice(self.info.tp_rank, self.stage_spec.tp)
@@ -336,8 +375,12 @@ class Engine:
                     self.opt_params[name].copy_(src["param"][sl])
                 if src.get("exp_avg") is not None and optimizer_steps > 0:
                     q = self.opt_params[name]
-                    self.optimizer.state[q] = {
+                    state = {
                         "step": torch.tensor(optimizer_steps, dtype=torch.float32),
                         "exp_avg": src["exp_avg"][sl].to(q.device, q.dtype).clone(),
                         "exp_avg_sq": src["exp_avg_sq"][sl].to(q.device, q.dtype).clone(),
                     }
+                    if self.updater is not None:
+                        self.updater.set_state(q, state)
+                    else:
+                        self.optimizer.state[q] = state

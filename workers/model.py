@@ -138,6 +138,7 @@ class Stage(torch.nn.Module):
         self.tp_group = tp_group if tp_size > 1 else None
         self.recompute = recompute_layers
         self.store = None  # a workers.offload.ParamStore when block weights live in host memory
+        self.before_layer = None  # called with -1 (embedding), a block index, or num_layers (head) before use
         specs = (embed_params(model) if first else []) + [p for i in self.layers for p in block_params(model, i)]
         specs += head_params(model) if last else []
         self.specs = {s.name: s for s in specs}
@@ -165,15 +166,19 @@ class Stage(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, h] elsewhere."""
+        wait = self.before_layer or (lambda layer: None)
         if self.first:
+            wait(-1)
             pos = torch.arange(x.shape[1])
             x = F.embedding(x, self.params["wte.weight"]) + self.params["wpe.weight"][pos]
         for i in self.layers:
+            wait(i)
             if i in self.recompute:
                 x = torch.utils.checkpoint.checkpoint(self._block, x, i, use_reentrant=False)
             else:
                 x = self._block(x, i)
         if self.last:
+            wait(self.m.num_layers)
             x = F.layer_norm(x, (x.shape[-1],), self.params["ln_f.weight"], self.params["ln_f.bias"])
             x = F.linear(x, self.params["lm_head.weight"])
         return x

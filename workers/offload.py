@@ -144,9 +144,10 @@ class _Copier:
             self.thread = threading.Thread(target=self._run, daemon=True, name="hetspot-h2d")
             self.thread.start()
 
-    def submit(self, tensors: dict[str, torch.Tensor]):
-        """Start copying; returns a ticket for `wait`."""
+    def submit(self, tensors: dict[str, torch.Tensor], before: Callable[[], None] = lambda: None):
+        """Start copying once `before()` returns (the host copy is up to date); a ticket for `wait`."""
         if self.cuda:
+            before()
             with torch.cuda.stream(self.stream):
                 out = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
                 for t in out.values():  # device memory from the moment the copy is issued
@@ -156,7 +157,7 @@ class _Copier:
             return out, ev
         box: dict = {}
         done = threading.Event()
-        self.jobs.put((tensors, box, done))
+        self.jobs.put((tensors, box, done, before))
         return box, done
 
     def wait(self, ticket) -> dict[str, torch.Tensor]:
@@ -181,15 +182,16 @@ class _Copier:
             job = self.jobs.get()
             if job is None:
                 return
-            tensors, box, done = job
+            tensors, box, done, before = job
             try:  # a separate buffer, as a GPU copy would be; the clone releases the GIL
+                before()
                 box["tensors"] = {n: t.detach().clone() for n, t in tensors.items()}
                 for t in box["tensors"].values():  # device memory from the moment the copy is issued
                     self.meter.track(t)
             except Exception as e:  # handed to the consumer, which raises it on its thread
                 box["error"] = e
             done.set()
-            del job, tensors, box, done  # the consumer owns the copies now
+            del job, tensors, box, done, before  # the consumer owns the copies now
 
 
 class _Fetch(torch.autograd.Function):
@@ -232,12 +234,14 @@ class ParamStore:
         self.bwd_cache: dict[int, dict[str, torch.Tensor]] = {}
         self.fetches = 0  # transfers issued: a test checks each layer is fetched once per use
         self.anchor = torch.zeros((), requires_grad=True)
+        self.before_copy: Callable[[int], None] = lambda layer: None  # waits for the layer's update
 
     # -- fetching ----------------------------------------------------------------
     def _request(self, direction: str, layer: int) -> None:
         if (direction, layer) not in self.inflight and layer in self.names:
             self.fetches += 1
-            self.inflight[(direction, layer)] = self.copier.submit({n: self.host[n] for n in self.names[layer]})
+            self.inflight[(direction, layer)] = self.copier.submit({n: self.host[n] for n in self.names[layer]},
+                                                                   lambda: self.before_copy(layer))
 
     def _take(self, direction: str, layer: int) -> dict[str, torch.Tensor]:
         self._request(direction, layer)
@@ -311,3 +315,78 @@ class ParamStore:
             return obj
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class LayerwiseUpdate:
+    """The offloaded optimizer: a fused AdamW per layer on the host, run on a thread, first layers first.
+
+    AutoHete's cross-iteration overlap: `start()` returns at once; the thread
+    updates layers in the order the next forward needs them (embedding, block
+    0, 1, ..., head), and after each layer calls `after_layer` (copy the new
+    weights back to resident device copies) and marks it ready. The next
+    iteration's forward waits per layer (`wait`), so it starts while the last
+    layers are still updating. With `overlap=False` the update finishes before
+    `start()` returns (the serial baseline). Per-layer fused AdamW computes the
+    same values as one optimizer over all parameters.
+    """
+
+    def __init__(self, groups: list[tuple[int, list[torch.nn.Parameter]]], make_optimizer,
+                 after_layer: Callable[[int], None], overlap: bool = True):
+        self.order = [layer for layer, _ in sorted(groups, key=lambda g: g[0])]
+        self.opts = {layer: make_optimizer(params) for layer, params in groups}
+        self.owner = {id(p): self.opts[layer] for layer, params in groups for p in params}
+        self.after_layer, self.overlap = after_layer, overlap
+        self.ready = {layer: threading.Event() for layer in self.order}
+        for ev in self.ready.values():
+            ev.set()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.log: list[int] = []  # layers in the order they were updated (tests read it)
+
+    def state_of(self, p: torch.Tensor) -> dict:
+        return self.owner[id(p)].state.get(p, {})
+
+    def set_state(self, p: torch.Tensor, state: dict) -> None:
+        self.owner[id(p)].state[p] = state
+
+    def states(self):
+        for opt in self.opts.values():
+            yield from opt.state.values()
+
+    def start(self) -> None:
+        self.join()
+        for ev in self.ready.values():
+            ev.clear()
+        self.log = []
+        self.thread = threading.Thread(target=self._run, daemon=True, name="hetspot-adamw")
+        self.thread.start()
+        if not self.overlap:
+            self.join()
+
+    def _run(self) -> None:
+        try:
+            for layer in self.order:
+                opt = self.opts[layer]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                self.after_layer(layer)
+                self.log.append(layer)
+                self.ready[layer].set()
+        except BaseException as e:  # re-raised on the training thread at its next wait
+            self.error = e
+            for ev in self.ready.values():
+                ev.set()
+
+    def wait(self, layer: int) -> None:
+        ev = self.ready.get(layer)
+        if ev is not None:
+            ev.wait()
+        if self.error is not None:
+            raise RuntimeError(f"the host optimizer failed: {self.error}") from self.error
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            raise RuntimeError(f"the host optimizer failed: {self.error}") from self.error
