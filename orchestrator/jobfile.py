@@ -72,6 +72,8 @@ class RuntimeSpec(_Section):
                                                     "(skipped on fake GPUs)")
     tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX)")
     log_every: int = Field(default=10, ge=1, description="workers log a structured line every k steps")
+    meter_memory: bool = Field(default=False, description="count device-resident bytes per step against the GPU's "
+                                                          "memory minus train.memory_reserve_gib (slows CPU steps)")
 
 
 class JobSpec(_Section):

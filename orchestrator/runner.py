@@ -82,7 +82,8 @@ class PlanRun:
                         num_gpus=1,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
                     ).remote(plan_json, len(self.workers), model_json, train_json, self.job.data.model_dump(),
-                             self.job.runtime.dtype, slow[st.gpu_type], self.job.runtime.log_every))
+                             self.job.runtime.dtype, slow[st.gpu_type], self.job.runtime.log_every,
+                             self.job.runtime.meter_memory))
         try:
             ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)
         except GetTimeoutError:
@@ -104,7 +105,9 @@ class PlanRun:
             loss = sum(o.loss for o in outs if o.loss is not None)
             result.losses.append(loss)
             result.step_time_s.append(dt)
-            result.peak_mem_bytes.append(max(o.peak_mem_bytes for o in outs))
+            # the meter's device bytes when on, else the allocator's peak (CUDA) or RSS (CPU)
+            result.peak_mem_bytes.append(max(o.extra.get("device_peak_bytes") if self.job.runtime.meter_memory
+                                             else o.peak_mem_bytes for o in outs))
             log.info("step %d committed: loss %.4f, %.2f s", s, loss, dt)
             if on_step:
                 on_step(s, loss, tokens / dt)

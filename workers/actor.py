@@ -20,14 +20,21 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 @ray.remote(num_cpus=0)
 class TrainWorker:
     def __init__(self, plan_json: str, rank: int, model_json: str, train_json: str, data: dict,
-                 dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10):
+                 dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False):
         torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
         model, train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
         dataset = make_dataset(data.get("kind", "synthetic"), model.seq_len, model.vocab_size, train.seed,
                                data.get("path"), data.get("dtype", "uint16"))
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.engine = Engine(Plan.model_validate_json(plan_json), rank, model, train, dataset,
-                             DTYPES[dtype], slowdown, device)
+        plan = Plan.model_validate_json(plan_json)
+        from planner.catalog import gpu_info
+        from workers.layout import ranks
+
+        r = ranks(plan)[rank]
+        gpu = plan.pipelines[r.pipeline].stages[r.stage].gpu_type
+        budget = (gpu_info(gpu).mem_gib - train.memory_reserve_gib) * 2**30  # the planner's capacity
+        self.engine = Engine(plan, rank, model, train, dataset, DTYPES[dtype], slowdown, device,
+                             device_budget_bytes=budget, meter_memory=meter_memory)
         info, st = self.engine.info, self.engine.stage_spec
         self.log = structured_logger("hetspot.worker", node=info.node, rank=rank, pipeline=info.pipeline,
                                      stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)
@@ -56,6 +63,10 @@ class TrainWorker:
         except Exception as e:
             self.log.error("step %d failed: %s", step_index, e)
             raise
+        peak, budget = r.extra.get("device_peak_bytes"), r.extra.get("device_budget_bytes")
+        if self.engine.meter.enabled and budget and peak > budget:
+            self.log.warning("step %d: device peak %.1f MiB is over the budget of %.1f MiB", step_index,
+                             peak / 2**20, budget / 2**20)
         if step_index % self.log_every == 0:
             self.log.info("step %d: %d samples, %.3f s, peak memory %.1f MiB", step_index, r.num_samples,
                           r.time_s, r.peak_mem_bytes / 2**20)
