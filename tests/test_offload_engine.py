@@ -203,3 +203,33 @@ def test_cuda_policies_match_cpu_and_fit_the_budget(baseline, name):
     meter_peak = results[-1].extra["device_peak_bytes"]
     cuda_peak = results[-1].peak_mem_bytes  # torch.cuda.max_memory_allocated
     assert cuda_peak >= 0.9 * meter_peak
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_engine_issues_transfers_and_updates_in_the_schedules_priority_order(depth):
+    """The engine's copy lane and host optimizer run in the order of the pure priority
+    schedule (workers/offload_schedule.py) for the same policy."""
+    from workers.offload_schedule import StageTimes, schedule
+
+    model = ModelSpec.preset("small")
+    n = model.num_layers
+    plan = one_stage_plan(model, {"offload_optimizer": True, "offload_params": True, "prefetch_depth": depth})
+    plan.pipelines[0].micro_batch_size, plan.pipelines[0].num_micro_batches = B, 1
+    e = Engine(plan, 0, model, TRAIN, make_dataset("synthetic", model.seq_len, model.vocab_size, 0), torch.float32)
+    e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+    try:
+        e.step(0)
+        e.settle()
+        issued, updated = list(e.store.issued), list(e.updater.log)
+    finally:
+        e.close()
+    ops = schedule(n, StageTimes(1.0, 2.0, 0.5, 0.5, 0.5), True, True, prefetch_depth=depth, iterations=1)
+    h2d = [("fwd" if o.kind == "h2d_fwd" else "bwd", o.layer) for o in sorted(ops, key=lambda o: o.start_s)
+           if o.lane == "h2d"]
+    assert issued == h2d
+    # Global-norm clipping needs every gradient before any update, so all updates become ready
+    # together; the schedule's rule (among ready ops, the soonest consumer first; the consumer
+    # of layer l's update is the next forward of l) then orders them first layer to last.
+    need = {(o.kind, o.layer): rank for rank, o in enumerate(o for o in ops if o.lane == "compute")}
+    adam = sorted({o.layer for o in ops if o.kind == "adam"}, key=lambda layer: need[("fwd", layer)])
+    assert updated == [-1, *adam, n]  # the embedding is needed first, the head last

@@ -233,6 +233,7 @@ class ParamStore:
         self.phase = "fwd"  # the engine sets "bwd" around backward (recompute fetches then)
         self.bwd_cache: dict[int, dict[str, torch.Tensor]] = {}
         self.fetches = 0  # transfers issued: a test checks each layer is fetched once per use
+        self.issued: list[tuple[str, int]] = []  # their order, against workers/offload_schedule.py
         self.anchor = torch.zeros((), requires_grad=True)
         self.before_copy: Callable[[int], None] = lambda layer: None  # waits for the layer's update
 
@@ -240,6 +241,7 @@ class ParamStore:
     def _request(self, direction: str, layer: int) -> None:
         if (direction, layer) not in self.inflight and layer in self.names:
             self.fetches += 1
+            self.issued.append((direction, layer))
             self.inflight[(direction, layer)] = self.copier.submit({n: self.host[n] for n in self.names[layer]},
                                                                    lambda: self.before_copy(layer))
 
