@@ -3,8 +3,9 @@
 Side effects sit behind small sources so tests can swap them:
 - `RayInventory(nodes_fn)`: per alive Ray node, the GPU count, the GPU type (the
   `accelerator_type:<T>` resource Ray sets on GPU nodes, or a `hetspot/gpu-type`
-  / `ray.io/accelerator-type` label), market, zone, node name and instance id
-  from labels. `nodes_fn` defaults to `ray.nodes`.
+  / `ray.io/accelerator-type` label), market, zone, node name, instance type and
+  id from labels, the address and Ray's node id. `nodes_fn` defaults to
+  `ray.nodes`; the CLI passes the dashboard's State API for an http address.
 - `EC2Facts(client, prices)`: for nodes with an instance id, the instance type,
   GPU model/count/memory (`describe_instance_types`), lifecycle (spot or
   on-demand) and zone (`describe_instances`), and the hourly price from a
@@ -85,6 +86,7 @@ class RayInventory:
                 zone=labels.get("ray.io/availability-zone", ""),
                 address=n.get("NodeManagerAddress", ""),
                 instance_id=labels.get("hetspot/instance-id") or labels.get("ray.io/instance-id"),
+                instance_type=labels.get("hetspot/instance-type") or labels.get("ray.io/instance-type"),
                 node_id=n["NodeID"],
             ))
         return sorted(out, key=lambda d: d.name)
