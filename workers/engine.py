@@ -11,6 +11,14 @@ NCCL on CUDA. A step of the global batch:
   5. global-norm clipping that counts every parameter element exactly once;
   6. AdamW (fused on CPU and CUDA).
 So every plan computes the same step as one device, up to reduction order.
+
+A stage's offload policy (AutoHete; workers/offload.py) changes where state
+lives, not what is computed: recomputed layers run under non-reentrant
+checkpointing; with optimizer offload the fp32 masters and AdamW state live on
+the host, gradients stream there during backward, and a per-layer host AdamW
+runs on a thread, first layers first, overlapping the next step's forward; with
+parameter offload block weights visit the device only while their layer
+computes, prefetched `prefetch_depth` layers ahead.
 """
 
 from __future__ import annotations
