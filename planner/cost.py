@@ -186,17 +186,26 @@ def stage_memory(
 
 
 def optimizer_s(slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShape,
-                policy: Knobs, busy_s: float) -> float:
-    """Per-step optimizer cost exposed on the device's critical path."""
+                policy: Knobs, busy_s: float, fwd_busy_s: float) -> float:
+    """Per-step optimizer cost exposed on the device's critical path.
+
+    Offloaded (AutoHete, as workers/offload.py runs it): gradients stream to the
+    host during backward; the host AdamW (and, with resident parameters, the copy
+    of the new weights back) runs layer by layer, first layers first, beside the
+    next step's forward. Global-norm clipping needs every gradient before any
+    update, so with clipping the update hides only behind forward compute
+    (`fwd_busy_s`), without it behind the whole step. One layer's share is exposed.
+    """
     p = shape.params_per_device(model, slot.tp)
     pb = train.param_bytes
     if not policy.offload_optimizer:
         return p * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw
     d2h = p * pb / slot.host_link
-    h2d = p * pb / slot.host_link
+    h2d = 0.0 if policy.offload_params else p * pb / slot.host_link  # offloaded params are fetched anyway
     cpu = p / slot.cpu_adam_per_gpu
     tail = (d2h + cpu + h2d) / max(shape.num_layers, 1)
-    return max(0.0, max(d2h, h2d, cpu) - busy_s) + tail
+    window = fwd_busy_s if train.grad_clip is not None else busy_s
+    return max(0.0, d2h - (busy_s - fwd_busy_s), max(h2d, cpu) - window) + tail
 
 
 def sync_s(params_dev: float, train: TrainSpec, num_replicas: int, bw: float) -> float:

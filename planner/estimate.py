@@ -28,6 +28,10 @@ class StageProfile:
     def busy_s(self) -> float:
         return sum(t.fwd_s + t.bwd_s for t in self.times)
 
+    @property
+    def fwd_busy_s(self) -> float:
+        return sum(t.fwd_s for t in self.times)
+
 
 def profile_pipeline(
     pipe: Pipeline, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec
@@ -82,7 +86,8 @@ def profile_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: Trai
                 key = (0, 0) if sp.shape.first else (model.num_layers - 1, 0)
                 sync += cost.sync_s(edge, train, num_r, bws[key])
             sp.sync_s = max(0.0, sync - sp.times[-1].bwd_s)
-            sp.opt_s = cost.optimizer_s(sp.slot, model, train, sp.shape, cost.knobs(st.offload), sp.busy_s)
+            sp.opt_s = cost.optimizer_s(sp.slot, model, train, sp.shape, cost.knobs(st.offload), sp.busy_s,
+                                          sp.fwd_busy_s)
         profiles.append(prof)
     return profiles
 

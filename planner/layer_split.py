@@ -174,7 +174,8 @@ class PipelineModel:
             tl = t if last_b == b else cost.stage_times(slot, self.model, self.train, shape, last_b, k, kn, *self.p2p[i])
             full, last = t.fwd_s + t.bwd_s, tl.fwd_s + tl.bwd_s
             busy = (m - 1) * full + last
-            extra = cost.optimizer_s(slot, self.model, self.train, shape, kn, busy) + max(0.0, sync - tl.bwd_s)
+            fwd = (m - 1) * t.fwd_s + tl.fwd_s
+            extra = cost.optimizer_s(slot, self.model, self.train, shape, kn, busy, fwd) + max(0.0, sync - tl.bwd_s)
             out.append((StageChoice(nl, kn, t), full, last, extra))
         return out
 
@@ -238,7 +239,8 @@ class PipelineModel:
         for i, ch in enumerate(stages):
             shape = self._shape(i, ch.num_layers)
             busy = (m - 1) * full[i] + last[i]
-            opt = cost.optimizer_s(self.slots[i], self.model, self.train, shape, ch.policy, busy)
+            fwd = (m - 1) * ch.times.fwd_s + last_t[i].fwd_s
+            opt = cost.optimizer_s(self.slots[i], self.model, self.train, shape, ch.policy, busy, fwd)
             sync = cost.sync_s(shape.params_per_device(self.model, self.slots[i].tp), self.train, num_replicas, sync_bw)
             finish = max(finish, t_pipe + max(0.0, sync - last_t[i].bwd_s) + opt)
         return finish

@@ -62,7 +62,7 @@ def cheapest(
     best = None
     for kn, t in candidates:
         busy = num_mb * (t.fwd_s + t.bwd_s)
-        value = busy + cost.optimizer_s(slot, model, train, shape, kn, busy)
+        value = busy + cost.optimizer_s(slot, model, train, shape, kn, busy, num_mb * t.fwd_s)
         if best is None or value < best[2] * (1 - 1e-12):
             best = (kn, t, value)
     return best

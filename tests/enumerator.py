@@ -107,8 +107,9 @@ def _best_for_groups(kinds, model, train, bw) -> float:
             slot, shape, opts = per_stage[i]
             kn, ts = opts[c]
             busy = sum(t.fwd_s + t.bwd_s for t in ts)
+            fwd = sum(t.fwd_s for t in ts)
             sync = cost.sync_s(shape.params_per_device(model, slot.tp), train, num_r, bw)
-            fin = max(fin, t_pipe + max(0.0, sync - ts[-1].bwd_s) + cost.optimizer_s(slot, model, train, shape, kn, busy))
+            fin = max(fin, t_pipe + max(0.0, sync - ts[-1].bwd_s) + cost.optimizer_s(slot, model, train, shape, kn, busy, fwd))
         return fin
 
     # Every ordered pipeline, as a tuple of kind indices, that the group counts allow.
