@@ -38,6 +38,7 @@ from planner.specs import ModelSpec, TrainSpec
 from workers import layout
 from workers.data import Dataset
 from workers.model import EMBED, HEAD, Stage
+from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
 
 
 class StepError(RuntimeError):
@@ -104,8 +105,6 @@ class Engine:
         self._build()
 
     def _build(self) -> None:
-        from workers.offload import DeviceMeter, ParamStore
-
         st = self.stage_spec
         self.module = Stage(self.model, st.layer_start, st.layer_end, self.first, self.last,
                             self.info.tp_rank, st.tp, self.tp_group, self.train.seed, self.dtype,
@@ -134,19 +133,19 @@ class Engine:
             self.module.store = self.store
         self.resident = {n: p for n, p in self.module.params.items() if p.device == self.device and
                          (self.store is None or n not in self.store.host)}
+        self.updater = None
         if self.offload_opt:
             # Gradients stream to the host as backward produces them and accumulate there.
             for n, p in self.resident.items():
                 p.register_post_accumulate_grad_hook(self._grad_to_host(self.opt_params[n]))
-        self.updater = None
-        if self.offload_opt:
             # The host optimizer runs per layer on a thread, first layers first (LayerwiseUpdate).
-            from workers.offload import LayerwiseUpdate
-
-            n_layers = self.model.num_layers
             by_layer: dict[int, list] = {}
+            self.resident_by_layer: dict[int, list[str]] = {}
             for n, q in self.opt_params.items():
-                by_layer.setdefault(_extended_layer(self.module.specs[n].layer, n_layers), []).append(q)
+                layer = _extended_layer(self.module.specs[n].layer, self.model.num_layers)
+                by_layer.setdefault(layer, []).append(q)
+                if n in self.resident:
+                    self.resident_by_layer.setdefault(layer, []).append(n)
             self.updater = LayerwiseUpdate(sorted(by_layer.items()), self._adamw, self._copy_back, self.overlap_update)
             self.module.before_layer = self.updater.wait
             if self.store is not None:
@@ -156,6 +155,7 @@ class Engine:
             self.optimizer = self._adamw(list(self.opt_params.values()))
         self.peers = layout.p2p_peers(self.plan, self.info.pipeline, self.info.stage, self.info.tp_rank)
         self.meter.set_static(list(self.resident.values()))
+        self._moments_counted = False  # AdamW's moments join the meter's static state after the first step
 
     def _adamw(self, params: list) -> torch.optim.AdamW:
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train.weight_decay},
@@ -166,9 +166,8 @@ class Engine:
     def _copy_back(self, layer: int) -> None:
         """After a layer's host update: its resident device copies take the new weights."""
         with torch.no_grad():
-            for n, p in self.resident.items():
-                if _extended_layer(self.module.specs[n].layer, self.model.num_layers) == layer:
-                    p.copy_(self.opt_params[n], non_blocking=True)
+            for n in self.resident_by_layer.get(layer, ()):
+                self.resident[n].copy_(self.opt_params[n], non_blocking=True)
 
     def _opt_states(self):
         return self.updater.states() if self.updater is not None else self.optimizer.state.values()
@@ -288,8 +287,8 @@ class Engine:
             return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.meter.enabled and self.meter.static == self._param_bytes():
-            # AdamW's moments now exist on the device: static state from here on
+        if self.meter.enabled and not self._moments_counted:
+            self._moments_counted = True
             self.meter.set_static(list(self.resident.values()) + [t for st in self.optimizer.state.values()
                                                                    for t in st.values() if torch.is_tensor(t) and t.dim() > 0])
 
@@ -297,9 +296,6 @@ class Engine:
         """Wait for an overlapped host update to finish (before reading or replacing state)."""
         if self.updater is not None:
             self.updater.join()
-
-    def _param_bytes(self) -> int:
-        return sum(p.untyped_storage().nbytes() for p in self.resident.values())
 
     def device_state_bytes(self) -> int:
         """Bytes of parameters and optimizer state that stay on the device. Gradients, activations
