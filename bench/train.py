@@ -32,9 +32,9 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from orchestrator.jobfile import parse_job  # noqa: E402
-from orchestrator.runner import PlanRun, slowdowns  # noqa: E402
-from orchestrator.testcluster import EmbeddedCluster  # noqa: E402
+from orchestrator.cluster.embedded import EmbeddedCluster  # noqa: E402
+from orchestrator.job_spec import parse_job  # noqa: E402
+from orchestrator.worker_group import PlanRun, slowdowns  # noqa: E402
 from planner import ClusterSpec, NodeSpec, plan  # noqa: E402
 from planner.baselines import megatron_symmetric  # noqa: E402
 from planner.catalog import gpu_info  # noqa: E402

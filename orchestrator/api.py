@@ -6,12 +6,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.controller import State
 from orchestrator.errors import ConfigError, JobFailed
-from orchestrator.jobfile import JobSpec, format_validation, load_job, require_cluster
+from orchestrator.job_spec import JobSpec, format_validation, load_job, require_cluster
 from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
 from planner.baselines import all_baselines
+from planner.contract import plan_problems
+from planner.specs import tokens_per_step
 
 
 def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput") -> dict[str, Any]:
@@ -61,44 +62,34 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def check_plan(plan: Plan, job: JobSpec, source: str) -> Plan:
-    """Validate a user-supplied plan against the job's model and cluster; fill in its estimate."""
+    """Check a user-supplied plan against the plan contract and the job; fill in its estimate."""
     cluster = require_cluster(job, source)
-    model = job.model_spec
-    problems = []
-    if plan.num_layers != model.num_layers:
-        problems.append(f"plan has num_layers={plan.num_layers} but the model has {model.num_layers}")
-    if plan.global_batch != job.train.global_batch:
-        problems.append(f"plan global_batch={plan.global_batch} but train.global_batch={job.train.global_batch}")
-    if len(plan.pipelines) > job.train.global_batch:
-        problems.append(f"global batch {job.train.global_batch} is smaller than the plan's {len(plan.pipelines)} pipelines")
-    try:
-        plan.check_structure()
-    except ValueError as e:
-        problems.append(str(e))
-    known = {d: n for n in cluster.nodes for d in n.device_ids()}
-    for p in plan.pipelines:
-        for st in p.stages:
-            if model.num_heads % st.tp:
-                problems.append(f"stage on {st.node} has TP degree {st.tp}, which does not divide num_heads={model.num_heads}")
-            for d in st.devices:
-                node = known.get(d)
-                if node is None:
-                    problems.append(f"device {d} is not in the job's cluster (it has {len(known)} GPUs)")
-                elif node.gpu_type != st.gpu_type:
-                    problems.append(f"device {d} is a {node.gpu_type}, the plan says {st.gpu_type}")
+    problems = plan_problems(plan, job.model_spec, job.train, cluster)
     if problems:
-        raise ConfigError(f"{source}: the plan does not match the job: " + "; ".join(dict.fromkeys(problems))
+        raise ConfigError(f"{source}: the plan does not match the job: " + "; ".join(problems)
                           + ". Fix: regenerate it with `hetspot plan JOB.yaml --json`.")
-    plan.estimate = evaluate(plan, cluster, model, job.train)
+    plan.estimate = evaluate(plan, cluster, job.model_spec, job.train)
     return plan
 
 
+def check_data(job: JobSpec, source: str) -> None:
+    """The job's data file against its model, before any cluster starts (exit 2 on a problem)."""
+    from workers.data_validation import DataError, check_data
+
+    d, m = job.data, job.model_spec
+    try:
+        check_data(d.kind, d.path, m.seq_len, m.vocab_size, d.dtype)
+    except DataError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
 def submit_local(job_path: str | Path, plan_path: str | Path | None = None, steps: int | None = None,
-                 on_step=None, on_status=None) -> dict[str, Any]:
-    """`hetspot submit` without --address: plan (or load --plan), start the embedded cluster, train."""
+                 on_step=None, on_status=None, replan_on_loss: bool = False) -> dict[str, Any]:
+    """`hetspot submit` without --address: check, plan (or load --plan), start the embedded cluster, train."""
     source = str(job_path)
     job = load_job(job_path)
     cluster = require_cluster(job, source)
+    check_data(job, source)
     if plan_path is not None:
         plan = check_plan(load_plan(plan_path), job, str(plan_path))
     else:
@@ -107,53 +98,43 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         except PlanningError as e:
             raise ConfigError(f"{source}: {e}") from None
     steps = steps or job.steps
-    from orchestrator.driver import ControllerActor, drive, on_head
-    from orchestrator.testcluster import EmbeddedCluster
+    from orchestrator.cluster.embedded import EmbeddedCluster
+    from orchestrator.controller import State
+    from orchestrator.controller_actor import ControllerActor, drive, on_head
 
     status = on_status or (lambda m: None)
     status(f"starting embedded Ray cluster: {len(cluster.nodes)} nodes, {cluster.num_gpus} fake GPUs")
+    t0 = time.perf_counter()
     ec = EmbeddedCluster(cluster)
     try:
         ec.connect()
-        status(f"placing {len(plan.devices())} workers")
+        cluster_s = time.perf_counter() - t0
         actor = ControllerActor.options(**on_head()).remote(job.model_dump_json(), steps, job.name, True,
-                                                            plan.model_dump_json())
-        t0 = time.perf_counter()
+                                                            plan.model_dump_json(), plan_path is not None,
+                                                            replan_on_loss)
 
         def on_row(row: dict) -> None:
             if on_step is not None:
                 on_step(row["step"], row["loss"], row["tokens_per_s"])
 
-        summary = drive(actor, on_row)
+        summary = drive(actor, on_row, on_phase=status)
         wall = time.perf_counter() - t0
         if summary["state"] != State.DONE.value:
             raise JobFailed(summary["error"])
     finally:
         ec.shutdown()
+    trained_s = sum(summary["step_time_s"])
     return {
         "job": job.name,
         "plan": summary["plan"],
         "losses": summary["losses"],
         "step_time_s": summary["step_time_s"],
-        "tokens_per_s": job.train.global_batch * job.model_spec.seq_len * steps / wall,
+        "tokens_per_s": tokens_per_step(job.model_spec, job.train.global_batch) * len(summary["losses"]) / trained_s,
+        "startup_s": cluster_s + (summary["startup_s"] or 0.0),
         "wall_s": wall,
         "restarts": summary["restarts"],
+        "events": summary["events"],
     }
-
-
-def make_controller(job: JobSpec, steps: int, on_step=None, first_plan: Plan | None = None, nodes=None):
-    """A Controller over the connected Ray cluster: one TrainWorker per GPU.
-
-    Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster).
-    """
-    from orchestrator.controller import Controller
-    from orchestrator.ray_group import RayNodes, RayWorkerGroup
-
-    controller = Controller(job.model_spec, job.train, steps, nodes or RayNodes(job.cluster),
-                            lambda p: RayWorkerGroup(job, p, on_step), snapshot_every=job.runtime.snapshot_every)
-    if first_plan is not None:  # a user-supplied (already checked) plan skips the first planning
-        controller.cluster, controller.plan, controller.state = job.cluster, first_plan, State.LAUNCHING
-    return controller
 
 
 def inventory(address: str | None = None, job_path: str | Path | None = None, ec2_region: str | None = None,
@@ -163,12 +144,13 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
     An http(s) address is the dashboard: nodes come from its State API (token auth
     supported). HOST:6379 or 'auto' connects a Ray driver instead.
     """
-    from orchestrator.discovery import Boto3SpotPrices, EC2Facts, RayInventory, to_cluster_spec
+    from orchestrator.cluster.discovery import RayInventory, to_cluster_spec
+    from orchestrator.cluster.ec2 import Boto3SpotPrices, EC2Facts
 
     started = None
     nodes_fn = None
     if address and address.startswith(("http://", "https://")):
-        from orchestrator.jobs import RayJobs
+        from orchestrator.ray_jobs import RayJobs
 
         nodes_fn = RayJobs(address, token_file).nodes
     else:
@@ -183,7 +165,7 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
                     raise ConfigError(f"cannot reach a Ray cluster at {address!r} ({type(e).__name__}: {e}); pass "
                                       "the dashboard URL (http://HEAD:8265), the GCS address (HOST:6379) or 'auto'") from None
             elif job_path:
-                from orchestrator.testcluster import EmbeddedCluster
+                from orchestrator.cluster.embedded import EmbeddedCluster
 
                 started = EmbeddedCluster(require_cluster(load_job(job_path), str(job_path)))
                 started.connect()

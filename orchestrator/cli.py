@@ -85,20 +85,25 @@ def submit(
     token_file: str | None = _token_option(),
     plan_file: str | None = typer.Option(None, "--plan", help="a plan JSON (from `hetspot plan --json`); local runs only"),
     steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (default: the job's steps)"),
+    replan_on_loss: bool = typer.Option(False, "--replan-on-loss",
+                                        help="with --plan: after a node loss, re-plan on the survivors instead of failing"),
     follow: bool = typer.Option(False, "--follow", help="with --address: stream the job's logs until it ends"),
     as_json: bool = typer.Option(False, "--json", help="print the result (local) or the job id (--address) as JSON"),
 ) -> None:
     """Train a job: on a running Ray cluster through Ray Jobs (--address), or on the embedded test cluster."""
     from orchestrator import api
-    from orchestrator.jobfile import load_job
+    from orchestrator.job_spec import load_job
 
     job = load_job(job_file)  # validate before anything starts or is sent
     if address:
         from orchestrator.errors import ConfigError
-        from orchestrator.jobs import RayJobs
+        from orchestrator.ray_jobs import RayJobs
 
         if plan_file:
             raise ConfigError("--plan works for local runs only; on a cluster the job plans on the GPUs it finds")
+        if replan_on_loss:
+            raise ConfigError("--replan-on-loss goes with --plan, for local runs only; on a cluster the job always "
+                              "re-plans on the GPUs it finds")
         jobs = RayJobs(address, token_file)
         job_id = jobs.submit(job, steps)
         if as_json:
@@ -125,12 +130,15 @@ def submit(
         def on_step(s: int, loss: float, tok_s: float) -> None:
             progress.update(task, completed=s + 1, info=f"step {s} loss {loss:.4f} {tok_s:,.0f} tok/s")
 
-        result = api.submit_local(job_file, plan_file, steps, on_step=on_step, on_status=on_status)
+        result = api.submit_local(job_file, plan_file, steps, on_step=on_step, on_status=on_status,
+                                  replan_on_loss=replan_on_loss)
     if as_json:
         _print_json(result)
     else:
-        console.print(f"trained {len(result['losses'])} steps in {result['wall_s']:.1f} s: loss "
-                      f"{result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s")
+        console.print(f"trained {len(result['losses'])} steps in {result['wall_s']:.1f} s "
+                      f"(start-up {result['startup_s']:.1f} s): loss {result['losses'][0]:.4f} -> "
+                      f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s over the step times, "
+                      f"{result['restarts']} re-plans")
 
 
 @app.command()
@@ -142,17 +150,21 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
 ) -> None:
     """A submitted job's state and its last committed step (loss, tokens/s, MFU)."""
-    from orchestrator.jobs import RayJobs
+    from orchestrator.ray_jobs import RayJobs
 
     st = RayJobs(address, token_file).status(job_id)
     if as_json:
         _print_json(st)
         return
     console.print(f"[bold]{job_id}[/]: {st['status']}" + (f" ({st['message']})" if st["message"] else ""))
+    from orchestrator.metrics import format_mfu
+
     p = st["progress"]
+    if st.get("phase"):
+        console.print(f"  phase: {st['phase']}")
     if p:
         console.print(f"  step {p['step'] + 1}/{p['steps']}: loss {p['loss']:.4f}, {p['tokens_per_s']:,.0f} tokens/s, "
-                      f"MFU {p['mfu']:.1%}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
+                      f"MFU {format_mfu(p['mfu'])}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
     else:
         console.print("  no step committed yet")
 
@@ -166,7 +178,7 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
 ) -> None:
     """The job driver's output: progress lines, and worker lines naming node, rank and stage."""
-    from orchestrator.jobs import RayJobs
+    from orchestrator.ray_jobs import RayJobs
 
     jobs = RayJobs(address, token_file)
     if follow:
@@ -185,7 +197,7 @@ def stop(
     token_file: str | None = _token_option(),
 ) -> None:
     """Stop a submitted job (its controller, workers and placement groups go with it)."""
-    from orchestrator.jobs import RayJobs
+    from orchestrator.ray_jobs import RayJobs
 
     stopped = RayJobs(address, token_file).stop(job_id)
     console.print(f"{job_id}: {'stop requested' if stopped else 'already finished'}")
@@ -201,7 +213,7 @@ def list_jobs(
     """hetspot jobs on a running cluster, oldest first."""
     from rich.table import Table
 
-    from orchestrator.jobs import RayJobs
+    from orchestrator.ray_jobs import RayJobs
 
     rows = RayJobs(address, token_file).list()
     if as_json:

@@ -1,19 +1,20 @@
-"""The job controller: an explicit state machine that can be stepped, policies that decide, an executor.
+"""The job controller: an explicit state machine that can be stepped; it executes the policies' decisions.
 
 States (one job):
   DISCOVERING -> PLANNING -> LAUNCHING -> TRAINING -> DONE
-                                 ^            |
-                                 |            v  worker failure: the policy decides
-                             RECOVERING <- (re-plan) | FAILED (abort)
+       ^                         ^            |   \\
+       |                         |            |    v  spot notice for a node of the plan
+       |                     RECOVERING <-----+  DRAINING: snapshot now, drop the node
+       +--------------------------------------------+
+  A worker failure goes to the failure policy (orchestrator/policies.py): re-plan
+  (RECOVERING) or abort (FAILED). A job started with a user's plan begins at LAUNCHING.
 
-Side effects sit behind two small protocols, so unit tests drive `step()` with
-fakes: `NodeSource.discover() -> ClusterSpec` and a `WorkerGroup` built from a
-Plan (start, step, export/import state, shutdown). Policies are pure functions
-returning decision dataclasses (Ray Train v2's controller does the same); the
-controller only executes them and logs the cause.
+Every side effect sits behind a protocol (orchestrator/protocols.py): nodes,
+the worker group, the snapshot store, interruptions and the clock, so unit tests
+drive `step()` with the fakes in orchestrator/fakes.py.
 
 Committed step: step s is committed when every worker returned its result for
-s. A snapshot of the canonical state is kept every `snapshot_every` committed
+s. A canonical state snapshot goes to the store every `snapshot_every` committed
 steps; after a failure the job re-plans on the survivors, restores the newest
 snapshot, and resumes at the step after it, so no sample is lost or repeated.
 """
@@ -22,11 +23,21 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from orchestrator.errors import WorkerFailure
+from orchestrator.policies import Abort, Replan, failure_policy
+from orchestrator.protocols import (
+    CheckpointStore,
+    Clock,
+    InterruptionSource,
+    NodeSource,
+    NoInterruptions,
+    SystemClock,
+    WorkerGroup,
+)
+from orchestrator.state.snapshots import MemorySnapshots
 from planner import ClusterSpec, Plan, PlanningError
 from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec
@@ -40,86 +51,59 @@ class State(enum.Enum):
     LAUNCHING = "launching"
     TRAINING = "training"
     RECOVERING = "recovering"
-    DRAINING = "draining"  # spot-notice drain; entered by the preemption work, not yet here
+    DRAINING = "draining"
     DONE = "done"
     FAILED = "failed"
-
-
-class WorkerFailure(Exception):
-    """A worker (or its node) failed; `where` names rank, stage and node."""
-
-    def __init__(self, where: str, cause: str):
-        super().__init__(f"{where}: {cause}")
-        self.where, self.cause = where, cause
-
-
-class NodeSource(Protocol):
-    def discover(self) -> ClusterSpec: ...
-
-
-class WorkerGroup(Protocol):
-    def start(self) -> None: ...
-    def step(self, step_index: int) -> float: ...  # the committed step's loss
-    def export_state(self) -> tuple[dict, float]: ...
-    def import_state(self, state: dict, optimizer_steps: float) -> None: ...
-    def shutdown(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Continue:
-    pass
-
-
-@dataclass(frozen=True)
-class Replan:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Abort:
-    reason: str
-
-
-Decision = Continue | Replan | Abort
-
-
-def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int) -> Decision:
-    """Re-plan on the survivors while restarts remain; then abort with the cause."""
-    if restarts >= max_restarts:
-        return Abort(f"{failure} (gave up after {restarts} re-plans)")
-    return Replan(str(failure))
 
 
 @dataclass
 class Progress:
     committed: int = -1  # last committed step
     losses: dict[int, float] = field(default_factory=dict)
-    snapshot: tuple[int, dict, float] | None = None  # (step, state, optimizer steps)
+    snapshot_step: int | None = None  # newest step whose state is in the store
     restarts: int = 0
+    drains: int = 0
     step_time_s: dict[int, float] = field(default_factory=dict)
+    startup_s: float | None = None  # from the controller's start to the first step's start
+    phase: str = "discovering"  # what the job is doing now, for people
     history: list[str] = field(default_factory=list)  # transitions, for status and tests
+    events: list[dict] = field(default_factory=list)  # re-plans and drains with their cause
 
 
 class Controller:
     def __init__(self, model: ModelSpec, train: TrainSpec, steps: int, nodes: NodeSource,
-                 make_group: Callable[[Plan], WorkerGroup], max_restarts: int = 3, snapshot_every: int = 1):
+                 make_group: Callable[[Plan], WorkerGroup], *, store: CheckpointStore | None = None,
+                 clock: Clock | None = None, interruptions: InterruptionSource | None = None,
+                 first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
+                 max_restarts: int = 3,
+                 snapshot_every: int = 1, on_phase: Callable[[str], None] | None = None):
         self.model, self.train, self.steps = model, train, steps
         self.nodes, self.make_group = nodes, make_group
+        self.store = store or MemorySnapshots()
+        self.clock = clock or SystemClock()
+        self.interruptions = interruptions or NoInterruptions()
         self.max_restarts, self.snapshot_every = max_restarts, snapshot_every
+        self.replan_user_plan = replan_user_plan
+        self.on_phase = on_phase or (lambda phase: None)
         self.planner = Planner(model, train)  # keeps its cost caches across re-plans
-        self.state = State.DISCOVERING
         self.progress = Progress()
         self.cluster: ClusterSpec | None = None
-        self.plan: Plan | None = None
         self.group: WorkerGroup | None = None
         self.error: str | None = None
+        self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
+        self.started_at = self.clock.now()
+        # A first plan (already checked against the job) skips the first discovery and planning;
+        # `user_plan` says it came from the user (--plan), so it is not replaced without saying so.
+        self.plan: Plan | None = first_plan
+        self.user_plan = user_plan and first_plan is not None
+        self.state = State.LAUNCHING if first_plan is not None else State.DISCOVERING
 
     # -- the state machine -------------------------------------------------------
     def step(self) -> State:
         """Run one transition and return the new state."""
         handler = {
             State.DISCOVERING: self._discover, State.PLANNING: self._plan, State.LAUNCHING: self._launch,
-            State.TRAINING: self._train, State.RECOVERING: self._recover,
+            State.TRAINING: self._train, State.RECOVERING: self._recover, State.DRAINING: self._drain,
         }.get(self.state)
         if handler is not None:
             before = self.state
@@ -132,68 +116,116 @@ class Controller:
             self.step()
         return self.state
 
+    def _phase(self, phase: str) -> None:
+        self.progress.phase = phase
+        log.info("phase: %s", phase)
+        self.on_phase(phase)
+
     def _discover(self) -> State:
-        self.cluster = self.nodes.discover()
+        self._phase("discovering GPUs")
+        self.cluster = self.nodes.discover().without_nodes(self.doomed)
         log.info("discovered %d GPUs on %d nodes", self.cluster.num_gpus, len(self.cluster.nodes))
         return State.PLANNING
 
     def _plan(self) -> State:
+        self._phase(f"planning on {self.cluster.num_gpus} GPUs")
         try:
             self.plan = self.planner.plan(self.cluster)
         except PlanningError as e:
             return self._fail(f"no plan on the {self.cluster.num_gpus} GPUs left: {e}")
         log.info("planned %d pipelines, predicted %.0f tokens/s", len(self.plan.pipelines), self.plan.estimate.tokens_per_s)
+        for u in self.plan.unused:
+            log.info("GPU %s left idle: %s", u.device, u.reason)
         return State.LAUNCHING
 
     def _launch(self) -> State:
+        self._phase(f"placing {len(self.plan.devices())} workers and joining their process group")
         self.group = self.make_group(self.plan)
         try:
             self.group.start()
-            if self.progress.snapshot is not None:
-                _, state, opt_steps = self.progress.snapshot
-                self.group.import_state(state, opt_steps)
+            snap = self.store.latest()
+            if snap is not None:
+                self._phase(f"restoring state of step {snap[0]}")
+                self.group.import_state(snap[1], snap[2])
         except WorkerFailure as e:
             return self._decide(e)
+        self._phase("training")
         return State.TRAINING
 
     def _train(self) -> State:
         s = self.progress.committed + 1
         if s >= self.steps:
             self.group.shutdown()
+            self._phase("done")
             return State.DONE
+        notices = [n for n in self.interruptions.poll() if n.node in {st.node for p in self.plan.pipelines
+                                                                      for st in p.stages}]
+        if notices:
+            self.doomed |= {n.node for n in notices}
+            self._event("drain", f"notice for {', '.join(sorted({n.node for n in notices}))} "
+                                 f"({', '.join(sorted({n.source for n in notices}))})")
+            return State.DRAINING
         try:
-            t0 = time.perf_counter()
+            t0 = self.clock.now()
+            if self.progress.startup_s is None:
+                self.progress.startup_s = t0 - self.started_at
             loss = self.group.step(s)
-            self.progress.step_time_s[s] = time.perf_counter() - t0
+            self.progress.step_time_s[s] = self.clock.now() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
             if (s + 1) % self.snapshot_every == 0:
-                state, opt_steps = self.group.export_state()
-                self.progress.snapshot = (s, state, opt_steps)
+                self._snapshot(s)
         except WorkerFailure as e:
             return self._decide(e)
         return State.TRAINING
 
+    def _snapshot(self, s: int) -> None:
+        state, opt_steps = self.group.export_state()
+        self.store.save(s, state, opt_steps)
+        self.progress.snapshot_step = s
+
+    def _drain(self) -> State:
+        """At a step boundary before the deadline: snapshot the committed step, then re-plan without the node."""
+        self._phase(f"draining {', '.join(sorted(self.doomed))}")
+        try:
+            if self.progress.committed >= 0 and self.progress.snapshot_step != self.progress.committed:
+                self._snapshot(self.progress.committed)
+        except WorkerFailure as e:
+            return self._decide(e)
+        self.group.shutdown()
+        self.progress.drains += 1
+        return State.DISCOVERING
+
     def _recover(self) -> State:
         # Work after the newest snapshot is not committed any more: roll back to it.
-        snap = self.progress.snapshot
-        self.progress.committed = snap[0] if snap else -1
-        keep = self.progress.committed
+        snap = self.store.latest()
+        keep = self.progress.committed = snap[0] if snap else -1
         self.progress.losses = {k: v for k, v in self.progress.losses.items() if k <= keep}
         self.progress.step_time_s = {k: v for k, v in self.progress.step_time_s.items() if k <= keep}
         return State.DISCOVERING
 
     # -- the executor of decisions -------------------------------------------------
     def _decide(self, failure: WorkerFailure) -> State:
-        decision = failure_policy(failure, self.progress.restarts, self.max_restarts)
-        log.warning("worker failure: %s -> %s", failure, type(decision).__name__)
+        decision = failure_policy(failure, self.progress.restarts, self.max_restarts, self.user_plan,
+                                  self.replan_user_plan)
+        log.warning("worker failure (%s): %s -> %s", failure.kind, failure, type(decision).__name__)
         if self.group is not None:
             self.group.shutdown()
         if isinstance(decision, Replan):
             self.progress.restarts += 1
+            self._event("re-plan", str(failure))
+            if self.user_plan:
+                log.warning("replacing the plan given with --plan by a planner plan on the surviving GPUs "
+                            "(--replan-on-loss)")
+                self.user_plan = False
             return State.RECOVERING
         return self._fail(decision.reason if isinstance(decision, Abort) else str(failure))
 
+    def _event(self, kind: str, cause: str) -> None:
+        self.progress.events.append({"kind": kind, "cause": cause, "at_step": self.progress.committed,
+                                     "t_s": round(self.clock.now() - self.started_at, 3)})
+
     def _fail(self, reason: str) -> State:
         self.error = reason
+        self._phase("failed")
         log.error("job failed: %s", reason)
         return State.FAILED

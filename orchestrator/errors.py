@@ -1,12 +1,14 @@
 """User-facing errors. The CLI prints their message (no traceback) and exits with `exit_code`."""
 
+from __future__ import annotations
+
 
 class HetspotError(Exception):
     exit_code = 1
 
 
 class ConfigError(HetspotError):
-    """Bad user input: a job file, a plan file, or a flag. Exit code 2."""
+    """Bad user input: a job file, a plan file, data, or a flag. Exit code 2."""
 
     exit_code = 2
 
@@ -15,3 +17,15 @@ class JobFailed(HetspotError):
     """Training failed at run time; the message names the rank and stage."""
 
     exit_code = 1
+
+
+class WorkerFailure(JobFailed):
+    """A worker or its node failed. The one error type from a worker fault to the controller.
+
+    `where` names the phase and the rank (pipeline, stage, GPU type, node); `kind` is
+    a `preemption.failures.FailureKind` value that the controller's policy reads.
+    """
+
+    def __init__(self, where: str, cause: str, kind: str = "error"):
+        super().__init__(f"{where}: {cause}")
+        self.where, self.cause, self.kind = where, cause, kind

@@ -17,8 +17,8 @@ import math
 from planner import cost
 from planner.errors import PlanningError
 from planner.estimate import evaluate
+from planner.offload_policy import cheapest, fitting_policies, to_policy
 from planner.plan_types import Pipeline, Plan, Stage
-from planner.policy import cheapest, fitting_policies, to_policy
 from planner.search import Group, make_groups, plan, tp_candidates
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
@@ -32,12 +32,11 @@ def _pipeline(groups: list[Group], layer_counts: list[int], n: int, b: int,
               model: ModelSpec, train: TrainSpec) -> Pipeline | None:
     """Stages with the cheapest fitting policy for a fixed split; None if a stage cannot fit."""
     p, m = len(groups), math.ceil(n / b)
-    slots = [g.slot for g in groups]
+    links = cost.stage_links([g.slot for g in groups])
     stages, at = [], 0
     for i, (g, nl) in enumerate(zip(groups, layer_counts, strict=True)):
         shape = cost.StageShape(nl, i == 0, i == p - 1)
-        nxt = cost.link_bw(slots[i], slots[i + 1]) if i + 1 < p else None
-        prv = cost.link_bw(slots[i], slots[i - 1]) if i > 0 else None
+        nxt, prv = links[i]
         k = cost.inflight(i, p, m, "1f1b")
         got = cheapest(fitting_policies(g.slot, model, train, shape, b, k, nxt, prv), g.slot, model, train, shape, m)
         if got is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from planner.catalog import gpu_info
-from planner.plan_types import OffloadPolicy
+from planner.plan_types import OffloadPolicy, Plan
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 GIB = float(1 << 30)
@@ -60,17 +60,32 @@ class Slot:
     cpu_adam_per_gpu: float  # params/s of host AdamW available to one GPU
 
 
+def device_budget_bytes(gpu_type: str, train: TrainSpec) -> float:
+    """What the planner lets a stage use on one GPU: its memory minus `train.memory_reserve_gib`."""
+    return (gpu_info(gpu_type).mem_gib - train.memory_reserve_gib) * GIB
+
+
+def peak_flops(gpu_type: str) -> float:
+    """Datasheet peak FLOP/s of one GPU (dense bf16, or fp16 where there is no bf16)."""
+    return gpu_info(gpu_type).peak_tflops * 1e12
+
+
+def plan_peak_flops(plan: Plan) -> float:
+    """Sum of datasheet peaks over every GPU the plan uses: the MFU denominator."""
+    return sum(peak_flops(st.gpu_type) * st.tp for p in plan.pipelines for st in p.stages)
+
+
 def make_slot(cluster: ClusterSpec, train: TrainSpec, node_name: str, tp: int) -> Slot:
     node = cluster.node(node_name)
     info = gpu_info(node.gpu_type)
-    peak = info.peak_tflops * 1e12
+    peak = peak_flops(node.gpu_type)
     return Slot(
         gpu_type=node.gpu_type,
         node=node.name,
         tp=tp,
         flops_per_gpu=peak * cluster.efficiency(node.gpu_type),
         peak_flops_per_gpu=peak,
-        mem_cap_bytes=(info.mem_gib - train.memory_reserve_gib) * GIB,
+        mem_cap_bytes=device_budget_bytes(node.gpu_type, train),
         mem_bw=info.mem_bw_gb_s * 1e9,
         host_link=info.host_link_gb_s * 1e9,
         intra_bw=node.intra_bw_gb_s * 1e9,
@@ -81,6 +96,13 @@ def make_slot(cluster: ClusterSpec, train: TrainSpec, node_name: str, tp: int) -
 
 def link_bw(a: Slot, b: Slot) -> float:
     return a.intra_bw if a.node == b.node else min(a.inter_bw, b.inter_bw)
+
+
+def stage_links(slots: list[Slot]) -> list[tuple[float | None, float | None]]:
+    """Per stage of a pipeline: (bandwidth to the next stage, to the previous one); None at the ends."""
+    p = len(slots)
+    return [(link_bw(slots[i], slots[i + 1]) if i + 1 < p else None,
+             link_bw(slots[i], slots[i - 1]) if i > 0 else None) for i in range(p)]
 
 
 def layer_fwd_flops(model: ModelSpec, b: int) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from planner import cost
 from planner.plan_types import Estimate, Pipeline, Plan
-from planner.specs import ClusterSpec, ModelSpec, TrainSpec
+from planner.specs import ClusterSpec, ModelSpec, TrainSpec, tokens_per_step
 
 
 @dataclass
@@ -40,10 +40,10 @@ def profile_pipeline(
     p = len(slots)
     out = []
     sizes = pipe.micro_batch_sizes()
+    links = cost.stage_links(slots)
     for i, st in enumerate(pipe.stages):
         shape = cost.StageShape(st.num_layers, i == 0, i == p - 1)
-        nxt = cost.link_bw(slots[i], slots[i + 1]) if i + 1 < p else None
-        prv = cost.link_bw(slots[i], slots[i - 1]) if i > 0 else None
+        nxt, prv = links[i]
         k = cost.inflight(i, p, pipe.num_micro_batches, pipe.schedule)
         cache: dict[int, cost.StageTimes] = {}
         times = []
@@ -123,12 +123,8 @@ def estimate_from_profiles(
     }
     kind = max(terms, key=lambda k: terms[k])
     bottleneck = f"out of memory on {', '.join(oom)}" if oom else f"{kind} on {where}"
-    tokens = plan.global_batch * model.seq_len
-    peak = sum(
-        cost.make_slot(cluster, train, st.node, st.tp).peak_flops_per_gpu * st.tp
-        for p in plan.pipelines for st in p.stages
-    )
-    mfu = plan.global_batch * cost.model_flops_per_sample(model) / (step * peak)
+    tokens = tokens_per_step(model, plan.global_batch)
+    mfu = plan.global_batch * cost.model_flops_per_sample(model) / (step * cost.plan_peak_flops(plan))
     return Estimate(
         step_time_s=step,
         tokens_per_s=tokens / step,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner import cost
-from planner.policy import cheapest, fitting_policies
+from planner.offload_policy import cheapest, fitting_policies
 from planner.specs import ModelSpec, TrainSpec
 
 
@@ -44,13 +44,8 @@ class PipelineModel:
         schedule: str = "1f1b", stage_cache: dict | None = None,
     ):
         self.slots, self.model, self.train, self.exact, self.schedule = slots, model, train, exact, schedule
-        p = len(slots)
         self.homogeneous = len({(s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu) for s in slots}) == 1
-        self.p2p = [
-            (cost.link_bw(slots[i], slots[i + 1]) if i + 1 < p else None,
-             cost.link_bw(slots[i], slots[i - 1]) if i > 0 else None)
-            for i in range(p)
-        ]
+        self.p2p = cost.stage_links(slots)
         # Shared across pipelines of one search: the same hardware at the same position costs the same.
         self._stage_cache = {} if stage_cache is None else stage_cache
         self._splits: dict[tuple[int, int], tuple[StageChoice, ...] | None] = {}

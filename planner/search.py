@@ -25,11 +25,12 @@ import math
 from dataclasses import dataclass
 
 from planner import cost
+from planner.contract import plan_problems, tp_problem
 from planner.errors import PlanningError
 from planner.estimate import evaluate
 from planner.layer_split import PipelineModel, allocate_samples
+from planner.offload_policy import to_policy
 from planner.plan_types import Pipeline, Plan, Stage, UnusedDevice
-from planner.policy import to_policy
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 EXHAUSTIVE_GROUPS = 8
@@ -55,8 +56,7 @@ class Group:
 
 def tp_candidates(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
     most = max(n.num_gpus for n in cluster.nodes)
-    return [t for t in (1, 2, 4, 8, 16, 32, 64)
-            if t <= most and model.num_heads % t == 0 and model.ffn % t == 0]
+    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= most and tp_problem(model, t) is None]
 
 
 def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int) -> tuple[list[Group], list[UnusedDevice]]:
@@ -352,6 +352,8 @@ class Planner:
                 best, best_key = plan_, key
         if best is None:
             raise PlanningError(_no_fit_message(cluster, model, train))
+        problems = plan_problems(best, model, train, cluster)
+        assert not problems, f"the search built a plan that breaks the plan contract: {problems}"
         return best
 
 

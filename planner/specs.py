@@ -171,6 +171,11 @@ PRESETS: dict[str, ModelSpec] = {
     "70b": _p("70b", 80, 8192, 64, 32000, 2048, ffn=36864),  # 4.5h GELU ~ a SwiGLU 28672 MLP
 }
 
+def tokens_per_step(model: ModelSpec, global_batch: int) -> int:
+    """Tokens one optimizer step trains: every sample is seq_len input tokens."""
+    return global_batch * model.seq_len
+
+
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 

@@ -2,53 +2,13 @@
 
 import pytest
 
-from orchestrator.controller import Controller, State, WorkerFailure
+from orchestrator.controller import Controller, State
+from orchestrator.fakes import FakeNodes
+from orchestrator.fakes import FakeWorkerGroup as FakeGroup
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 pytestmark = pytest.mark.unit
 MODEL, TRAIN = ModelSpec.preset("tiny"), TrainSpec(global_batch=8)
-
-
-class FakeNodes:
-    def __init__(self, *clusters):
-        self.clusters = list(clusters)
-        self.calls = 0
-
-    def discover(self):
-        c = self.clusters[min(self.calls, len(self.clusters) - 1)]
-        self.calls += 1
-        return c
-
-
-class FakeGroup:
-    """Loss of step s is a pure function of s and the weights (a counter of applied steps)."""
-
-    def __init__(self, plan, log, fail_at=None, fail_start=False):
-        self.plan, self.log, self.fail_at, self.fail_start = plan, log, fail_at, fail_start
-        self.applied = 0
-
-    def start(self):
-        self.log.append(("start", len(self.plan.devices())))
-        if self.fail_start:
-            raise WorkerFailure("rank 0 (pipeline 0, stage 0, T4 on t)", "actor died during start-up")
-
-    def step(self, s):
-        if self.fail_at and s == self.fail_at[0]:
-            self.fail_at.pop(0)
-            raise WorkerFailure("rank 1 (pipeline 0, stage 0, A100-80GB on a)", "node lost")
-        assert s == self.applied, "steps must run in order with no gap or repeat"
-        self.applied += 1
-        return 10.0 - s
-
-    def export_state(self):
-        return {"applied": self.applied}, float(self.applied)
-
-    def import_state(self, state, steps):
-        self.applied = state["applied"]
-        self.log.append(("import", state["applied"]))
-
-    def shutdown(self):
-        self.log.append(("shutdown",))
 
 
 BIG = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2), NodeSpec(name="l", gpu_type="L4", num_gpus=2)])

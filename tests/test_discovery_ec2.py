@@ -4,14 +4,13 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from orchestrator.discovery import (
+from orchestrator.cluster.discovery import (
     DiscoveredNode,
-    EC2Facts,
-    FixedPrices,
     RayInventory,
     catalog_type,
     to_cluster_spec,
 )
+from orchestrator.cluster.ec2 import EC2Facts, FixedPrices
 
 pytestmark = pytest.mark.unit
 

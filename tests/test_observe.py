@@ -4,12 +4,14 @@ import json
 
 import pytest
 
+from orchestrator.cluster.profiling import Measurement, calibration, measure
 from orchestrator.errors import ConfigError
-from orchestrator.jobs import _redact, dashboard_url, last_progress, resolve_token
-from orchestrator.observe import fleet_peak_flops, step_row
-from orchestrator.profiling import Measurement, calibration, measure
+from orchestrator.metrics import step_row
+from orchestrator.progress_lines import last_progress
+from orchestrator.ray_jobs import _redact, dashboard_url, resolve_token
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec, plan
 from planner.cost import model_flops_per_sample
+from planner.cost import plan_peak_flops as fleet_peak_flops
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost
-from planner.policy import cheapest, fitting_policies, to_policy
+from planner.offload_policy import cheapest, fitting_policies, to_policy
 from workers.data import make_dataset
 from workers.engine import Engine
 

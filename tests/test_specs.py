@@ -7,7 +7,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.errors import ConfigError
-from orchestrator.jobfile import load_job, parse_job
+from orchestrator.job_spec import load_job, parse_job
 from planner import PRESETS, ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 from planner.catalog import CATALOG, canonical_gpu_type
 

@@ -14,10 +14,10 @@ import pytest
 import ray
 import torch
 
+from orchestrator.cluster.embedded import EmbeddedCluster
 from orchestrator.errors import JobFailed
-from orchestrator.jobfile import JobSpec, parse_job
-from orchestrator.runner import PlanRun
-from orchestrator.testcluster import EmbeddedCluster
+from orchestrator.job_spec import JobSpec, parse_job
+from orchestrator.worker_group import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
 from workers.state import assemble, full_state
 
@@ -207,7 +207,7 @@ def test_inventory_reads_the_test_cluster(cluster):
     from typer.testing import CliRunner
 
     from orchestrator.cli import app
-    from orchestrator.discovery import RayInventory, to_cluster_spec
+    from orchestrator.cluster.discovery import RayInventory, to_cluster_spec
 
     spec = to_cluster_spec(RayInventory().discover())
     want = {(n.name, n.gpu_type, n.num_gpus, n.market) for n in CLUSTER.nodes}
@@ -220,8 +220,8 @@ def test_inventory_reads_the_test_cluster(cluster):
 def test_node_lost_mid_training_replans_and_matches_uninterrupted_run(cluster):
     """Remove a node during training: the controller re-plans on the survivors, restores the
     newest snapshot and resumes; the losses equal the uninterrupted 1-device run's."""
-    from orchestrator.api import make_controller
     from orchestrator.controller import State
+    from orchestrator.controller_actor import make_controller
 
     doomed = NodeSpec(name="d", gpu_type="H100-SXM", num_gpus=2, inter_node_bw_gb_s=100)
     cluster.nodes["d"] = cluster.add(doomed)
@@ -275,7 +275,7 @@ def read_scalars(logdir) -> dict[str, dict[int, float]]:
 def test_controller_actor_trains_and_records_metrics(cluster, tmp_path):
     """The Controller as a Ray actor: same losses as the 1-device run, one metrics row per
     committed step, and the same rows in a TensorBoard event log."""
-    from orchestrator.driver import ControllerActor, drive, on_head
+    from orchestrator.controller_actor import ControllerActor, drive, on_head
 
     j = job(8)
     j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"tensorboard_dir": str(tmp_path / "tb"),
@@ -291,7 +291,8 @@ def test_controller_actor_trains_and_records_metrics(cluster, tmp_path):
         assert abs(got - want) <= 1e-5 * abs(want)
     assert [r["step"] for r in rows] == list(range(STEPS))
     for r in rows:
-        assert r["loss"] == summary["losses"][r["step"]] and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["loss"] == summary["losses"][r["step"]] and r["tokens_per_s"] > 0
+        assert r["mfu"] is None  # fake GPUs: CPU compute against a GPU peak is no MFU (issue 10)
         assert 0 < r["device_memory_bytes"] < 8 * 2**20  # the meter's device bytes (tiny model), not the RSS
     tb = read_scalars(tmp_path / "tb")
     assert sorted(tb["train/loss"]) == list(range(STEPS))
@@ -300,8 +301,8 @@ def test_controller_actor_trains_and_records_metrics(cluster, tmp_path):
 
 
 def test_profiling_pass_skips_fake_gpus(cluster):
-    from orchestrator.discovery import RayInventory
-    from orchestrator.profiling import profile_cluster
+    from orchestrator.cluster.discovery import RayInventory
+    from orchestrator.cluster.profiling import profile_cluster
 
     calibration, notes = profile_cluster(RayInventory().discover(), timeout_s=60)
     assert calibration == {}

@@ -8,11 +8,15 @@ import socket
 import ray
 import torch
 
+from planner.cost import device_budget_bytes
 from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
 from workers.data import make_dataset
 from workers.engine import Engine, StepResult
+from workers.faults import FaultInjector
+from workers.layout import ranks
 from workers.logs import structured_logger
+from workers.state import export_shards, import_full
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -27,18 +31,15 @@ class TrainWorker:
                                data.get("path"), data.get("dtype", "uint16"))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         plan = Plan.model_validate_json(plan_json)
-        from planner.catalog import gpu_info
-        from workers.layout import ranks
-
         r = ranks(plan)[rank]
-        gpu = plan.pipelines[r.pipeline].stages[r.stage].gpu_type
-        budget = (gpu_info(gpu).mem_gib - train.memory_reserve_gib) * 2**30  # the planner's capacity
+        budget = device_budget_bytes(plan.pipelines[r.pipeline].stages[r.stage].gpu_type, train)
         self.engine = Engine(plan, rank, model, train, dataset, DTYPES[dtype], slowdown, device,
                              device_budget_bytes=budget, meter_memory=meter_memory)
         info, st = self.engine.info, self.engine.stage_spec
         self.log = structured_logger("hetspot.worker", node=info.node, rank=rank, pipeline=info.pipeline,
                                      stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)
         self.log_every = log_every
+        self.faults = FaultInjector()
 
     def rendezvous_address(self) -> str:
         """Rank 0 picks a free port on its node for torch.distributed's TCP rendezvous."""
@@ -59,7 +60,7 @@ class TrainWorker:
 
     def step(self, step_index: int) -> StepResult:
         try:
-            r = self.engine.step(step_index)
+            r = self.engine.step(step_index, before=self.faults)
         except Exception as e:
             self.log.error("step %d failed: %s", step_index, e)
             raise
@@ -73,13 +74,14 @@ class TrainWorker:
         return r
 
     def inject_fault(self, step_index: int, kind: str = "raise") -> None:
-        self.engine.inject_fault(step_index, kind)
+        """Fail this rank at `step_index` (workers/faults.py), for drills and tests."""
+        self.faults.fail_at(step_index, kind)
 
     def export_state(self) -> dict:
-        return self.engine.export_state()
+        return export_shards(self.engine)
 
     def import_state(self, full: dict, optimizer_steps: float) -> None:
-        self.engine.import_state(full, optimizer_steps)
+        import_full(self.engine, full, optimizer_steps)
 
     def where(self) -> str:
         return self.engine.where

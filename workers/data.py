@@ -13,6 +13,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from workers.data_validation import DataError, check_data, check_window, min_tokens
+
 _MIX = 0x9E3779B97F4A7C15
 
 
@@ -49,25 +51,30 @@ class SyntheticCorpus:
 
 
 class _Windowed:
-    """Fixed-length windows at pseudo-random offsets of a flat token array."""
+    """Fixed-length windows at pseudo-random offsets of a flat token array; every window is checked
+    against the vocabulary as it is read (workers/data_validation.py)."""
 
     def __init__(self, tokens: np.ndarray, vocab_size: int, seq_len: int, seed: int, source: str):
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"{source} has {len(tokens)} tokens; need at least seq_len + 2 = {seq_len + 2}")
+        if len(tokens) < min_tokens(seq_len):
+            raise DataError(f"{source} has {len(tokens)} tokens; need at least seq_len + 2 = {min_tokens(seq_len)}")
         self.tokens, self.vocab_size, self.seq_len, self.seed = tokens, vocab_size, seq_len, seed
+        self.source = source
 
     def batch(self, indices: range) -> torch.Tensor:
         span = len(self.tokens) - self.seq_len - 1
-        rows = [np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-                for o in ((((i + 1) * _MIX) ^ self.seed) % (1 << 61) % span for i in indices)]
+        rows = []
+        for o in ((((i + 1) * _MIX) ^ self.seed) % (1 << 61) % span for i in indices):
+            row = np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
+            check_window(row, self.vocab_size, self.source, o)
+            rows.append(row)
         return torch.from_numpy(np.stack(rows))
 
 
 class TextFile(_Windowed):
-    """Byte-level text: vocabulary 256."""
+    """Byte-level text: token ids are the bytes, so the model's vocabulary must cover them (256 for any text)."""
 
-    def __init__(self, path: str, seq_len: int, seed: int = 0):
-        super().__init__(np.frombuffer(Path(path).read_bytes(), dtype=np.uint8), 256, seq_len, seed, path)
+    def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256):
+        super().__init__(np.frombuffer(Path(path).read_bytes(), dtype=np.uint8), vocab_size, seq_len, seed, path)
 
 
 class TokenFile(_Windowed):
@@ -83,9 +90,8 @@ def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: 
     if kind == "synthetic":
         return SyntheticCorpus(vocab_size, seq_len, seed)
     if kind == "text":
-        if vocab_size < 256:
-            raise ValueError(f"data.kind 'text' is byte-level and needs model.vocab_size >= 256, got {vocab_size}")
-        return TextFile(path, seq_len, seed)
+        check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
+        return TextFile(path, seq_len, seed, vocab_size)
     if kind == "tokens":
         return TokenFile(path, seq_len, vocab_size, dtype, seed)
     raise ValueError(f"unknown data kind {kind!r}; use synthetic, text or tokens")

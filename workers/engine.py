@@ -26,23 +26,37 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from planner.contract import check_runtime_plan
 from planner.plan_types import Plan
 from planner.schedule import op_order
 from planner.specs import ModelSpec, TrainSpec
 from workers import layout
 from workers.data import Dataset
-from workers.model import EMBED, HEAD, Stage
+from workers.layout import extended_layer
+from workers.model import Stage
 from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
 
 
 class StepError(RuntimeError):
-    """A step failed on this rank; the message names the rank, stage and node."""
+    """A step failed on this rank; the message names the rank, stage and node.
+
+    `cause_type` is the original exception's type name, which the controller's
+    failure classification reads (a collective error is transient, an IndexError is not).
+    """
+
+    def __init__(self, message: str, cause_type: str = ""):
+        super().__init__(message)
+        self.cause_type = cause_type
+
+    def __reduce__(self):
+        return (StepError, (str(self), self.cause_type))
 
 
 @dataclass
@@ -56,10 +70,6 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
-def _extended_layer(layer: int | str, num_layers: int) -> int:
-    return -1 if layer == EMBED else num_layers if layer == HEAD else int(layer)
-
-
 class Engine:
     def __init__(self, plan: Plan, rank: int, model: ModelSpec, train: TrainSpec, dataset: Dataset,
                  dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu",
@@ -67,6 +77,7 @@ class Engine:
                  overlap_update: bool = True):
         self.device_budget, self.meter_memory = device_budget_bytes, meter_memory
         self.overlap_update = overlap_update
+        check_runtime_plan(plan, model)  # the plan contract (planner/contract.py), checked on every rank
         self.plan, self.rank, self.model, self.train, self.data = plan, rank, model, train, dataset
         self.dtype, self.slowdown, self.device = dtype, slowdown, torch.device(device)
         self.info = layout.ranks(plan)[rank]
@@ -77,13 +88,6 @@ class Engine:
         self.where = (f"rank {rank} (pipeline {self.info.pipeline}, stage {self.info.stage}, "
                       f"TP rank {self.info.tp_rank}, {self.stage_spec.gpu_type} on {self.info.node})")
         self.module: Stage | None = None
-        self.fault: tuple[int, str] | None = None  # (step, "raise" | "hang"), for failure drills and tests
-
-    def inject_fault(self, step_index: int, kind: str = "raise") -> None:
-        """Fail this rank at `step_index` (torchft-style fault injection)."""
-        if kind not in ("raise", "hang"):
-            raise ValueError(f"fault kind {kind!r} must be 'raise' or 'hang'")
-        self.fault = (step_index, kind)
 
     # -- set-up --------------------------------------------------------------
     def connect(self, init_method: str, timeout_s: float = 60.0) -> None:
@@ -142,7 +146,7 @@ class Engine:
             by_layer: dict[int, list] = {}
             self.resident_by_layer: dict[int, list[str]] = {}
             for n, q in self.opt_params.items():
-                layer = _extended_layer(self.module.specs[n].layer, self.model.num_layers)
+                layer = extended_layer(self.module.specs[n].layer, self.model.num_layers)
                 by_layer.setdefault(layer, []).append(q)
                 if n in self.resident:
                     self.resident_by_layer.setdefault(layer, []).append(n)
@@ -169,12 +173,6 @@ class Engine:
             for n in self.resident_by_layer.get(layer, ()):
                 self.resident[n].copy_(self.opt_params[n], non_blocking=True)
 
-    def _opt_states(self):
-        return self.updater.states() if self.updater is not None else self.optimizer.state.values()
-
-    def _opt_state(self, q) -> dict:
-        return self.updater.state_of(q) if self.updater is not None else self.optimizer.state.get(q, {})
-
     def _grad_to_host(self, host: torch.nn.Parameter):
         def hook(p: torch.Tensor) -> None:
             with self.meter.paused():
@@ -200,21 +198,21 @@ class Engine:
             dist.destroy_process_group()
 
     # -- one step -------------------------------------------------------------
-    def step(self, step_index: int) -> StepResult:
+    def step(self, step_index: int, before: Callable[[int], None] | None = None) -> StepResult:
+        """One optimizer step. `before(step_index)` runs first, inside the step (fault injection hooks in here)."""
         try:
+            if before is not None:
+                before(step_index)
             return self._step(step_index)
         except Exception as e:  # re-raised with the rank's identity; the controller decides
-            raise StepError(f"{self.where} failed at step {step_index}: {type(e).__name__}: {e}") from e
+            raise StepError(f"{self.where} failed at step {step_index}: {type(e).__name__}: {e}",
+                            type(e).__name__) from e
 
     def _step(self, step_index: int) -> StepResult:
         t0 = time.perf_counter()
         self.meter.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if self.fault is not None and self.fault[0] == step_index:
-            if self.fault[1] == "hang":
-                time.sleep(3600)
-            raise RuntimeError("injected fault")
         big_b, seq = self.plan.global_batch, self.model.seq_len
         start = step_index * big_b + self.plan.sample_offsets()[self.info.pipeline]
         sizes = self.pipe.micro_batch_sizes()
@@ -276,7 +274,8 @@ class Engine:
                           time.perf_counter() - t0, self._peak_mem(),
                           {"device_state_bytes": self.device_state_bytes(), "device_peak_bytes": self.meter.peak,
                            "device_budget_bytes": self.device_budget,
-                           "h2d_fetches": self.store.fetches if self.store is not None else 0})
+                           "h2d_fetches": self.store.fetches if self.store is not None else 0,
+                           "device": self.device.type})
 
     def _saved_hooks(self):
         return self.store.hooks() if self.store is not None else contextlib.nullcontext()
@@ -315,7 +314,7 @@ class Engine:
         n_layers = self.model.num_layers
         for gg, group in self.grad_groups:
             params = [p for name, p in self.grad_params.items()
-                      if gg.start <= _extended_layer(self.module.specs[name].layer, n_layers) < gg.end]
+                      if gg.start <= extended_layer(self.module.specs[name].layer, n_layers) < gg.end]
             flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self.device)  # host grads: via the device
             dist.all_reduce(flat, group=group)
             at = 0
@@ -343,48 +342,16 @@ class Engine:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    # -- state by canonical name --------------------------------------------
-    def export_state(self) -> dict[str, dict]:
-        """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state."""
-        self.settle()
-        out = {}
-        steps = {float(st["step"]) for st in self._opt_states() if "step" in st}
-        for name, p in self.module.params.items():
-            spec = self.module.specs[name]
-            sl = spec.local_slice(self.info.tp_rank, self.stage_spec.tp)
-            st = self._opt_state(self.opt_params[name])
-            out[name] = {
-                "shape": spec.shape, "shard_dim": spec.shard_dim,
-                "slice": [(s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl)],
-                "param": p.detach().cpu().clone(),
-                "exp_avg": st["exp_avg"].cpu().clone() if "exp_avg" in st else None,
-                "exp_avg_sq": st["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in st else None,
-                "optimizer_steps": max(steps) if steps else 0.0,
-            }
-        return out
+    # -- optimizer state, for workers/state.py ---------------------------------
+    def optimizer_states(self):
+        """AdamW's per-parameter state dicts (host optimizer's under offload)."""
+        return self.updater.states() if self.updater is not None else self.optimizer.state.values()
 
-    def import_state(self, full: dict[str, dict[str, torch.Tensor]], optimizer_steps: float) -> None:
-        """Load this rank's slices of full canonical tensors ({name: {"param", "exp_avg", "exp_avg_sq"}}).
+    def optimizer_state(self, q: torch.Tensor) -> dict:
+        return self.updater.state_of(q) if self.updater is not None else self.optimizer.state.get(q, {})
 
-        State saved under any plan restores into any other: each rank cuts its own
-        TP slice out of the full, unsharded tensors.
-        """
-        self.settle()
-        with torch.no_grad():
-            for name, p in self.module.params.items():
-                sl = self.module.specs[name].local_slice(self.info.tp_rank, self.stage_spec.tp)
-                src = full[name]
-                p.copy_(src["param"][sl])
-                if self.offload_opt:
-                    self.opt_params[name].copy_(src["param"][sl])
-                if src.get("exp_avg") is not None and optimizer_steps > 0:
-                    q = self.opt_params[name]
-                    state = {
-                        "step": torch.tensor(optimizer_steps, dtype=torch.float32),
-                        "exp_avg": src["exp_avg"][sl].to(q.device, q.dtype).clone(),
-                        "exp_avg_sq": src["exp_avg_sq"][sl].to(q.device, q.dtype).clone(),
-                    }
-                    if self.updater is not None:
-                        self.updater.set_state(q, state)
-                    else:
-                        self.optimizer.state[q] = state
+    def set_optimizer_state(self, q: torch.Tensor, state: dict) -> None:
+        if self.updater is not None:
+            self.updater.set_state(q, state)
+        else:
+            self.optimizer.state[q] = state

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 
 from planner.plan_types import Plan
 
+EMBED, HEAD = "embed", "head"  # pseudo-layers of parameters: before block 0 and after the last block
+
+
+def extended_layer(layer: int | str, num_layers: int) -> int:
+    """A parameter's layer as an index: -1 for the embedding, num_layers for the head."""
+    return -1 if layer == EMBED else num_layers if layer == HEAD else int(layer)
+
 
 @dataclass(frozen=True)
 class RankInfo:

@@ -27,8 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from planner.specs import ModelSpec
-
-EMBED, HEAD = "embed", "head"  # pseudo-layers: before block 0 and after the last block
+from workers.layout import EMBED, HEAD
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,59 @@
-"""Canonical, plan-independent state: assemble full tensors from shards by name."""
+"""Canonical, plan-independent state: a rank's shards by parameter name, and full tensors from shards.
+
+A shard is {name: {"shape", "shard_dim", "slice", "param", "exp_avg", "exp_avg_sq",
+"optimizer_steps"}}: the full shape, the slice this rank holds, and its tensors.
+`assemble` and `full_state` rebuild full tensors from any covering set of shards;
+`import_full` cuts each rank's own TP slice back out, so state saved under one
+plan restores into any other.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from workers.engine import Engine
+
+
+def export_shards(engine: Engine) -> dict[str, dict]:
+    """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state."""
+    engine.settle()
+    out = {}
+    steps = {float(st["step"]) for st in engine.optimizer_states() if "step" in st}
+    for name, p in engine.module.params.items():
+        spec = engine.module.specs[name]
+        sl = spec.local_slice(engine.info.tp_rank, engine.stage_spec.tp)
+        st = engine.optimizer_state(engine.opt_params[name])
+        out[name] = {
+            "shape": spec.shape, "shard_dim": spec.shard_dim,
+            "slice": [(s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl)],
+            "param": p.detach().cpu().clone(),
+            "exp_avg": st["exp_avg"].cpu().clone() if "exp_avg" in st else None,
+            "exp_avg_sq": st["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in st else None,
+            "optimizer_steps": max(steps) if steps else 0.0,
+        }
+    return out
+
+
+def import_full(engine: Engine, full: dict[str, dict[str, torch.Tensor]], optimizer_steps: float) -> None:
+    """Load this rank's slices of full canonical tensors ({name: {"param", "exp_avg", "exp_avg_sq"}})."""
+    engine.settle()
+    with torch.no_grad():
+        for name, p in engine.module.params.items():
+            sl = engine.module.specs[name].local_slice(engine.info.tp_rank, engine.stage_spec.tp)
+            src = full[name]
+            p.copy_(src["param"][sl])
+            q = engine.opt_params[name]
+            if engine.offload_opt:
+                q.copy_(src["param"][sl])
+            if src.get("exp_avg") is not None and optimizer_steps > 0:
+                engine.set_optimizer_state(q, {
+                    "step": torch.tensor(optimizer_steps, dtype=torch.float32),
+                    "exp_avg": src["exp_avg"][sl].to(q.device, q.dtype).clone(),
+                    "exp_avg_sq": src["exp_avg_sq"][sl].to(q.device, q.dtype).clone(),
+                })
 
 
 def assemble(shards: list[dict[str, dict]], key: str = "param") -> dict[str, torch.Tensor]:

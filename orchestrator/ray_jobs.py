@@ -15,18 +15,20 @@ never printed, logged, put into job metadata or the runtime env.
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import secrets
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from orchestrator.driver import ENV_ID, ENV_JOB, ENV_STEPS, PROGRESS
 from orchestrator.errors import ConfigError
-from orchestrator.jobfile import JobSpec
+from orchestrator.job_spec import JobSpec
+from orchestrator.progress_lines import ENV_ID, ENV_JOB, ENV_STEPS, last_phase, last_progress
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+PROBE_ENTRYPOINT = 'python -c "import orchestrator.progress_lines, planner, workers"'
+log = logging.getLogger("hetspot.ray_jobs")
 FIX_TOKEN = ("pass --token-file PATH, set RAY_AUTH_TOKEN, or put the cluster's token in ~/.ray/auth_token "
              "(on the head: `ray get-auth-token`)")
 
@@ -100,7 +102,40 @@ class RayJobs:
             raise ConfigError(f"lost the connection to {self.url}: {type(e).__name__}") from None
 
     # -- jobs -----------------------------------------------------------------
+    def check_interpreter(self, timeout_s: float = 90.0) -> None:
+        """Fail fast (exit 2) when `python` on the head cannot import hetspot.
+
+        The job's entry point is `python -m orchestrator.driver`; a head whose
+        `python` is another interpreter would accept the job and fail it later.
+        A tiny probe job finds out first, in a few seconds.
+        """
+        import time
+
+        probe = f"hetspot-probe-{secrets.token_hex(4)}"
+        self._call(lambda: self.client.submit_job(entrypoint=PROBE_ENTRYPOINT, submission_id=probe))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                status = str(getattr(st := self._call(lambda: self.client.get_job_status(probe)), "value", st))
+                if status in TERMINAL or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            if status != "SUCCEEDED":
+                tail = [ln for ln in self._call(lambda: self.client.get_job_logs(probe)).splitlines() if ln.strip()]
+                raise ConfigError(
+                    f"`python` on the cluster's head cannot import hetspot ({status}: "
+                    f"{tail[-1] if tail else 'no output'}). The job would fail at its entry point "
+                    "`python -m orchestrator.driver`. Fix: install hetspot on every node into the interpreter "
+                    "that `python` names there (see the README, 'Submitting to a running Ray cluster'), or start "
+                    "Ray (`ray start`) from that environment.")
+        finally:
+            try:
+                self.client.delete_job(probe)
+            except Exception as e:  # a probe left in the job list is harmless; record it
+                log.debug("could not delete probe job %s: %s", probe, e)
+
     def submit(self, job: JobSpec, steps: int | None = None) -> str:
+        self.check_interpreter()
         job_id = f"hetspot-{_slug(job.name)}-{secrets.token_hex(4)}"
         # Worker lines reach the job log undeduplicated and without colour codes, so they stay parseable.
         env = {ENV_JOB: job.model_dump_json(), ENV_ID: job_id, "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0"}
@@ -116,7 +151,10 @@ class RayJobs:
         out = {"job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
                "message": info.message, "start_time": info.start_time, "end_time": info.end_time,
                "metadata": info.metadata or {}}
-        out["progress"] = last_progress(self.logs(job_id))
+        logs = self.logs(job_id)
+        out["progress"] = last_progress(logs)
+        phase = last_phase(logs)
+        out["phase"] = phase["phase"] if phase else None
         return out
 
     def logs(self, job_id: str) -> str:
@@ -169,17 +207,6 @@ class RayJobs:
                         n.get("node_ip"), "NodeManagerAddress": n.get("node_ip", ""),
                         "Resources": n.get("resources_total") or {}, "Labels": n.get("labels") or {}})
         return out
-
-
-def last_progress(logs: str) -> dict | None:
-    for line in reversed(logs.splitlines()):
-        i = line.find(PROGRESS)
-        if i >= 0:
-            try:
-                return json.loads(line[i + len(PROGRESS):])
-            except json.JSONDecodeError:
-                continue
-    return None
 
 
 def _slug(name: str) -> str:

@@ -1,12 +1,14 @@
-"""Run a Plan on a connected Ray cluster: place, rendezvous, step, commit, fail fast.
+"""A Plan's workers on a connected Ray cluster: place, rendezvous, step, commit, fail fast.
 
-A plain controller loop (the Controller actor with explicit states builds on
-it). Placement: one STRICT_PACK placement group per stage (a TP group is one
+`PlanRun` places one STRICT_PACK placement group per stage (a TP group is one
 node), each bundle pinned to the plan's node through Ray's `ray.io/node-id`
-label (the node found by its discovery name), one TrainWorker per bundle. Step s is committed once every worker
-returned its result for s. The first worker error, or a dead actor, ends the
-run at once with a message naming the rank and stage; the remaining actors
-are killed so no survivor waits out a collective timeout.
+label (the node found by its discovery name), and one TrainWorker per bundle.
+Step s is committed once every worker returned its result for s. The first
+worker error, dead actor or timeout ends the run at once with a `WorkerFailure`
+naming the rank and stage and classified (orchestrator/preemption/failures.py)
+as transient (node lost, actor died, timeout, collective error) or
+deterministic; the remaining actors are killed so no survivor waits out a
+collective timeout. `RayWorkerGroup` is the controller's `WorkerGroup` over it.
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.errors import JobFailed
-from orchestrator.jobfile import JobSpec
+from orchestrator.errors import WorkerFailure
+from orchestrator.job_spec import JobSpec
+from orchestrator.preemption.failures import FailureKind, classify_error
 from planner.catalog import gpu_info
+from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
+from planner.specs import tokens_per_step
 from workers import layout
+from workers.state import full_state
 
 log = logging.getLogger("hetspot.runner")
 
@@ -35,8 +41,9 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
     peak_mem_bytes: list[int] = field(default_factory=list)  # per step, the largest over workers
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # from step times, start-up excluded
     wall_s: float = 0.0
+    real_gpus: bool = False  # every worker computed on CUDA (else fake GPUs: no MFU)
 
 
 def slowdowns(plan: Plan, emulate: bool) -> dict[str, float]:
@@ -59,16 +66,17 @@ class PlanRun:
         from workers.actor import TrainWorker
 
         try:
-            self.plan.check_structure()
-        except ValueError as e:
-            raise JobFailed(f"refusing to start a plan that breaks the plan contract: {e}") from None
-        from orchestrator.discovery import node_ids
+            check_runtime_plan(self.plan, self.job.model_spec)
+        except PlanContractError as e:
+            raise WorkerFailure("start-up", f"refusing to start a plan that breaks the plan contract: {e}",
+                                FailureKind.DETERMINISTIC.value) from None
+        from orchestrator.cluster.discovery import node_ids
 
         ids = node_ids()
         missing = sorted({st.node for p in self.plan.pipelines for st in p.stages} - set(ids))
         if missing:
-            raise JobFailed(f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
-                            f"(it has {', '.join(sorted(ids)) or 'none'})")
+            raise WorkerFailure("start-up", f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
+                            f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST.value)
         slow = slowdowns(self.plan, self.job.runtime.emulate_speed)
         model_json, train_json = self.job.model_spec.model_dump_json(), self.job.train.model_dump_json()
         plan_json = self.plan.model_dump_json()
@@ -87,9 +95,11 @@ class PlanRun:
         try:
             ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)
         except GetTimeoutError:
-            raise JobFailed(f"could not place the plan's {len(self.workers)} workers within {timeout_s:.0f} s; "
-                            "are the plan's nodes and GPUs in the cluster?") from None
-        init = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout_s)
+            raise WorkerFailure("start-up", f"could not place the plan's {len(self.workers)} workers within "
+                                f"{timeout_s:.0f} s; are the plan's nodes and GPUs in the cluster?",
+                                FailureKind.TIMEOUT.value) from None
+        # Inside _gather, so an error in a worker's constructor names the rank and is classified.
+        init = self._gather([self.workers[0].rendezvous_address.remote()], "start-up", timeout_s)[0]
         self._gather([w.connect.remote(init, self.job.runtime.collective_timeout_s) for w in self.workers],
                      "start-up", timeout_s)
 
@@ -97,7 +107,7 @@ class PlanRun:
             on_step: Callable[[int, float, float], None] | None = None) -> TrainResult:
         result = TrainResult()
         t_start = time.perf_counter()
-        tokens = self.plan.global_batch * self.job.model_spec.seq_len
+        tokens = tokens_per_step(self.job.model_spec, self.plan.global_batch)
         for s in range(first_step, first_step + steps):
             t0 = time.perf_counter()
             outs = self._gather([w.step.remote(s) for w in self.workers], f"step {s}", self.job.runtime.step_timeout_s)
@@ -108,11 +118,12 @@ class PlanRun:
             # the meter's device bytes when on, else the allocator's peak (CUDA) or RSS (CPU)
             result.peak_mem_bytes.append(max(o.extra.get("device_peak_bytes") if self.job.runtime.meter_memory
                                              else o.peak_mem_bytes for o in outs))
+            result.real_gpus = all(o.extra.get("device") == "cuda" for o in outs)
             log.info("step %d committed: loss %.4f, %.2f s", s, loss, dt)
             if on_step:
                 on_step(s, loss, tokens / dt)
         result.wall_s = time.perf_counter() - t_start
-        result.tokens_per_s = tokens * steps / result.wall_s
+        result.tokens_per_s = tokens * steps / sum(result.step_time_s)  # step-time throughput
         return result
 
     def export_states(self) -> list[dict]:
@@ -123,7 +134,7 @@ class PlanRun:
         self._gather([w.import_state.remote(ref, optimizer_steps) for w in self.workers], "state import", 120.0)
 
     def _gather(self, futures: list, what: str, timeout_s: float) -> list:
-        """Results in rank order; the first failure ends the run with the rank's identity."""
+        """Results in rank order; the first failure ends the run with the rank's identity and kind."""
         index = {f: i for i, f in enumerate(futures)}
         results: list = [None] * len(futures)
         pending, deadline = list(futures), time.monotonic() + timeout_s
@@ -131,16 +142,32 @@ class PlanRun:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 slow = ", ".join(self._describe(index[f]) for f in pending[:4])
-                raise JobFailed(f"{what} did not finish within {timeout_s:.0f} s; still waiting on {slow}")
+                raise WorkerFailure(what, f"did not finish within {timeout_s:.0f} s; still waiting on {slow}",
+                                    self._lost_or(FailureKind.TIMEOUT))
             f = ready[0]
             try:
                 results[index[f]] = ray.get(f)
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                raise JobFailed(f"{what} failed: {cause}") from None
+                kind = classify_error(getattr(cause, "cause_type", type(cause).__name__), str(cause))
+                raise WorkerFailure(f"{what} failed", str(cause), self._lost_or(kind)) from None
             except RayActorError as e:
-                raise JobFailed(f"{what} failed: {self._describe(index[f])} died ({type(e).__name__})") from None
+                if "creation task" in str(e):  # the worker's constructor raised: any plan would too
+                    raise WorkerFailure(f"{what} failed", f"{self._describe(index[f])} could not start: "
+                                        f"{_creation_error(e)}", FailureKind.DETERMINISTIC.value) from None
+                raise WorkerFailure(f"{what} failed", f"{self._describe(index[f])} died ({type(e).__name__})",
+                                    self._lost_or(FailureKind.ACTOR_DIED)) from None
         return results
+
+    def _lost_or(self, kind: FailureKind) -> str:
+        """NODE_LOST when a node of the plan is gone from the cluster, else `kind`."""
+        from orchestrator.cluster.discovery import node_ids
+
+        if kind == FailureKind.DETERMINISTIC:
+            return kind.value
+        alive = set(node_ids())
+        gone = {st.node for p in self.plan.pipelines for st in p.stages} - alive
+        return FailureKind.NODE_LOST.value if gone else kind.value
 
     def _describe(self, rank: int) -> str:
         r = self.ranks[rank]
@@ -156,3 +183,37 @@ class PlanRun:
             except Exception as e:  # the cluster may already be gone; record and move on
                 log.debug("removing placement group failed: %s", e)
         self.workers, self.pgs = [], []
+
+
+def _creation_error(e: Exception) -> str:
+    """The last line of the constructor's traceback inside a RayActorError, which names the error."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errs = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
+    return errs[-1] if errs else lines[-1] if lines else type(e).__name__
+
+
+class RayWorkerGroup:
+    """The controller's WorkerGroup over a PlanRun; every fault arrives as a WorkerFailure."""
+
+    def __init__(self, job: JobSpec, plan: Plan, on_step=None):
+        self.run = PlanRun(job, plan)
+        self.on_step = on_step
+        self.last_peak_mem = 0
+        self.real_gpus = False
+
+    def start(self) -> None:
+        self.run.start()
+
+    def step(self, step_index: int) -> float:
+        r = self.run.run(1, first_step=step_index, on_step=self.on_step)
+        self.last_peak_mem, self.real_gpus = r.peak_mem_bytes[0], r.real_gpus
+        return r.losses[0]
+
+    def export_state(self) -> tuple[dict, float]:
+        return full_state(self.run.export_states())
+
+    def import_state(self, state: dict, optimizer_steps: float) -> None:
+        self.run.import_state(state, optimizer_steps)
+
+    def shutdown(self) -> None:
+        self.run.shutdown()

@@ -10,10 +10,9 @@ rows as scalars when `runtime.tensorboard_dir` is set.
 
 from __future__ import annotations
 
-from planner.catalog import gpu_info
-from planner.cost import model_flops_per_sample
+from planner.cost import model_flops_per_sample, plan_peak_flops
 from planner.plan_types import Plan
-from planner.specs import ModelSpec
+from planner.specs import ModelSpec, tokens_per_step
 
 GAUGES = {
     "loss": ("hetspot_train_loss", "training loss of the last committed step"),
@@ -26,16 +25,18 @@ GAUGES = {
 }
 
 
-def fleet_peak_flops(plan: Plan) -> float:
-    return sum(gpu_info(st.gpu_type).peak_tflops * 1e12 * st.tp for p in plan.pipelines for st in p.stages)
-
-
 def step_row(model: ModelSpec, plan: Plan, step: int, loss: float, step_time_s: float,
-             device_memory_bytes: int, restarts: int) -> dict:
-    tokens_per_s = plan.global_batch * model.seq_len / step_time_s if step_time_s > 0 else 0.0
+             device_memory_bytes: int, restarts: int, real_gpus: bool = True) -> dict:
+    """One committed step's figures. MFU is None on fake GPUs (CPU compute against a GPU's peak means nothing)."""
+    tokens_per_s = tokens_per_step(model, plan.global_batch) / step_time_s if step_time_s > 0 else 0.0
     flops_per_s = model_flops_per_sample(model) * plan.global_batch / step_time_s if step_time_s > 0 else 0.0
-    return {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": flops_per_s / fleet_peak_flops(plan),
+    mfu = flops_per_s / plan_peak_flops(plan) if real_gpus else None
+    return {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "step_time_s": step_time_s, "device_memory_bytes": device_memory_bytes, "restarts": restarts}
+
+
+def format_mfu(mfu: float | None) -> str:
+    return "n/a (fake GPUs)" if mfu is None else f"{mfu:.1%}"
 
 
 class StepMetrics:
@@ -50,7 +51,8 @@ class StepMetrics:
 
     def record(self, row: dict) -> None:
         for key, g in self.gauges.items():
-            g.set(float(row[key]))
+            if row[key] is not None:  # no MFU on fake GPUs
+                g.set(float(row[key]))
 
 
 class TensorBoardLog:
@@ -65,7 +67,8 @@ class TensorBoardLog:
 
     def record(self, row: dict) -> None:
         for key in ("loss", "tokens_per_s", "mfu", "step_time_s", "device_memory_bytes"):
-            self.writer.add_scalar(f"train/{key}", row[key], row["step"])
+            if row[key] is not None:
+                self.writer.add_scalar(f"train/{key}", row[key], row["step"])
         self.writer.flush()
 
     def close(self) -> None:

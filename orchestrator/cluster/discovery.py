@@ -1,0 +1,102 @@
+"""GPU discovery from Ray: each alive GPU node as a `DiscoveredNode`, and the planner's ClusterSpec.
+
+`RayInventory(nodes_fn)`: per alive Ray node, the GPU count, the GPU type (the
+`accelerator_type:<T>` resource Ray sets on GPU nodes, or a `hetspot/gpu-type`
+/ `ray.io/accelerator-type` label), market, zone, node name, instance type and
+id from labels, the address and Ray's node id. `nodes_fn` defaults to
+`ray.nodes`; the CLI passes the dashboard's State API for an http address.
+EC2 facts are added by `orchestrator/cluster/ec2.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from planner.catalog import CATALOG, canonical_gpu_type
+from planner.specs import ClusterSpec, NodeSpec
+
+
+@dataclass(frozen=True)
+class DiscoveredNode:
+    name: str
+    gpu_type: str
+    num_gpus: int
+    market: str = "on-demand"
+    zone: str = ""
+    address: str = ""
+    instance_id: str | None = None
+    instance_type: str | None = None
+    gpu_mem_gib: float | None = None
+    price_per_hour: float | None = None
+    node_id: str = ""  # Ray's node id: placement pins bundles to it (label ray.io/node-id)
+
+    def to_spec(self) -> NodeSpec:
+        return NodeSpec(name=self.name, gpu_type=self.gpu_type, num_gpus=self.num_gpus,
+                        market="spot" if self.market == "spot" else "on-demand", zone=self.zone,
+                        price_per_hour=self.price_per_hour, instance_type=self.instance_type,
+                        instance_id=self.instance_id)
+
+
+def catalog_type(gpu_name: str, mem_mib: int | None = None) -> str:
+    """Map a vendor GPU name (EC2's GpuInfo, Ray's accelerator type) and memory to a catalog row."""
+    name = gpu_name.strip().upper().replace("NVIDIA", "").replace("TESLA", "").strip(" -_")
+    gib = (mem_mib or 0) / 1024
+    by_memory = {"A100": ("A100-40GB", "A100-80GB", 60), "V100": ("V100-16GB", "V100-32GB", 24)}
+    if name in by_memory:
+        small, large, cut = by_memory[name]
+        return large if gib > cut else small
+    if name in ("H100", "H100-SXM", "H100-80GB"):
+        return "H100-SXM"
+    return canonical_gpu_type(name)
+
+
+class RayInventory:
+    def __init__(self, nodes_fn: Callable[[], list[dict[str, Any]]] | None = None):
+        if nodes_fn is None:
+            import ray
+
+            nodes_fn = ray.nodes
+        self.nodes_fn = nodes_fn
+
+    def discover(self) -> list[DiscoveredNode]:
+        out = []
+        for n in self.nodes_fn():
+            res, labels = n.get("Resources", {}), n.get("Labels", {}) or {}
+            gpus = int(res.get("GPU", 0))
+            if not n.get("Alive", True) or gpus == 0:
+                continue
+            gpu = labels.get("hetspot/gpu-type") or labels.get("ray.io/accelerator-type")
+            if gpu is None:
+                gpu = next((k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")), None)
+            if gpu is None:
+                continue  # a GPU node whose type nobody told us; EC2 facts may still name it
+            out.append(DiscoveredNode(
+                # Several Ray nodes can share one IP (NodeName), so the default name adds the id.
+                name=labels.get("hetspot/node") or f"{n.get('NodeName', 'node')}-{n['NodeID'][:6]}",
+                gpu_type=catalog_type(gpu),
+                num_gpus=gpus,
+                market=labels.get("hetspot/market") or labels.get("ray.io/market-type", "on-demand").lower(),
+                zone=labels.get("ray.io/availability-zone", ""),
+                address=n.get("NodeManagerAddress", ""),
+                instance_id=labels.get("hetspot/instance-id") or labels.get("ray.io/instance-id"),
+                instance_type=labels.get("hetspot/instance-type") or labels.get("ray.io/instance-type"),
+                node_id=n["NodeID"],
+            ))
+        return sorted(out, key=lambda d: d.name)
+
+
+def node_ids(nodes_fn: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, str]:
+    """Node name (as discovery names it) -> Ray node id, for the alive GPU nodes."""
+    return {d.name: d.node_id for d in RayInventory(nodes_fn).discover()}
+
+
+def to_cluster_spec(nodes: list[DiscoveredNode], calibration: dict[str, float] | None = None) -> ClusterSpec:
+    if not nodes:
+        raise ValueError("no GPU nodes found: the cluster has no node with GPUs of a known type")
+    return ClusterSpec(nodes=[n.to_spec() for n in nodes], calibration=calibration or {})
+
+
+def known_types() -> list[str]:
+    return sorted(CATALOG)

@@ -1,0 +1,127 @@
+"""The controller as a Ray actor (`ControllerActor`), its factory, and the loop that drives it.
+
+`ControllerActor` owns one job's `Controller` inside the cluster, pinned to the
+head node (spot workers may vanish, the head stays): it discovers nodes, plans,
+places TrainWorkers, trains and re-plans after failures, while the caller only
+polls `step()`. Each committed step becomes a metrics row (loss, tokens/s from
+the step time, MFU, memory) published through `ray.util.metrics` and, when
+configured, TensorBoard. The actor is threaded (two calls at once) so `phase()`
+answers while a long `step()` (placing workers, restoring state) runs.
+
+Callers: `hetspot submit` on the embedded test cluster (orchestrator/api.py)
+and the Ray Jobs entry point (orchestrator/driver.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ray
+
+from orchestrator.controller import Controller, State
+from orchestrator.job_spec import JobSpec
+from orchestrator.worker_group import RayWorkerGroup
+from planner import Plan
+
+
+def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | None = None, user_plan: bool = False,
+                    replan_user_plan: bool = False, on_step=None, on_phase=None) -> Controller:
+    """A Controller over the connected Ray cluster: one TrainWorker per GPU.
+
+    Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster).
+    """
+    from orchestrator.cluster.node_sources import DeclaredNodes
+
+    return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
+                      lambda p: RayWorkerGroup(job, p, on_step), first_plan=first_plan,
+                      user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
+                      on_phase=on_phase)
+
+
+def on_head() -> dict:
+    """Actor options that keep the controller on the head node."""
+    return {"resources": {"node:__internal_head__": 0.001}}
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)
+class ControllerActor:
+    def __init__(self, job_json: str, steps: int, job_id: str, embedded: bool, first_plan_json: str | None = None,
+                 user_plan: bool = False, replan_user_plan: bool = False):
+        from orchestrator.cluster.node_sources import DeclaredNodes, LiveNodes
+        from orchestrator.metrics import StepMetrics, TensorBoardLog
+
+        self.job = JobSpec.model_validate_json(job_json)
+        nodes = DeclaredNodes(self.job.cluster) if embedded else LiveNodes(self.job.runtime.profile)
+        first = Plan.model_validate_json(first_plan_json) if first_plan_json else None
+        self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
+                                          replan_user_plan=replan_user_plan)
+        self.metrics = StepMetrics(job_id)
+        self.tb = TensorBoardLog(self.job.runtime.tensorboard_dir) if self.job.runtime.tensorboard_dir else None
+        self.reported = -1
+        self.plan_seen: Plan | None = None
+
+    def phase(self) -> str:
+        return self.controller.progress.phase
+
+    def step(self) -> dict:
+        """One controller transition; returns the new state and a row per newly committed step."""
+        from orchestrator.metrics import step_row
+
+        c = self.controller
+        state = c.step()
+        out: dict = {"state": state.value, "rows": [], "error": c.error, "phase": c.progress.phase}
+        if c.plan is not None and c.plan is not self.plan_seen and state == State.TRAINING:
+            self.plan_seen = c.plan
+            out["plan"] = {"pipelines": len(c.plan.pipelines), "gpus": len(c.plan.devices()),
+                           "predicted_tokens_per_s": c.plan.estimate.tokens_per_s if c.plan.estimate else None,
+                           "unused": [u.model_dump() for u in c.plan.unused],
+                           "profiling": dict(getattr(c.nodes, "notes", {}))}
+        self.reported = min(self.reported, c.progress.committed)  # a rollback re-runs steps
+        for s in range(self.reported + 1, c.progress.committed + 1):
+            row = step_row(c.model, c.plan, s, c.progress.losses[s], c.progress.step_time_s[s],
+                           c.group.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
+            self.metrics.record(row)
+            if self.tb is not None:
+                self.tb.record(row)
+            out["rows"].append(row)
+        self.reported = c.progress.committed
+        if state in (State.DONE, State.FAILED) and self.tb is not None:
+            self.tb.close()
+        return out
+
+    def summary(self) -> dict:
+        c = self.controller
+        done = c.progress.committed + 1
+        return {"state": c.state.value, "error": c.error, "plan": c.plan.model_dump() if c.plan else None,
+                "losses": [c.progress.losses[s] for s in range(done)],
+                "step_time_s": [c.progress.step_time_s[s] for s in range(done)],
+                "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
+                "events": c.progress.events, "history": c.progress.history}
+
+
+def drive(actor, on_row: Callable[[dict], None] | None = None, on_event: Callable[[dict], None] | None = None,
+          on_phase: Callable[[str], None] | None = None, poll_s: float = 1.0) -> dict:
+    """Poll the controller actor until the job is done or failed; return its summary.
+
+    While a transition runs, the actor's phase is read every `poll_s` and each
+    new one goes to `on_phase`, so a long start-up is never silent.
+    """
+    seen = None
+    while True:
+        ref = actor.step.remote()
+        while not ray.wait([ref], timeout=poll_s)[0]:
+            phase = ray.get(actor.phase.remote())
+            if phase != seen and on_phase is not None:
+                on_phase(phase)
+            seen = phase
+        out = ray.get(ref)
+        if out["phase"] != seen and on_phase is not None:
+            on_phase(out["phase"])
+        seen = out["phase"]
+        if on_event is not None:
+            on_event(out)
+        for row in out["rows"]:
+            if on_row is not None:
+                on_row(row)
+        if out["state"] in (State.DONE.value, State.FAILED.value):
+            return ray.get(actor.summary.remote())

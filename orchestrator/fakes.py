@@ -1,0 +1,93 @@
+"""Fakes of the controller's protocols, shipped with the package (as torchft ships its dummies).
+
+Unit tests and examples step the controller with them: no Ray, no clock waits.
+"""
+
+from __future__ import annotations
+
+from orchestrator.errors import WorkerFailure
+from orchestrator.protocols import Notice
+from planner import ClusterSpec
+
+
+class FakeNodes:
+    """Returns the given clusters in turn, then keeps returning the last one."""
+
+    def __init__(self, *clusters: ClusterSpec):
+        self.clusters = list(clusters)
+        self.calls = 0
+        self.notes: dict[str, str] = {}
+
+    def discover(self) -> ClusterSpec:
+        c = self.clusters[min(self.calls, len(self.clusters) - 1)]
+        self.calls += 1
+        return c
+
+
+class FakeWorkerGroup:
+    """A worker group whose loss at step s is a pure function of the applied-step counter.
+
+    `fail_at`: steps at which `step` raises a WorkerFailure of `fail_kind` (each once);
+    `fail_start`: `start` raises. `log` records starts, imports and shutdowns.
+    """
+
+    def __init__(self, plan, log: list, fail_at: list[int] | None = None, fail_start: bool = False,
+                 fail_kind: str = "node lost"):
+        self.plan, self.log, self.fail_at, self.fail_start = plan, log, fail_at, fail_start
+        self.fail_kind = fail_kind
+        self.applied = 0
+        self.last_peak_mem = 0
+
+    def start(self) -> None:
+        self.log.append(("start", len(self.plan.devices())))
+        if self.fail_start:
+            raise WorkerFailure("rank 0 (pipeline 0, stage 0, T4 on t)", "actor died during start-up", "actor died")
+
+    def step(self, s: int) -> float:
+        if self.fail_at and s == self.fail_at[0]:
+            self.fail_at.pop(0)
+            raise WorkerFailure("rank 1 (pipeline 0, stage 0, A100-80GB on a)", self.fail_kind, self.fail_kind)
+        assert s == self.applied, "steps must run in order with no gap or repeat"
+        self.applied += 1
+        return 10.0 - s
+
+    def export_state(self):
+        return {"applied": self.applied}, float(self.applied)
+
+    def import_state(self, state, steps) -> None:
+        self.applied = state["applied"]
+        self.log.append(("import", state["applied"]))
+
+    def shutdown(self) -> None:
+        self.log.append(("shutdown",))
+
+
+class FakeClock:
+    """A clock that moves only when told (`advance`), or by `tick` per reading."""
+
+    def __init__(self, start: float = 0.0, tick: float = 0.0):
+        self.t, self.tick = start, tick
+
+    def now(self) -> float:
+        self.t += self.tick
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class FakeInterruptions:
+    """Notices scripted by poll number: {k: [Notice, ...]} arrive on the k-th poll (0-based).
+
+    The controller polls once at each step boundary, so in a run without failures
+    poll k happens just before step k.
+    """
+
+    def __init__(self, by_poll: dict[int, list[Notice]] | None = None):
+        self.by_poll = dict(by_poll or {})
+        self.polls = 0
+
+    def poll(self) -> list[Notice]:
+        got = self.by_poll.pop(self.polls, [])
+        self.polls += 1
+        return got

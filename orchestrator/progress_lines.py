@@ -1,0 +1,44 @@
+"""The line protocol between a job's driver and `hetspot status`: prefixes, env names, parsing.
+
+The driver (orchestrator/driver.py) prints one `hetspot-progress {json}` line per
+committed step and one `hetspot-phase {json}` line whenever the job's phase
+changes (placing, restoring, training, ...); `hetspot status` reads the newest
+of each from the job log. Pure: no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+
+PROGRESS = "hetspot-progress "
+PHASE = "hetspot-phase "
+ENV_JOB, ENV_STEPS, ENV_ID = "HETSPOT_JOB_SPEC", "HETSPOT_STEPS", "HETSPOT_SUBMISSION_ID"
+
+
+def progress_line(row: dict) -> str:
+    return PROGRESS + json.dumps(row)
+
+
+def phase_line(phase: str, elapsed_s: float) -> str:
+    return PHASE + json.dumps({"phase": phase, "elapsed_s": round(elapsed_s, 3)})
+
+
+def _last(logs: str, prefix: str) -> dict | None:
+    for line in reversed(logs.splitlines()):
+        i = line.find(prefix)
+        if i >= 0:
+            try:
+                return json.loads(line[i + len(prefix):])
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def last_progress(logs: str) -> dict | None:
+    """The newest committed step's row in a job log, or None."""
+    return _last(logs, PROGRESS)
+
+
+def last_phase(logs: str) -> dict | None:
+    """The newest phase line in a job log, or None."""
+    return _last(logs, PHASE)

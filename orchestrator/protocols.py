@@ -1,0 +1,65 @@
+"""The controller's side-effect boundaries as small protocols, each with a shipped fake (orchestrator/fakes.py).
+
+- `NodeSource`: which GPU nodes exist now (Ray: cluster/node_sources.py).
+- `WorkerGroup`: the workers of one Plan (Ray: worker_group.RayWorkerGroup).
+- `CheckpointStore`: where canonical state snapshots go (state/snapshots.py).
+- `InterruptionSource`: spot notices and drains announced ahead of a node's loss.
+- `Clock`: time, so tests step through deadlines without sleeping.
+Pure: no Ray, no boto3, no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from planner import ClusterSpec
+
+
+class NodeSource(Protocol):
+    def discover(self) -> ClusterSpec: ...
+
+
+class WorkerGroup(Protocol):
+    last_peak_mem: int  # largest per-worker device memory of the last step, bytes
+
+    def start(self) -> None: ...
+    def step(self, step_index: int) -> float: ...  # the committed step's loss; raises WorkerFailure
+    def export_state(self) -> tuple[Any, float]: ...  # (canonical state, optimizer steps)
+    def import_state(self, state: Any, optimizer_steps: float) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class CheckpointStore(Protocol):
+    def save(self, step: int, state: Any, optimizer_steps: float) -> None: ...
+    def latest(self) -> tuple[int, Any, float] | None: ...  # (step, state, optimizer steps)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A node will be taken away: a spot notice, a rebalance recommendation, or a Ray drain."""
+
+    node: str
+    deadline_s: float  # on the controller's clock
+    source: str  # "aws", "gcp", "azure", "ray-drain", "test"
+
+
+class InterruptionSource(Protocol):
+    def poll(self) -> list[Notice]: ...  # notices that arrived since the last poll
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+class NoInterruptions:
+    """No notices: the default until the notice pollers exist."""
+
+    def poll(self) -> list[Notice]:
+        return []

@@ -1,0 +1,89 @@
+"""Checks of a job's training data, run before any cluster starts (numpy only: no torch, no Ray).
+
+`check_data` raises `DataError` with one message that names `data.path`, what is
+wrong and the fix. Token ids are checked on a sample of the file (every token
+of a file up to `FULL_SCAN_TOKENS`, else evenly spaced windows), and the
+datasets in workers/data.py check every window they read, so an id past the
+vocabulary can never reach the embedding as an opaque IndexError.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+FULL_SCAN_TOKENS = 1 << 24  # 16M tokens: read whole; larger files are sampled
+SAMPLE_WINDOWS, WINDOW_TOKENS = 256, 4096
+ITEMSIZE = {"uint16": 2, "uint32": 4}
+
+
+class DataError(ValueError):
+    """The training data cannot be read as the job says; the message names data.path and the fix."""
+
+
+def min_tokens(seq_len: int) -> int:
+    """Tokens a file needs: one sample of seq_len + 1 tokens at more than one offset."""
+    return seq_len + 2
+
+
+def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype: str = "uint16") -> None:
+    if kind == "synthetic":
+        return
+    p = _readable(path)
+    itemsize = 1 if kind == "text" else ITEMSIZE[dtype]
+    size = p.stat().st_size
+    if size == 0:
+        raise DataError(f"data.path {path!r} is empty; point it at a non-empty {'text' if kind == 'text' else dtype} file")
+    if size % itemsize:
+        raise DataError(f"data.path {path!r} has {size:,} bytes, not a multiple of {itemsize} ({dtype}); "
+                        f"it is not a flat {dtype} token file: check data.dtype (uint16 or uint32) or the file")
+    tokens = np.memmap(p, dtype=np.uint8 if kind == "text" else np.dtype(dtype), mode="r")
+    if len(tokens) < min_tokens(seq_len):
+        raise DataError(f"data.path {path!r} holds {len(tokens):,} tokens; a sample needs seq_len + 1 = {seq_len + 1} "
+                        f"and the file at least {min_tokens(seq_len)}: use a longer file or a smaller model.seq_len")
+    top, where = _max_token(tokens)
+    if top >= vocab_size:
+        if kind == "text":
+            raise DataError(f"data.path {path!r} holds byte value {top} (at byte {where:,}) but model.vocab_size is "
+                            f"{vocab_size}; text data is byte-level: set model.vocab_size >= 256")
+        raise DataError(f"data.path {path!r} holds token id {top} (at token {where:,}) but model.vocab_size is "
+                        f"{vocab_size}: set model.vocab_size above {top}, or check that the file was written as "
+                        f"{dtype} with this model's tokenizer")
+
+
+def check_window(tokens: np.ndarray, vocab_size: int, source: str, offset: int) -> None:
+    """The cheap per-read check the datasets run on every window they hand out."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        i = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{source}: token id {int(tokens[i])} at token {offset + i:,} is not below "
+                        f"model.vocab_size={vocab_size}")
+
+
+def _readable(path: str | None) -> Path:
+    if not path:
+        raise DataError("data.path is not set; give the file to read")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data.path {path!r} does not exist; give the path of the training file")
+    if not p.is_file():
+        raise DataError(f"data.path {path!r} is not a file; give the path of the training file itself")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"data.path {path!r} is not readable; fix its permissions")
+    return p
+
+
+def _max_token(tokens: np.ndarray) -> tuple[int, int]:
+    """(largest id, its index) over the whole file if small, else over evenly spaced windows."""
+    n = len(tokens)
+    if n <= FULL_SCAN_TOKENS:
+        i = int(np.argmax(tokens))
+        return int(tokens[i]), i
+    best, where = -1, 0
+    for start in np.linspace(0, n - WINDOW_TOKENS, SAMPLE_WINDOWS).astype(np.int64):
+        w = np.asarray(tokens[start:start + WINDOW_TOKENS])
+        i = int(np.argmax(w))
+        if int(w[i]) > best:
+            best, where = int(w[i]), int(start) + i
+    return best, where
