@@ -113,8 +113,11 @@ def submit(
                           f"  hetspot status {job_id} --address {jobs.url}\n"
                           f"  hetspot logs {job_id} --address {jobs.url} --follow")
         if follow:
+            from orchestrator.progress_lines import dedupe_worker_lines
+
+            seen: set[str] = set()
             for chunk in jobs.follow(job_id):
-                sys.stdout.write(chunk)
+                sys.stdout.write(dedupe_worker_lines(chunk, seen))
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -178,15 +181,17 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
 ) -> None:
     """The job driver's output: progress lines, and worker lines naming node, rank and stage."""
+    from orchestrator.progress_lines import dedupe_worker_lines
     from orchestrator.ray_jobs import RayJobs
 
     jobs = RayJobs(address, token_file)
     if follow:
+        seen: set[str] = set()
         for chunk in jobs.follow(job_id):
-            sys.stdout.write(chunk)
+            sys.stdout.write(dedupe_worker_lines(chunk, seen))
             sys.stdout.flush()
     else:
-        sys.stdout.write(jobs.logs(job_id))
+        sys.stdout.write(dedupe_worker_lines(jobs.logs(job_id)))
 
 
 @app.command()

@@ -23,6 +23,29 @@ def phase_line(phase: str, elapsed_s: float) -> str:
     return PHASE + json.dumps({"phase": phase, "elapsed_s": round(elapsed_s, 3)})
 
 
+WORKER_LINE = " hetspot.worker "  # structured worker lines (workers/logs.py)
+
+
+def dedupe_worker_lines(text: str, seen: set[str] | None = None) -> str:
+    """Drop repeated copies of structured worker lines.
+
+    When several Ray nodes share one host (a test cluster, or `ray start` twice on
+    one machine), each node's log monitor forwards the same worker log file, so
+    every worker line reaches the job log once per node. A worker line carries its
+    process and a millisecond timestamp, so an exact repeat is a copy. `seen` keeps
+    the state across chunks of a followed log.
+    """
+    seen = set() if seen is None else seen
+    out = []
+    for line in text.splitlines(keepends=True):
+        if WORKER_LINE in line:
+            if line in seen:
+                continue
+            seen.add(line)
+        out.append(line)
+    return "".join(out)
+
+
 def _last(logs: str, prefix: str) -> dict | None:
     for line in reversed(logs.splitlines()):
         i = line.find(prefix)

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.catalog import gpu_info
+from planner.plan_types import OffloadPolicy
 
 
 def _fmt_time(s: float) -> str:
@@ -62,12 +63,6 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
 
 
 def _offload(pol: dict[str, Any]) -> str:
-    parts = []
-    if pol["recompute_layers"]:
-        parts.append(f"recompute {len(pol['recompute_layers'])}")
-    if pol["offload_optimizer"]:
-        parts.append("optimizer->host")
-    if pol["offload_params"]:
-        parts.append(f"params->host (prefetch {pol['prefetch_depth']})")
-    desc = ", ".join(parts) or "none"
-    return f"{desc} ({pol['reason']})" if pol.get("reason") and parts else desc
+    policy = OffloadPolicy.model_validate(pol)
+    desc = policy.describe()
+    return f"{desc} ({policy.reason})" if policy.reason and desc != "none" else desc

@@ -35,7 +35,7 @@ class OffloadPolicy(_Model):
         if self.recompute_layers:
             parts.append(f"recompute {len(self.recompute_layers)}")
         if self.offload_optimizer:
-            parts.append("opt->host")
+            parts.append("optimizer->host")
         if self.offload_params:
             parts.append(f"params->host (prefetch {self.prefetch_depth})")
         return ", ".join(parts) or "none"

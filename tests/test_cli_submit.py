@@ -120,3 +120,20 @@ def test_submit_to_a_cluster_validates_the_job_first(tmp_path):
 def test_missing_address_names_the_option():
     res = runner.invoke(app, ["status", "some-job"], env={"HETSPOT_ADDRESS": "", "RAY_API_SERVER_ADDRESS": ""})
     assert res.exit_code == 2 and "--address" in res.output
+
+
+def test_ffn_130_plan_with_tp4_is_refused_before_any_actor(tmp_path):
+    """The defect that trained a different model with exit 0: TP=4 does not divide ffn_size=130."""
+    import ray
+
+    job = tmp_path / "ffn.yaml"
+    job.write_text(yaml.safe_dump({"model": {"preset": "tiny", "ffn_size": 130}, "train": {"global_batch": 4},
+                                   "cluster": {"nodes": [{"name": "a", "gpu_type": "A100-80GB", "num_gpus": 4}]}}))
+    p = {"model_name": "tiny", "num_layers": 4, "global_batch": 4, "pipelines": [
+        {"num_samples": 4, "micro_batch_size": 4, "num_micro_batches": 1, "stages": [
+            {"layer_start": 0, "layer_end": 4, "gpu_type": "A100-80GB", "node": "a",
+             "devices": ["a/0", "a/1", "a/2", "a/3"]}]}]}
+    res = _submit(job, tmp_path, p)
+    assert res.exit_code == 2, res.output
+    assert "TP degree 4, which does not divide ffn_size=130" in res.output and "Traceback" not in res.output
+    assert not ray.is_initialized()

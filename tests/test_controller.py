@@ -76,3 +76,56 @@ def test_no_plan_on_survivors_fails_cleanly():
     c = Controller(huge, TRAIN, 2, FakeNodes(tiny_gpu), lambda p: None)
     c.step()
     assert c.step() == State.FAILED and "does not fit" in c.error
+
+
+def test_deterministic_worker_error_aborts_without_replanning():
+    log, groups = [], []
+
+    def factory(plan):
+        g = FakeGroup(plan, log, [1], fail_kind="error")
+        groups.append(g)
+        return g
+
+    c = Controller(MODEL, TRAIN, 4, FakeNodes(BIG, SMALL), factory)
+    assert c.run() == State.FAILED
+    assert c.progress.restarts == 0 and len(groups) == 1  # no second plan was tried
+    assert "any plan would hit again" in c.error
+
+
+def _user_plan_controller(replan: bool):
+    from planner import plan
+
+    first = plan(BIG, MODEL, TRAIN)
+    c, log, groups = make(FakeNodes(SMALL), failures=[[2]], first_plan=first, user_plan=True,
+                          replan_user_plan=replan)
+    return c, first, groups
+
+
+def test_user_plan_is_not_replaced_without_being_asked():
+    c, first, groups = _user_plan_controller(replan=False)
+    assert c.state == State.LAUNCHING and c.plan is first  # no discovery, no planning
+    assert c.run() == State.FAILED
+    assert "--replan-on-loss" in c.error and len(groups) == 1
+
+
+def test_user_plan_replaced_on_loss_when_asked():
+    c, first, groups = _user_plan_controller(replan=True)
+    assert c.run() == State.DONE
+    assert c.progress.restarts == 1 and groups[1].plan is not first
+    assert c.progress.losses == {s: 10.0 - s for s in range(4)}
+
+
+def test_notice_drains_at_a_step_boundary_without_losing_a_step():
+    from orchestrator.fakes import FakeClock, FakeInterruptions
+    from orchestrator.protocols import Notice
+
+    notice = Notice(node="a", deadline_s=120.0, source="aws")
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=5,
+                          interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
+    assert c.run() == State.DONE
+    assert "training->draining" in c.progress.history and c.progress.drains == 1 and c.progress.restarts == 0
+    assert ("import", 2) in log  # snapshot of committed step 1 taken at the boundary: nothing redone
+    assert all(not d.startswith("a/") for d in groups[1].plan.devices())  # the doomed node is left out
+    assert c.progress.losses == {s: 10.0 - s for s in range(5)}
+    assert c.progress.events[0]["kind"] == "drain" and "aws" in c.progress.events[0]["cause"]
+    assert all(t == 0.5 for t in c.progress.step_time_s.values())  # the injected clock times the steps

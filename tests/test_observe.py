@@ -78,3 +78,14 @@ def test_last_progress_and_redaction():
     assert last_progress(logs) == {"step": 1}
     assert last_progress("nothing") is None
     assert _redact("bad token s3cr3t in Bearer s3cr3t", {"Authorization": "Bearer s3cr3t"}).count("s3cr3t") == 0
+
+
+def test_worker_line_copies_are_dropped_once_each():
+    from orchestrator.progress_lines import dedupe_worker_lines
+
+    w = "(TrainWorker pid=7) 2026-11-23 10:00:00,123 INFO hetspot.worker node=a rank=0 step 1\n"
+    other = "(TrainWorker pid=8) 2026-11-23 10:00:00,123 INFO hetspot.worker node=b rank=1 step 1\n"
+    text = "hetspot-progress {}\n" + w + other + w + other + "hetspot-progress {}\n"
+    assert dedupe_worker_lines(text) == "hetspot-progress {}\n" + w + other + "hetspot-progress {}\n"
+    seen: set[str] = set()
+    assert dedupe_worker_lines(w, seen) == w and dedupe_worker_lines(w + other, seen) == other

@@ -161,6 +161,9 @@ def test_cli_against_a_real_head(head, tmp_path):
     assert p["step"] == 3 and p["steps"] == 4 and 0 < p["loss"] < 20 and p["tokens_per_s"] > 0
     # structured worker lines name node, rank and stage; progress lines carry every step
     assert "node=head-a100 rank=0 pipeline=0 stage=0" in logs
+    # two Ray nodes share this host, so Ray forwards each worker line twice; `logs` shows one copy
+    assert sum("hetspot.worker" in ln and "joined world" in ln and " rank=0 pipeline=" in ln for ln in logs.splitlines()) == 1
+    assert "hetspot-phase" in logs and st["phase"] == "done"  # phases reach the log and `status`
     assert sum("hetspot-progress" in line for line in logs.splitlines()) == 4
     assert "profiling T4: skipped: no CUDA device" in logs  # the profiling pass ran and saw fake GPUs
     outputs += [json.dumps(st), logs]
@@ -204,3 +207,23 @@ def test_cli_against_a_real_head(head, tmp_path):
         pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format",
                               "json"], env=head.env, capture_output=True, text=True, timeout=60)
     assert pgs.returncode == 0 and '"CREATED"' not in pgs.stdout, pgs.stdout
+
+
+def test_submit_fails_fast_when_the_heads_python_lacks_hetspot(tmp_path):
+    """`python` on the head is another interpreter (no hetspot): submit says so with exit 2 at once,
+    instead of a job that fails later with "No module named 'orchestrator'" (issue 10)."""
+    h = RealHead(tmp_path, auth=False)
+    h.env["PATH"] = ":".join(p for p in h.env["PATH"].split(":") if p and Path(p) != BIN)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(JOB)
+    try:
+        h.start()
+        t0 = time.monotonic()
+        r = cli(h, "submit", str(job_file), "--address", h.url)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "`python` on the cluster's head cannot import hetspot" in r.stderr
+        assert "python -m orchestrator.driver" in r.stderr and "Fix:" in r.stderr
+        assert time.monotonic() - t0 < 60
+        assert json.loads(cli(h, "list", "--address", h.url, "--json").stdout) == []  # no job was submitted
+    finally:
+        h.stop()

@@ -308,3 +308,46 @@ def test_profiling_pass_skips_fake_gpus(cluster):
     assert calibration == {}
     assert set(notes) == {"A100-80GB", "L4", "T4"}
     assert all(n.startswith("skipped: no CUDA") for n in notes.values())
+
+
+def _shape_job(heads: int, head_dim: int, ffn: int) -> JobSpec:
+    base = job(8)
+    return parse_job(base.model_dump(exclude={"model"}) | {"model": {
+        "num_layers": 2, "hidden_size": heads * head_dim, "num_heads": heads, "ffn_size": ffn,
+        "vocab_size": 48, "seq_len": 8}})
+
+
+def test_contract_accepted_random_shapes_train_like_one_device(cluster):
+    """Random (shape, TP) pairs the plan contract accepts train equal to the 1-device run (issue 10).
+
+    Their refused counterparts cannot: tests/test_contract.py shows the runtime's slices would drop
+    weight rows or split heads for exactly the degrees the contract refuses.
+    """
+    import random
+
+    from planner.contract import tp_problem
+
+    rng = random.Random(10)
+    cases = []
+    while len(cases) < 3:
+        heads, hd, ffn, tp = rng.choice([2, 3, 4, 6]), rng.choice([2, 4]), rng.randrange(6, 40), rng.choice([2, 3, 4])
+        j = _shape_job(heads, hd, ffn)
+        if tp_problem(j.model_spec, tp) is None and tp not in {c[1] for c in cases}:
+            cases.append((j, tp))
+    for j, tp in cases:
+        p = mk([P(8, 4, [S(0, 1, "a", [f"a/{i}" for i in range(tp)]), S(1, 2, "b", ["b/0"], "L4")])], layers=2)
+        assert_equivalent(j, p)
+
+
+def test_deterministic_worker_error_aborts_without_replanning(cluster):
+    """A worker error that any plan would hit again ends the job at once with the worker's message."""
+    from orchestrator.controller import State
+    from orchestrator.controller_actor import make_controller
+
+    c = make_controller(job(8), steps=STEPS)
+    while c.state != State.TRAINING:
+        c.step()
+    ray.get(c.group.run.workers[0].inject_fault.remote(1, "raise"))
+    assert c.run() == State.FAILED
+    assert c.progress.restarts == 0 and "training->recovering" not in c.progress.history
+    assert "injected fault" in c.error and "rank 0 (pipeline 0" in c.error and "any plan would hit again" in c.error

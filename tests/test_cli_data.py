@@ -1,0 +1,79 @@
+"""Bad training data is refused before any cluster starts: exit 2 in seconds, one message naming data.path."""
+
+import time
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+
+pytestmark = pytest.mark.unit
+runner = CliRunner()
+CLUSTER = {"nodes": [{"name": "a", "gpu_type": "A100-80GB", "num_gpus": 1}]}
+
+
+def _job(tmp_path, data, vocab=64):
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump({"model": {"preset": "tiny", "vocab_size": vocab}, "train": {"global_batch": 4},
+                                 "cluster": CLUSTER, "data": data, "steps": 2}))
+    return f
+
+
+def _write(tmp_path, name, payload: bytes):
+    p = tmp_path / name
+    p.write_bytes(payload)
+    return str(p)
+
+
+CASES = {
+    "missing": (lambda t: {"kind": "tokens", "path": str(t / "nonexistent.bin")}, "does not exist"),
+    "directory": (lambda t: {"kind": "tokens", "path": str(t)}, "is not a file"),
+    "empty": (lambda t: {"kind": "tokens", "path": _write(t, "e.bin", b"")}, "is empty"),
+    "odd-sized": (lambda t: {"kind": "tokens", "path": _write(t, "o.bin", b"\x01" * 1001)},
+                  "not a multiple of 2 (uint16)"),
+    "ten-tokens": (lambda t: {"kind": "tokens", "path": _write(t, "s.bin", np.arange(10, dtype=np.uint16).tobytes())},
+                   "holds 10 tokens"),
+    "ids-past-vocab": (lambda t: {"kind": "tokens", "path": _write(
+        t, "r.bin", np.random.default_rng(0).integers(0, 65535, 5000, dtype=np.uint16).tobytes())},
+        "but model.vocab_size is 64"),
+    "uint32-ids-past-vocab": (lambda t: {"kind": "tokens", "dtype": "uint32", "path": _write(
+        t, "r4.bin", np.full(100, 70000, dtype=np.uint32).tobytes())}, "token id 70000"),
+    "text-bytes-past-vocab": (lambda t: {"kind": "text", "path": _write(t, "t.txt", "héllo wörld ".encode() * 20)},
+                              "set model.vocab_size >= 256"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_data_exits_2_fast_without_ray(tmp_path, case):
+    import ray
+
+    make, needle = CASES[case]
+    job = _job(tmp_path, make(tmp_path))
+    t0 = time.monotonic()
+    res = runner.invoke(app, ["submit", str(job)])
+    elapsed = time.monotonic() - t0
+    assert res.exit_code == 2, res.output
+    assert "data.path" in res.output and needle in res.output, res.output
+    assert "Traceback" not in res.output and res.output.count("error:") == 1
+    assert elapsed < 5, elapsed
+    assert not ray.is_initialized()  # no cluster was started
+
+
+def test_good_token_file_passes_the_check(tmp_path):
+    from orchestrator.api import check_data
+    from orchestrator.job_spec import load_job
+
+    path = _write(tmp_path, "ok.bin", np.arange(500, dtype=np.uint16).tobytes())
+    check_data(load_job(_job(tmp_path, {"kind": "tokens", "path": path}, vocab=500)), "job")
+
+
+def test_worker_side_check_names_the_file(tmp_path):
+    """A file that changes after the up-front check is still caught as the worker reads it."""
+    from workers.data import TokenFile
+    from workers.data_validation import DataError
+
+    path = _write(tmp_path, "late.bin", np.full(200, 9, dtype=np.uint16).tobytes())
+    with pytest.raises(DataError, match=r"late\.bin: token id 9 at token \d+ is not below model\.vocab_size=8"):
+        TokenFile(path, 16, vocab_size=8).batch(range(2))
