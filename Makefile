@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint bench clean venv
+.PHONY: demo test test-all lint bench clean venv deploy-configs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/planner.py
+
+deploy-configs: $(STAMP)  # re-render deploy/ from orchestrator/deploy/render.py (a test checks they match)
+	$(BIN)/hetspot deploy render --cloud aws --out deploy/aws/mixed-spot.yaml
+	$(BIN)/hetspot deploy render --cloud kuberay --mix h100:1,a100:2,l4:4,t4:4 --platform gke --rayjob --out deploy/kuberay/gke-spot.yaml
+	$(BIN)/hetspot deploy render --cloud kuberay --mix a100:2,a10g:2,l4:4,t4:4 --platform eks --out deploy/kuberay/eks-spot.yaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -262,6 +262,16 @@ def inventory(
     console.print("total: " + ", ".join(f"{c}x {g}" for g, c in sorted(result["gpus_by_type"].items())))
 
 
+def _register_deploy() -> None:
+    from orchestrator.cli_deploy import deploy_app, render
+
+    deploy_app.command(name="render")(_user_errors(render))
+    app.add_typer(deploy_app, name="deploy")
+
+
+_register_deploy()
+
+
 def main() -> None:
     app()
 

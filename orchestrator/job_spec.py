@@ -120,13 +120,28 @@ def load_job(path: str | Path) -> JobSpec:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"job file {str(p)!r} does not exist; pass the path of a YAML job file (see examples/)")
+    data = _read_yaml(p)
+    if isinstance(data, dict) and isinstance(data.get("cluster"), str):
+        data = data | {"cluster": _cluster_file(p, data["cluster"])}
+    return parse_job(data, str(p))
+
+
+def _read_yaml(p: Path):
     try:
-        data = yaml.safe_load(p.read_text())
+        return yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    return parse_job(data, str(p))
+
+
+def _cluster_file(job_path: Path, ref: str) -> object:
+    """`cluster: PATH`: a cluster spec file (with `nodes:`), relative to the job file, e.g. deploy/local/."""
+    p = (job_path.parent / ref).resolve()
+    if not p.is_file():
+        raise ConfigError(f"{job_path}: field 'cluster': the cluster file {ref!r} ({p}) does not exist; give a path "
+                          "relative to the job file, or list the nodes inline")
+    return _read_yaml(p)
 
 
 def require_cluster(job: JobSpec, source: str) -> ClusterSpec:

@@ -75,8 +75,10 @@ class RealHead:
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
     def _ray(self, *args: str) -> None:
+        # From a directory outside the checkout, as on a real head: job entry points run in Ray's
+        # working directory, and `python -c` there must not find hetspot's sources by accident.
         r = subprocess.run([RAY, *args, "--disable-usage-stats"], env=self.env, capture_output=True, text=True,
-                           timeout=180)
+                           timeout=180, cwd=self.tmp)
         assert r.returncode == 0, r.stdout + r.stderr
 
 

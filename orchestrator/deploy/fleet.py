@@ -1,0 +1,91 @@
+"""What a spot fleet is made of: GPU mixes, instance types per GPU type, and the labels hetspot reads.
+
+Pure data and parsing, shared by the AWS and KubeRay renderers (orchestrator/deploy/render.py).
+A mix is "a100:2,l4:4,t4:2": for each GPU type (any name the catalog accepts), the
+most worker nodes of that type the cluster may hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.catalog import canonical_gpu_type
+
+# Ray's AWS launcher picks a default Deep Learning AMI per region (its DEFAULT_AMI table);
+# these are the regions it knows. Another region needs an ImageId of the user's own.
+AWS_REGIONS = ("us-east-1", "us-east-2", "us-west-1", "us-west-2", "ca-central-1", "eu-central-1", "eu-west-1",
+               "eu-west-2", "eu-west-3", "sa-east-1", "ap-northeast-1", "ap-northeast-2", "ap-northeast-3",
+               "ap-southeast-1", "ap-southeast-2")
+
+# Label keys hetspot's discovery reads (orchestrator/cluster/discovery.py).
+LABEL_GPU_TYPE, LABEL_MARKET, LABEL_NODE = "hetspot/gpu-type", "hetspot/market", "hetspot/node"
+LABEL_INSTANCE_ID, LABEL_INSTANCE_TYPE = "hetspot/instance-id", "hetspot/instance-type"
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    gpu_type: str  # the catalog's name
+    instance_type: str  # EC2 (AWS, EKS)
+    num_gpus: int
+    num_cpus: int
+    ray_accelerator: str  # what Ray itself detects: the accelerator_type:<T> resource
+    gke_accelerator: str | None  # cloud.google.com/gke-accelerator, None where GKE has no such GPU
+    memory_gib: int  # host memory of the instance
+
+    @property
+    def slug(self) -> str:
+        return self.gpu_type.lower().replace("-", "")
+
+
+# EC2 instance families per GPU type (AWS instance type pages: p5, p4d/p4de, g5, g6, g6e, g4dn, p3).
+NODE_KINDS: dict[str, NodeKind] = {k.gpu_type: k for k in [
+    NodeKind("H100-SXM", "p5.48xlarge", 8, 192, "H100", "nvidia-h100-80gb", 2048),
+    NodeKind("A100-80GB", "p4de.24xlarge", 8, 96, "A100", "nvidia-a100-80gb", 1152),
+    NodeKind("A100-40GB", "p4d.24xlarge", 8, 96, "A100", "nvidia-tesla-a100", 1152),
+    NodeKind("L40S", "g6e.12xlarge", 4, 48, "L40S", None, 384),
+    NodeKind("A10G", "g5.12xlarge", 4, 48, "A10G", None, 192),
+    NodeKind("L4", "g6.12xlarge", 4, 48, "L4", "nvidia-l4", 192),
+    NodeKind("T4", "g4dn.12xlarge", 4, 48, "T4", "nvidia-tesla-t4", 192),
+    NodeKind("V100-16GB", "p3.8xlarge", 4, 32, "V100", "nvidia-tesla-v100", 244),
+]}
+
+DEFAULT_MIX = "h100:1,a100:2,a10g:2,l4:4,t4:4"
+
+
+class MixError(ValueError):
+    """A --mix that names an unknown GPU type or a bad count; the message says the fix."""
+
+
+def parse_mix(text: str) -> list[tuple[NodeKind, int]]:
+    """`"a100:2,l4:4"` -> [(A100-40GB kind, 2), (L4 kind, 4)], in the order given."""
+    out: dict[str, tuple[NodeKind, int]] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, count = part.partition(":")
+        if not sep or not count.strip().lstrip("-").isdigit():
+            raise MixError(f"--mix entry {part!r} must be GPU_TYPE:NODES, like 'l4:4'")
+        try:
+            gpu = canonical_gpu_type(name)
+        except ValueError as e:
+            raise MixError(f"--mix entry {part!r}: {e}") from None
+        if gpu not in NODE_KINDS:
+            raise MixError(f"--mix entry {part!r}: no spot instance type for {gpu} in hetspot's deploy table; "
+                           f"use one of {', '.join(k.lower() for k in NODE_KINDS)}")
+        n = int(count)
+        if n < 1:
+            raise MixError(f"--mix entry {part!r}: the node count must be at least 1 (drop the entry to leave "
+                           "the type out)")
+        if gpu in out:
+            raise MixError(f"--mix names {gpu} twice; give each GPU type once")
+        out[gpu] = (NODE_KINDS[gpu], n)
+    if not out:
+        raise MixError(f"--mix is empty; give GPU_TYPE:NODES pairs, like {DEFAULT_MIX!r}")
+    return list(out.values())
+
+
+def check_region(region: str) -> str:
+    if region not in AWS_REGIONS:
+        raise MixError(f"--region {region!r} is not one where Ray's AWS launcher has a default AMI; use one of "
+                       f"{', '.join(AWS_REGIONS)}, or render for one and set node_config.ImageId yourself")
+    return region
