@@ -311,7 +311,7 @@ def test_profiling_pass_skips_fake_gpus(cluster):
 
 
 def _shape_job(heads: int, head_dim: int, ffn: int) -> JobSpec:
-    base = job(8)
+    base = job(8, lr=0.05)  # a larger step than the presets': these small random shapes must visibly train in 5 steps
     return parse_job(base.model_dump(exclude={"model"}) | {"model": {
         "num_layers": 2, "hidden_size": heads * head_dim, "num_heads": heads, "ffn_size": ffn,
         "vocab_size": 48, "seq_len": 8}})

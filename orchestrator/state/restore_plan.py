@@ -1,0 +1,159 @@
+"""The restore planner: a pure function from (what the new plan needs, what each source holds) to transfers.
+
+A *need* is one rank of the new plan and one canonical unit (a parameter tensor
+by name, with its optimizer state): the region of the full tensor that rank
+holds under its TP layout. A *holding* is a region of a unit at some step that
+a source can hand out: a live worker (tier "live"), a keeper's peer-memory
+snapshot ("peer"), or an S3 object ("s3"). Regions are per-dimension
+[start, stop) ranges of the full, unsharded tensor, so a TP shard of one plan
+feeds a different TP layout of another: a need is covered by the union of
+pieces along its sharded dimension.
+
+`plan_restore` picks the newest step at which every need is coverable, then
+for each need the cheapest pieces: the same worker, then the same node, then
+another node (live or peer), and S3 last, so S3 bytes are the least the
+holdings allow (AutoHet's local-first recovery; Gemini's peer-memory tier).
+`only_tiers={"s3"}` reproduces an S3-only restore of the same state, for
+comparison. No Ray, torch or boto3: plain data in, plain data out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+Region = tuple[tuple[int, int], ...]
+TIERS = ("live", "peer", "s3")
+
+
+@dataclass(frozen=True)
+class Need:
+    rank: int
+    node: str
+    unit: str
+    region: Region
+    nbytes: int  # bytes of the region (all of the unit's tensors)
+
+
+@dataclass(frozen=True)
+class Holding:
+    tier: str  # "live", "peer" or "s3"
+    holder: str  # a worker ("rank:3"), a keeper ("keeper:node-b") or "s3"
+    node: str | None  # where the bytes are (None for S3)
+    unit: str
+    region: Region
+    step: int
+    rank: int | None = None  # for "live": the worker's rank in the new plan, if it stays
+
+
+@dataclass(frozen=True)
+class Transfer:
+    need: Need
+    source: Holding
+    region: Region  # the part of the need this source sends
+    nbytes: int
+
+
+@dataclass
+class RestorePlan:
+    step: int | None  # None: no step has every unit
+    transfers: list[Transfer] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # units no source holds at any step (when step is None)
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        out = Counter({t: 0 for t in TIERS})
+        for t in self.transfers:
+            out[t.source.tier] += t.nbytes
+        return dict(out)
+
+    def report(self) -> dict:
+        return {"step": self.step, "bytes_by_tier": self.bytes_by_tier(), "num_transfers": len(self.transfers),
+                "missing": self.missing}
+
+
+def cost_class(need: Need, h: Holding) -> int:
+    """0: the same worker already holds it; 1: the same node; 2: another node's memory; 3: S3."""
+    if h.tier == "s3":
+        return 3
+    if h.tier == "live" and h.rank == need.rank:
+        return 0
+    return 1 if h.node == need.node else 2
+
+
+def _contains(outer: Region, inner: Region, skip: int | None = None) -> bool:
+    return len(outer) == len(inner) and all(
+        d == skip or (a <= c and d_ >= e) for d, ((a, d_), (c, e)) in enumerate(zip(outer, inner, strict=True)))
+
+
+def _shard_dim(need: Need, pieces: list[Holding]) -> int:
+    """The dimension along which pieces split the unit (a canonical unit is sharded on at most one)."""
+    for p in pieces:
+        for d, (a, b) in enumerate(p.region):
+            if (a, b) != need.region[d]:
+                return d
+    return 0
+
+
+def _cover(need: Need, pieces: list[Holding]) -> list[tuple[Holding, tuple[int, int]]] | None:
+    """Cheapest pieces covering the need along its sharded dimension, or None.
+
+    Sweep the dimension: at each point take the cheapest class of piece that holds
+    it (then the one reaching farthest), and stop using it where a cheaper piece
+    begins. So a costly source (S3) sends only what no cheaper source holds.
+    """
+    if not need.region:
+        return None
+    d = _shard_dim(need, pieces)
+    usable = [p for p in pieces if _contains(p.region, need.region, skip=d)]
+    at, stop = need.region[d]
+    out = []
+    while at < stop:
+        here = [p for p in usable if p.region[d][0] <= at < p.region[d][1]]
+        if not here:
+            return None
+        p = min(here, key=lambda p: (cost_class(need, p), -p.region[d][1]))
+        cheaper_starts = [q.region[d][0] for q in usable
+                          if at < q.region[d][0] < p.region[d][1] and cost_class(need, q) < cost_class(need, p)]
+        end = min([p.region[d][1], stop, *cheaper_starts])
+        if out and out[-1][0] is p:  # extend the previous stretch of the same source
+            out[-1] = (p, (out[-1][1][0], end))
+        else:
+            out.append((p, (at, end)))
+        at = end
+    return out
+
+
+def _transfers(need: Need, cover: list[tuple[Holding, tuple[int, int]]]) -> list[Transfer]:
+    d = _shard_dim(need, [h for h, _ in cover])
+    length = need.region[d][1] - need.region[d][0]
+    out = []
+    for h, (a, b) in cover:
+        region = tuple((a, b) if i == d else r for i, r in enumerate(need.region))
+        out.append(Transfer(need, h, region, need.nbytes * (b - a) // length))
+    return out
+
+
+def _plan_at(step: int, needs: list[Need], by_unit: dict[str, list[Holding]]) -> list[Transfer] | None:
+    """Transfers restoring every need at `step`, cheapest class first; None if some need is not coverable."""
+    out = []
+    for need in needs:
+        pieces = [h for h in by_unit.get(need.unit, ()) if h.step == step]
+        cover = _cover(need, pieces)
+        if cover is None:
+            return None
+        out += _transfers(need, cover)
+    return out
+
+
+def plan_restore(needs: list[Need], holdings: list[Holding], only_tiers: set[str] | None = None) -> RestorePlan:
+    """The newest step at which every need is available, and the cheapest transfers for it."""
+    if only_tiers is not None:
+        holdings = [h for h in holdings if h.tier in only_tiers]
+    by_unit: dict[str, list[Holding]] = {}
+    for h in holdings:
+        by_unit.setdefault(h.unit, []).append(h)
+    for step in sorted({h.step for h in holdings}, reverse=True):
+        got = _plan_at(step, needs, by_unit)
+        if got is not None:
+            return RestorePlan(step, got)
+    return RestorePlan(None, [], sorted({n.unit for n in needs} - set(by_unit)))

@@ -1,0 +1,203 @@
+"""The S3 tier: one safetensors object per canonical unit per step, a manifest written last.
+
+Layout under `s3://BUCKET/PREFIX/`:
+    step-0000000041/units/<parameter name>.safetensors   tensors "param", "exp_avg", "exp_avg_sq"
+    step-0000000041/manifest.json                         written last, with If-None-Match: *
+A step without a manifest does not exist: a writer that dies mid-upload leaves
+objects no reader will use. The manifest holds every object's SHA256 and size,
+and every read is verified against it (moto, like some S3-compatible stores,
+does not check checksums, so the client must); a mismatch or an unreadable
+manifest refuses that step with a log line naming the object, and
+`load_latest` falls back to the previous complete step. safetensors, never
+pickle: loading a checkpoint from a shared bucket cannot run code. Objects
+above `multipart_bytes` go up in parts. Credentials come from boto3's standard
+chain (environment, profile, instance role) and are never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+FORMAT = "hetspot-checkpoint/1"
+MULTIPART_BYTES = 8 << 20
+_STEP = re.compile(r"step-(\d{10})/(.+)$")
+log = logging.getLogger("hetspot.checkpoints")
+
+
+class CheckpointError(Exception):
+    """A step that cannot be used: a missing or truncated manifest, or an object whose checksum is wrong."""
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """`s3://bucket/prefix` -> (bucket, prefix without slashes at the ends)."""
+    m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?", uri or "")
+    if not m:
+        raise ValueError(f"checkpoint uri {uri!r} must look like s3://BUCKET/PREFIX (a bucket name of 3-63 "
+                         "lowercase letters, digits, dots or dashes)")
+    return m.group(1), (m.group(2) or "").strip("/")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    complete: bool  # a manifest exists
+    num_objects: int
+    nbytes: int
+
+
+class S3Checkpoints:
+    def __init__(self, uri: str, endpoint_url: str | None = None, client=None,
+                 multipart_bytes: int = MULTIPART_BYTES):
+        import boto3
+
+        self.uri = uri
+        self.bucket, self.prefix = parse_uri(uri)
+        self.client = client or boto3.client("s3", endpoint_url=endpoint_url)
+        self.multipart_bytes = multipart_bytes
+
+    # -- keys ---------------------------------------------------------------------
+    def _key(self, step: int, rest: str) -> str:
+        return "/".join(x for x in (self.prefix, f"step-{step:010d}", rest) if x)
+
+    def manifest_key(self, step: int) -> str:
+        return self._key(step, "manifest.json")
+
+    # -- write --------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, dict], optimizer_steps: float, meta: dict | None = None) -> dict:
+        """Upload every unit, then the manifest (conditionally: a step is written once). Returns the manifest."""
+        from safetensors.torch import save as to_safetensors
+
+        if self._exists(self.manifest_key(step)):  # never touch the objects of a complete step
+            raise CheckpointError(f"step {step} already exists at s3://{self.bucket}/{self.manifest_key(step)}; "
+                                  "a step is written once")
+        units = {}
+        for name, tensors in sorted(state.items()):
+            data = to_safetensors({k: v.contiguous() for k, v in tensors.items() if v is not None})
+            key = self._key(step, f"units/{name}.safetensors")
+            self._put(key, data)
+            units[name] = {"key": key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        manifest = {"format": FORMAT, "step": step, "optimizer_steps": optimizer_steps, "written_at": time.time(),
+                    "meta": meta or {}, "units": units}
+        self.client.put_object(Bucket=self.bucket, Key=self.manifest_key(step), IfNoneMatch="*",
+                               Body=json.dumps(manifest).encode(), ContentType="application/json")
+        return manifest
+
+    def _exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=key)
+            return True
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def _put(self, key: str, data: bytes) -> None:
+        if len(data) < self.multipart_bytes:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+            return
+        from boto3.s3.transfer import TransferConfig
+
+        cfg = TransferConfig(multipart_threshold=self.multipart_bytes, multipart_chunksize=max(5 << 20, self.multipart_bytes))
+        self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=cfg)
+
+    # -- read ---------------------------------------------------------------------
+    def steps(self) -> list[StepInfo]:
+        """Every step under the prefix, newest first, complete or not."""
+        found: dict[int, list] = {}
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                m = _STEP.search(obj["Key"])
+                if m:
+                    found.setdefault(int(m.group(1)), []).append((m.group(2), obj["Size"]))
+        return [StepInfo(s, any(rest == "manifest.json" for rest, _ in objs), len(objs), sum(n for _, n in objs))
+                for s, objs in sorted(found.items(), reverse=True)]
+
+    def complete_steps(self) -> list[int]:
+        return [s.step for s in self.steps() if s.complete]
+
+    def manifest(self, step: int) -> dict:
+        key = self.manifest_key(step)
+        try:
+            m = json.loads(self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"s3://{self.bucket}/{key} is not valid JSON (truncated?): {e.msg}") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("units"), dict):
+            raise CheckpointError(f"s3://{self.bucket}/{key} is not a {FORMAT} manifest")
+        return m
+
+    def read_unit(self, manifest: dict, name: str) -> tuple[dict, int]:
+        """One unit's tensors, verified against the manifest's SHA256; (tensors, bytes read)."""
+        from safetensors.torch import load as from_safetensors
+
+        entry = manifest["units"][name]
+        data = self.client.get_object(Bucket=self.bucket, Key=entry["key"])["Body"].read()
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"s3://{self.bucket}/{entry['key']} does not match its SHA256 in the manifest "
+                                  f"of step {manifest['step']} ({len(data)} bytes, manifest says {entry['bytes']})")
+        return from_safetensors(data), len(data)
+
+    def load(self, step: int, names: list[str] | None = None) -> tuple[dict, float, int]:
+        """(state by unit name, optimizer steps, bytes read) of a complete step; CheckpointError if unusable."""
+        m = self.manifest(step)
+        state, nbytes = {}, 0
+        for name in names if names is not None else sorted(m["units"]):
+            tensors, n = self.read_unit(m, name)
+            state[name] = {k: tensors.get(k) for k in ("param", "exp_avg", "exp_avg_sq")}
+            nbytes += n
+        return state, float(m["optimizer_steps"]), nbytes
+
+    def load_latest(self) -> tuple[int, dict, float, int] | None:
+        """The newest complete step that verifies: (step, state, optimizer steps, bytes read), or None."""
+        for step in self.complete_steps():
+            try:
+                state, opt_steps, nbytes = self.load(step)
+            except CheckpointError as e:
+                log.warning("refusing checkpoint step %d: %s; trying the previous complete step", step, e)
+                continue
+            return step, state, opt_steps, nbytes
+        return None
+
+    def verify(self, step: int) -> list[str]:
+        """Problems found re-reading every object of a step against its checksum (empty: the step is sound)."""
+        try:
+            m = self.manifest(step)
+        except CheckpointError as e:
+            return [str(e)]
+        problems = []
+        for name in sorted(m["units"]):
+            try:
+                self.read_unit(m, name)
+            except CheckpointError as e:
+                problems.append(str(e))
+        return problems
+
+    # -- delete -------------------------------------------------------------------
+    def delete_step(self, step: int) -> int:
+        """Delete a step's objects, the manifest first (so the step stops existing before its data goes)."""
+        keys = [self.manifest_key(step)]
+        prefix = self._key(step, "")
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            keys += [o["Key"] for o in page.get("Contents", []) if o["Key"] != keys[0]]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+        return len(keys)
+
+    def keep_newest(self, keep: int) -> list[int]:
+        """Delete complete steps past the newest `keep`, and half-written steps older than the newest complete."""
+        infos = self.steps()
+        complete = [s.step for s in infos if s.complete]
+        if not complete:
+            return []
+        doomed = complete[keep:] + [s.step for s in infos if not s.complete and s.step < complete[0]]
+        for step in doomed:
+            self.delete_step(step)
+        return sorted(doomed)

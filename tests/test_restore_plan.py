@@ -1,0 +1,103 @@
+"""The restore planner with plain data: newest common step, cheapest source, TP re-slicing, S3 bytes minimal."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.state.restore_plan import Holding, Need, plan_restore
+
+pytestmark = pytest.mark.unit
+ROWS, COLS = 64, 16  # a unit of 64 x 16 elements, 4 bytes each, 3 tensors (param and two AdamW moments)
+UNIT_BYTES = ROWS * COLS * 4 * 3
+
+
+def region(r0=0, r1=ROWS):
+    return ((r0, r1), (0, COLS))
+
+
+def need(rank, node, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
+    return Need(rank, node, unit, region(r0, r1), UNIT_BYTES * (r1 - r0) // ROWS)
+
+
+def live(rank, node, step, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
+    return Holding("live", f"rank:{rank}", node, unit, region(r0, r1), step, rank)
+
+
+def peer(node, step, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
+    return Holding("peer", f"keeper:{node}", node, unit, region(r0, r1), step)
+
+
+def s3(step, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
+    return Holding("s3", "s3", None, unit, region(r0, r1), step)
+
+
+def test_a_surviving_dp_peer_restores_everything_with_no_s3_bytes():
+    needs = [need(0, "b"), need(1, "c")]
+    plan = plan_restore(needs, [live(5, "b", 9), s3(8)])
+    assert plan.step == 9
+    assert plan.bytes_by_tier() == {"live": 2 * UNIT_BYTES, "peer": 0, "s3": 0}
+    assert [t.source.holder for t in plan.transfers] == ["rank:5", "rank:5"]
+
+
+def test_the_same_worker_beats_the_same_node_beats_another_node():
+    n = need(0, "b")
+    holdings = [peer("c", 9), live(7, "b", 9), live(0, "b", 9), s3(9)]
+    assert plan_restore([n], holdings).transfers[0].source.holder == "rank:0"
+    assert plan_restore([n], holdings[:2] + holdings[3:]).transfers[0].source.holder == "rank:7"
+    assert plan_restore([n], [peer("c", 9), s3(9)]).transfers[0].source.tier == "peer"
+
+
+def test_newest_step_at_which_every_unit_is_available():
+    a, b = need(0, "b", "wte.weight"), need(0, "b", "lm_head.weight")
+    holdings = [live(1, "b", 12, "wte.weight"), s3(10, "wte.weight"), s3(10, "lm_head.weight"),
+                s3(8, "wte.weight"), s3(8, "lm_head.weight")]
+    plan = plan_restore([a, b], holdings)
+    assert plan.step == 10 and plan.bytes_by_tier()["s3"] == 2 * UNIT_BYTES
+
+
+def test_tp_shards_of_one_plan_feed_another_tp_layout():
+    """Old plan: TP 4 (rows in quarters) on two nodes; new plan: TP 2. Each half comes from two quarters."""
+    q = ROWS // 4
+    holdings = [live(10 + k, "b" if k < 2 else "c", 5, r0=k * q, r1=(k + 1) * q) for k in range(4)]
+    needs = [need(0, "b", r0=0, r1=ROWS // 2), need(1, "c", r0=ROWS // 2, r1=ROWS)]
+    plan = plan_restore(needs, holdings)
+    assert plan.step == 5
+    assert {(t.need.rank, t.source.holder, t.region[0]) for t in plan.transfers} == {
+        (0, "rank:10", (0, q)), (0, "rank:11", (q, 2 * q)), (1, "rank:12", (2 * q, 3 * q)), (1, "rank:13", (3 * q, ROWS))}
+    assert plan.bytes_by_tier()["live"] == UNIT_BYTES
+
+
+def test_only_the_missing_slice_comes_from_s3():
+    """A lost node held the top half of a TP-sharded unit and nobody else: S3 sends exactly that half."""
+    holdings = [live(3, "b", 7, r0=0, r1=ROWS // 2), s3(7)]
+    plan = plan_restore([need(0, "b")], holdings)
+    assert plan.bytes_by_tier() == {"live": UNIT_BYTES // 2, "peer": 0, "s3": UNIT_BYTES // 2}
+    s3_only = plan_restore([need(0, "b")], holdings, only_tiers={"s3"})
+    assert s3_only.step == 7 and s3_only.bytes_by_tier() == {"live": 0, "peer": 0, "s3": UNIT_BYTES}
+
+
+def test_nothing_holds_a_unit():
+    plan = plan_restore([need(0, "b", "wpe.weight")], [s3(3)])
+    assert plan.step is None and plan.missing == ["wpe.weight"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(1, ROWS - 1), max_size=5, unique=True),
+       lost=st.sets(st.integers(0, 5)), new_tp=st.sampled_from([1, 2, 4]))
+def test_s3_bytes_are_exactly_what_no_memory_source_holds(cuts, lost, new_tp):
+    """Random old shards, some lost; every need is covered exactly once, S3 sends only the lost rows."""
+    bounds = [0, *sorted(cuts), ROWS]
+    pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    holdings = [live(20 + i, "b", 4, r0=a, r1=b) for i, (a, b) in enumerate(pieces) if i not in lost] + [s3(4)]
+    rows = ROWS // new_tp
+    needs = [need(k, "b", r0=k * rows, r1=(k + 1) * rows) for k in range(new_tp)]
+    plan = plan_restore(needs, holdings)
+    lost_rows = sum(b - a for i, (a, b) in enumerate(pieces) if i in lost)
+    assert plan.step == 4
+    per_row = UNIT_BYTES // ROWS
+    assert plan.bytes_by_tier()["s3"] == lost_rows * per_row
+    assert sum(plan.bytes_by_tier().values()) == UNIT_BYTES
+    for n in needs:  # each need's rows covered once, in order
+        got = sorted(t.region[0] for t in plan.transfers if t.need == n)
+        assert got[0][0] == n.region[0][0] and got[-1][1] == n.region[0][1]
+        assert all(x[1] == y[0] for x, y in zip(got, got[1:], strict=False))

@@ -1,0 +1,129 @@
+"""The S3 tier against moto's threaded server over HTTP: format, checksums, conditional manifest, fallback, keep."""
+
+import logging
+
+import boto3
+import pytest
+import torch
+from moto.server import ThreadedMotoServer
+
+from orchestrator.state.s3_store import CheckpointError, S3Checkpoints, parse_uri
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def store(endpoint, request):
+    client = boto3.client("s3", region_name="us-east-1", endpoint_url=endpoint,
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    bucket = f"ckpt-{request.node.name.lower().replace('_', '-')[:40]}"
+    client.create_bucket(Bucket=bucket)
+    return S3Checkpoints(f"s3://{bucket}/jobs/tiny", client=client, multipart_bytes=6 << 20)
+
+
+def state(seed: float, big: bool = False):
+    g = torch.Generator().manual_seed(int(seed))
+    rows = 2048 if big else 8
+    return {"wte.weight": {"param": torch.randn(rows, 1024, generator=g), "exp_avg": torch.randn(rows, 1024, generator=g),
+                           "exp_avg_sq": torch.rand(rows, 1024, generator=g)},
+            "ln_f.bias": {"param": torch.zeros(4), "exp_avg": None, "exp_avg_sq": None}}
+
+
+def assert_same(a, b):
+    assert set(a) == set(b)
+    for name in a:
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            if a[name][k] is None:
+                assert b[name][k] is None
+            else:
+                assert torch.equal(a[name][k], b[name][k])
+
+
+def test_round_trip_with_multipart_and_sizes(store):
+    s = state(1, big=True)  # 8 MiB tensors x 3: multipart above 6 MiB
+    m = store.save(7, s, 8.0)
+    assert m["units"]["wte.weight"]["bytes"] > 6 << 20
+    got, opt_steps, nbytes = store.load(7)
+    assert_same(got, s)
+    assert opt_steps == 8.0
+    assert nbytes == sum(u["bytes"] for u in m["units"].values())
+    assert [(i.step, i.complete, i.num_objects) for i in store.steps()] == [(7, True, 3)]
+    assert store.verify(7) == []
+
+
+def test_manifest_is_written_once(store):
+    store.save(3, state(1), 4.0)
+    with pytest.raises(CheckpointError, match="step 3 already exists"):
+        store.save(3, state(2), 4.0)
+    assert_same(store.load(3)[0], state(1))  # the first write stands
+    # two writers racing past that check: S3's conditional write lets only one manifest in
+    with pytest.raises(Exception, match="PreconditionFailed|412"):
+        store.client.put_object(Bucket=store.bucket, Key=store.manifest_key(3), IfNoneMatch="*", Body=b"{}")
+
+
+def test_a_step_without_manifest_does_not_exist(store):
+    store.save(1, state(1), 2.0)
+    # a writer killed mid-upload: units of step 2 are there, its manifest is not
+    store.client.put_object(Bucket=store.bucket, Key=store._key(2, "units/wte.weight.safetensors"), Body=b"half")
+    assert [(i.step, i.complete) for i in store.steps()] == [(2, False), (1, True)]
+    assert store.complete_steps() == [1]
+    step, got, _, _ = store.load_latest()
+    assert step == 1
+    assert_same(got, state(1))
+
+
+def test_flipped_byte_is_refused_and_the_previous_step_used(store, caplog):
+    store.save(1, state(1), 2.0)
+    store.save(2, state(2), 3.0)
+    key = store._key(2, "units/wte.weight.safetensors")
+    data = bytearray(store.client.get_object(Bucket=store.bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    store.client.put_object(Bucket=store.bucket, Key=key, Body=bytes(data))  # moto accepts it: no checksum check
+    with pytest.raises(CheckpointError, match="does not match its SHA256"):
+        store.load(2)
+    assert len(store.verify(2)) == 1 and "wte.weight" in store.verify(2)[0]
+    with caplog.at_level(logging.WARNING, logger="hetspot.checkpoints"):
+        step, got, opt, _ = store.load_latest()
+    assert step == 1 and opt == 2.0
+    assert_same(got, state(1))
+    assert "refusing checkpoint step 2" in caplog.text and key in caplog.text
+
+
+def test_truncated_manifest_is_refused(store, caplog):
+    store.save(1, state(1), 2.0)
+    store.save(2, state(2), 3.0)
+    key = store.manifest_key(2)
+    body = store.client.get_object(Bucket=store.bucket, Key=key)["Body"].read()
+    store.client.put_object(Bucket=store.bucket, Key=key, Body=body[: len(body) // 2])
+    with caplog.at_level(logging.WARNING, logger="hetspot.checkpoints"):
+        assert store.load_latest()[0] == 1
+    assert "not valid JSON (truncated?)" in caplog.text
+
+
+def test_keep_newest_deletes_old_and_half_written_steps(store):
+    for s in (1, 2, 3, 4):
+        store.save(s, state(s), float(s))
+    store.client.put_object(Bucket=store.bucket, Key=store._key(0, "units/x.safetensors"), Body=b"old half")
+    store.client.put_object(Bucket=store.bucket, Key=store._key(5, "units/x.safetensors"), Body=b"in flight")
+    assert store.keep_newest(2) == [0, 1, 2]
+    assert [(i.step, i.complete) for i in store.steps()] == [(5, False), (4, True), (3, True)]  # in-flight kept
+
+
+@pytest.mark.parametrize("uri", ["s3:/b/x", "gs://bucket/x", "s3://B/x", "s3://a/x", "bucket/x", ""])
+def test_malformed_uri(uri):
+    with pytest.raises(ValueError, match="s3://BUCKET/PREFIX"):
+        parse_uri(uri)
+
+
+def test_uri_parts():
+    assert parse_uri("s3://my-bucket/runs/a/") == ("my-bucket", "runs/a")
+    assert parse_uri("s3://my-bucket") == ("my-bucket", "")
