@@ -142,7 +142,7 @@ def _ray_node(node_id: str, resources: dict, labels: dict) -> dict:
 def test_discovery_reads_back_what_each_aws_config_declares():
     for name, config in _aws_configs():
         nodes, want = [], {}
-        for i, (nt_name, nt) in enumerate(sorted(config["available_node_types"].items())):
+        for i, (_, nt) in enumerate(sorted(config["available_node_types"].items())):
             # the start command adds the instance id and type it reads from IMDS
             labels = nt["labels"] | {"hetspot/instance-id": f"i-{i:04x}", "hetspot/instance-type":
                                      nt["node_config"]["InstanceType"], "hetspot/node": f"i-{i:04x}"}
