@@ -83,13 +83,35 @@ def check_data(job: JobSpec, source: str) -> None:
         raise ConfigError(f"{source}: {e}") from None
 
 
+def check_checkpoint(job: JobSpec, source: str, resume: bool) -> None:
+    """The `checkpoint:` section against its bucket, before any worker starts (exit 2 on a problem)."""
+    from orchestrator.state.s3_store import check_access
+
+    c = job.checkpoint
+    if c is None:
+        if resume:
+            raise ConfigError(f"{source}: --resume needs a 'checkpoint:' section whose uri holds the job's steps")
+        return
+    try:
+        steps = check_access(c.uri, c.endpoint_url).complete_steps()
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    if resume and not steps:
+        raise ConfigError(f"{source}: --resume: no complete step under {c.uri}; run without --resume to start the job")
+    if not resume and steps:
+        raise ConfigError(f"{source}: checkpoint.uri {c.uri} already holds steps (newest {steps[0]}); pass --resume "
+                          f"to go on from step {steps[0] + 1}, give checkpoint.uri a new prefix, or delete them "
+                          f"(`hetspot checkpoints rm {c.uri} --all`)")
+
+
 def submit_local(job_path: str | Path, plan_path: str | Path | None = None, steps: int | None = None,
-                 on_step=None, on_status=None, replan_on_loss: bool = False) -> dict[str, Any]:
+                 on_step=None, on_status=None, replan_on_loss: bool = False, resume: bool = False) -> dict[str, Any]:
     """`hetspot submit` without --address: check, plan (or load --plan), start the embedded cluster, train."""
     source = str(job_path)
     job = load_job(job_path)
     cluster = require_cluster(job, source)
     check_data(job, source)
+    check_checkpoint(job, source, resume)
     if plan_path is not None:
         plan = check_plan(load_plan(plan_path), job, str(plan_path))
     else:
@@ -127,6 +149,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     return {
         "job": job.name,
         "plan": summary["plan"],
+        "first_step": summary["first_step"],
         "losses": summary["losses"],
         "step_time_s": summary["step_time_s"],
         "tokens_per_s": tokens_per_step(job.model_spec, job.train.global_batch) * len(summary["losses"]) / trained_s,
@@ -134,6 +157,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         "wall_s": wall,
         "restarts": summary["restarts"],
         "events": summary["events"],
+        "uploads": summary["uploads"],
     }
 
 

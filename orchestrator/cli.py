@@ -85,6 +85,7 @@ def submit(
     token_file: str | None = _token_option(),
     plan_file: str | None = typer.Option(None, "--plan", help="a plan JSON (from `hetspot plan --json`); local runs only"),
     steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (default: the job's steps)"),
+    resume: bool = typer.Option(False, "--resume", help="go on from the newest complete step under checkpoint.uri"),
     replan_on_loss: bool = typer.Option(False, "--replan-on-loss",
                                         help="with --plan: after a node loss, re-plan on the survivors instead of failing"),
     follow: bool = typer.Option(False, "--follow", help="with --address: stream the job's logs until it ends"),
@@ -105,7 +106,7 @@ def submit(
             raise ConfigError("--replan-on-loss goes with --plan, for local runs only; on a cluster the job always "
                               "re-plans on the GPUs it finds")
         jobs = RayJobs(address, token_file)
-        job_id = jobs.submit(job, steps)
+        job_id = jobs.submit(job, steps, resume)
         if as_json:
             _print_json({"job_id": job_id, "address": jobs.url})
         else:
@@ -134,11 +135,11 @@ def submit(
             progress.update(task, completed=s + 1, info=f"step {s} loss {loss:.4f} {tok_s:,.0f} tok/s")
 
         result = api.submit_local(job_file, plan_file, steps, on_step=on_step, on_status=on_status,
-                                  replan_on_loss=replan_on_loss)
+                                  replan_on_loss=replan_on_loss, resume=resume)
     if as_json:
         _print_json(result)
     else:
-        console.print(f"trained {len(result['losses'])} steps in {result['wall_s']:.1f} s "
+        console.print(f"trained steps {result['first_step']}-{result['first_step'] + len(result['losses']) - 1} in {result['wall_s']:.1f} s "
                       f"(start-up {result['startup_s']:.1f} s): loss {result['losses'][0]:.4f} -> "
                       f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s over the step times, "
                       f"{result['restarts']} re-plans")
@@ -262,14 +263,18 @@ def inventory(
     console.print("total: " + ", ".join(f"{c}x {g}" for g, c in sorted(result["gpus_by_type"].items())))
 
 
-def _register_deploy() -> None:
+def _register_subcommands() -> None:
+    from orchestrator.cli_checkpoints import checkpoints_app, list_steps, rm, verify
     from orchestrator.cli_deploy import deploy_app, render
 
     deploy_app.command(name="render")(_user_errors(render))
     app.add_typer(deploy_app, name="deploy")
+    for name, fn in (("list", list_steps), ("verify", verify), ("rm", rm)):
+        checkpoints_app.command(name=name)(_user_errors(fn))
+    app.add_typer(checkpoints_app, name="checkpoints")
 
 
-_register_deploy()
+_register_subcommands()
 
 
 def main() -> None:

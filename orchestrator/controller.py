@@ -37,6 +37,7 @@ from orchestrator.protocols import (
     SystemClock,
     WorkerGroup,
 )
+from orchestrator.state.s3_store import CheckpointError
 from orchestrator.state.snapshots import MemorySnapshots
 from planner import ClusterSpec, Plan, PlanningError
 from planner.search import Planner
@@ -147,8 +148,16 @@ class Controller:
             if snap is not None:
                 self._phase(f"restoring state of step {snap[0]}")
                 self.group.import_state(snap[1], snap[2])
+                if self.progress.committed < snap[0]:  # a resumed job goes on after the checkpoint's step
+                    self.progress.committed = self.progress.snapshot_step = snap[0]
+                restored = getattr(self.store, "last_restore", None)
+                if restored:
+                    self._event("restore", f"step {snap[0]} from {restored['tier']}", **restored)
         except WorkerFailure as e:
             return self._decide(e)
+        except CheckpointError as e:  # no state to go on from: any plan would fail the same way
+            self.group.shutdown()
+            return self._fail(f"restoring state failed: {e}")
         self._phase("training")
         return State.TRAINING
 
@@ -156,6 +165,8 @@ class Controller:
         s = self.progress.committed + 1
         if s >= self.steps:
             self.group.shutdown()
+            if hasattr(self.store, "flush"):
+                self.store.flush()  # the last checkpoint upload completes before the job says done
             self._phase("done")
             return State.DONE
         notices = [n for n in self.interruptions.poll() if n.node in {st.node for p in self.plan.pipelines
@@ -220,9 +231,9 @@ class Controller:
             return State.RECOVERING
         return self._fail(decision.reason if isinstance(decision, Abort) else str(failure))
 
-    def _event(self, kind: str, cause: str) -> None:
+    def _event(self, kind: str, cause: str, **extra) -> None:
         self.progress.events.append({"kind": kind, "cause": cause, "at_step": self.progress.committed,
-                                     "t_s": round(self.clock.now() - self.started_at, 3)})
+                                     "t_s": round(self.clock.now() - self.started_at, 3)} | extra)
 
     def _fail(self, reason: str) -> State:
         self.error = reason

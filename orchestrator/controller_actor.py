@@ -33,9 +33,22 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
     from orchestrator.cluster.node_sources import DeclaredNodes
 
     return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
-                      lambda p: RayWorkerGroup(job, p, on_step), first_plan=first_plan,
+                      lambda p: RayWorkerGroup(job, p, on_step), store=make_store(job), first_plan=first_plan,
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
                       on_phase=on_phase)
+
+
+def make_store(job: JobSpec):
+    """Snapshots in memory, and in S3 when the job has a `checkpoint:` section."""
+    from orchestrator.state.tiered import TieredSnapshots
+
+    c = job.checkpoint
+    if c is None:
+        return TieredSnapshots()
+    from orchestrator.state.s3_store import S3Checkpoints
+
+    meta = {"job": job.name, "model": job.model_spec.model_dump(), "global_batch": job.train.global_batch}
+    return TieredSnapshots(S3Checkpoints(c.uri, c.endpoint_url), c.s3_every, c.keep, meta)
 
 
 def on_head() -> dict:
@@ -91,10 +104,12 @@ class ControllerActor:
 
     def summary(self) -> dict:
         c = self.controller
-        done = c.progress.committed + 1
+        steps = sorted(c.progress.losses)  # a resumed job starts after its checkpoint's step
         return {"state": c.state.value, "error": c.error, "plan": c.plan.model_dump() if c.plan else None,
-                "losses": [c.progress.losses[s] for s in range(done)],
-                "step_time_s": [c.progress.step_time_s[s] for s in range(done)],
+                "first_step": steps[0] if steps else c.progress.committed + 1,
+                "losses": [c.progress.losses[s] for s in steps],
+                "step_time_s": [c.progress.step_time_s[s] for s in steps],
+                "uploads": getattr(c.store, "uploads", []),
                 "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
                 "events": c.progress.events, "history": c.progress.history}
 

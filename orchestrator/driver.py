@@ -18,7 +18,14 @@ import ray
 
 from orchestrator.controller import State
 from orchestrator.controller_actor import ControllerActor, drive, on_head
-from orchestrator.progress_lines import ENV_ID, ENV_JOB, ENV_STEPS, phase_line, progress_line
+from orchestrator.progress_lines import (
+    ENV_ID,
+    ENV_JOB,
+    ENV_RESUME,
+    ENV_STEPS,
+    phase_line,
+    progress_line,
+)
 
 
 def _print(line: str, err: bool = False) -> None:
@@ -38,10 +45,12 @@ def main() -> int:
     except ConfigError as e:
         _print(f"hetspot driver: {e}", True)
         return 2
-    try:  # the data path is read on the cluster: check it here, before any worker starts
-        from orchestrator.api import check_data
+    resume = os.environ.get(ENV_RESUME) == "1"
+    try:  # the data and the bucket are reached from the cluster: check them here, before any worker starts
+        from orchestrator.api import check_checkpoint, check_data
 
         check_data(job, "submitted job")
+        check_checkpoint(job, "submitted job", resume)
     except ConfigError as e:
         _print(f"hetspot driver: {e}", True)
         return 2

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import ConfigError
 from planner.specs import PRESETS, ClusterSpec, ModelSpec, TrainSpec
@@ -76,6 +76,31 @@ class RuntimeSpec(_Section):
                                                           "memory minus train.memory_reserve_gib (slows CPU steps)")
 
 
+class CheckpointSpec(_Section):
+    """Where and how often the job writes its state to S3 (any endpoint: AWS, MinIO, moto, ...)."""
+
+    uri: str = Field(description="s3://BUCKET/PREFIX: one folder per job; steps go under it")
+    endpoint_url: str | None = Field(default=None, description="S3 endpoint; default AWS_ENDPOINT_URL, else AWS")
+    s3_every: int = Field(default=10, ge=1, description="upload the snapshot of every k-th committed step "
+                                                          "(of those runtime.snapshot_every keeps)")
+    keep: int = Field(default=3, ge=1, description="complete steps kept; older ones are deleted after a newer one exists")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        from orchestrator.state.s3_store import parse_uri
+
+        parse_uri(v)
+        return v
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint_url {v!r} must be an http:// or https:// URL")
+        return v
+
+
 class JobSpec(_Section):
     name: str = "hetspot-job"
     model: ModelSection
@@ -83,6 +108,7 @@ class JobSpec(_Section):
     cluster: ClusterSpec | None = Field(default=None, description="the embedded test cluster's nodes")
     data: DataSpec = DataSpec()
     runtime: RuntimeSpec = RuntimeSpec()
+    checkpoint: CheckpointSpec | None = Field(default=None, description="S3 checkpoints; none: snapshots in memory only")
     steps: int = Field(default=10, ge=1)
 
     @property

@@ -13,6 +13,7 @@ import json
 PROGRESS = "hetspot-progress "
 PHASE = "hetspot-phase "
 ENV_JOB, ENV_STEPS, ENV_ID = "HETSPOT_JOB_SPEC", "HETSPOT_STEPS", "HETSPOT_SUBMISSION_ID"
+ENV_RESUME = "HETSPOT_RESUME"
 
 
 def progress_line(row: dict) -> str:

@@ -24,7 +24,14 @@ from urllib.parse import urlparse
 
 from orchestrator.errors import ConfigError
 from orchestrator.job_spec import JobSpec
-from orchestrator.progress_lines import ENV_ID, ENV_JOB, ENV_STEPS, last_phase, last_progress
+from orchestrator.progress_lines import (
+    ENV_ID,
+    ENV_JOB,
+    ENV_RESUME,
+    ENV_STEPS,
+    last_phase,
+    last_progress,
+)
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 PROBE_ENTRYPOINT = 'python -c "import orchestrator.progress_lines, planner, workers"'
@@ -134,13 +141,15 @@ class RayJobs:
             except Exception as e:  # a probe left in the job list is harmless; record it
                 log.debug("could not delete probe job %s: %s", probe, e)
 
-    def submit(self, job: JobSpec, steps: int | None = None) -> str:
+    def submit(self, job: JobSpec, steps: int | None = None, resume: bool = False) -> str:
         self.check_interpreter()
         job_id = f"hetspot-{_slug(job.name)}-{secrets.token_hex(4)}"
         # Worker lines reach the job log undeduplicated and without colour codes, so they stay parseable.
         env = {ENV_JOB: job.model_dump_json(), ENV_ID: job_id, "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0"}
         if steps:
             env[ENV_STEPS] = str(steps)
+        if resume:
+            env[ENV_RESUME] = "1"
         return self._call(lambda: self.client.submit_job(
             entrypoint="python -m orchestrator.driver", submission_id=job_id,
             runtime_env={"env_vars": env}, metadata={"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps)},

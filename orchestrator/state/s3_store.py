@@ -54,11 +54,9 @@ class StepInfo:
 class S3Checkpoints:
     def __init__(self, uri: str, endpoint_url: str | None = None, client=None,
                  multipart_bytes: int = MULTIPART_BYTES):
-        import boto3
-
         self.uri = uri
         self.bucket, self.prefix = parse_uri(uri)
-        self.client = client or boto3.client("s3", endpoint_url=endpoint_url)
+        self.client = client or new_client(endpoint_url)
         self.multipart_bytes = multipart_bytes
 
     # -- keys ---------------------------------------------------------------------
@@ -201,3 +199,44 @@ class S3Checkpoints:
         for step in doomed:
             self.delete_step(step)
         return sorted(doomed)
+
+
+def new_client(endpoint_url: str | None = None, config=None):
+    """An S3 client from a fresh boto3 session: credentials are looked up now (boto3's default
+    session would keep the first ones it found for the life of the process)."""
+    import boto3
+
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+
+
+def check_access(uri: str, endpoint_url: str | None = None, timeout_s: float = 5.0) -> S3Checkpoints:
+    """Fail fast, before any worker starts, on what would make every upload fail.
+
+    Raises ValueError naming the `checkpoint:` field and the fix for a missing
+    bucket, missing credentials, an unreachable endpoint or refused access.
+    """
+    from botocore.config import Config
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    bucket, _ = parse_uri(uri)
+    cfg = Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 1})
+    client = new_client(endpoint_url, cfg)
+    try:
+        client.head_bucket(Bucket=bucket)
+    except NoCredentialsError:
+        raise ValueError("checkpoint.uri: no AWS credentials were found (boto3 looks at the environment, "
+                         "~/.aws profiles and the instance role); set AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from None
+    except EndpointConnectionError as e:
+        raise ValueError(f"checkpoint.endpoint_url: cannot reach the S3 endpoint ({e}); check the URL and that "
+                         "the service is up, or drop endpoint_url to use AWS") from None
+    except ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code"))
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            raise ValueError(f"checkpoint.uri: bucket {bucket!r} does not exist at "
+                             f"{endpoint_url or 'AWS'}; create it (`aws s3 mb s3://{bucket}`) or fix the name") from None
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise ValueError(f"checkpoint.uri: access to bucket {bucket!r} was refused ({code}); check the "
+                             "credentials and the bucket policy") from None
+        raise ValueError(f"checkpoint.uri: the S3 endpoint answered {code} for bucket {bucket!r}") from None
+    return S3Checkpoints(uri, endpoint_url)

@@ -1,0 +1,124 @@
+"""`checkpoint:` bad input exits 2 before anything starts; `hetspot checkpoints list|verify|rm` on moto's S3 server."""
+
+import json
+import socket
+import time
+
+import boto3
+import pytest
+import torch
+import yaml
+from moto.server import ThreadedMotoServer
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.state.s3_store import S3Checkpoints
+
+pytestmark = pytest.mark.unit
+runner = CliRunner()
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+         "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=url, **_creds()).create_bucket(Bucket="jobs")
+    yield url
+    server.stop()
+
+
+def _creds():
+    return {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+
+
+def _job(tmp_path, checkpoint: dict):
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "train": {"global_batch": 4},
+                                 "cluster": {"nodes": [{"name": "a", "gpu_type": "T4", "num_gpus": 1}]},
+                                 "checkpoint": checkpoint}))
+    return f
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_checkpoint_sections_exit_2_before_anything_starts(tmp_path, endpoint, monkeypatch):
+    import ray
+
+    cases = [
+        ({"uri": "s3:/jobs"}, CREDS, "field 'checkpoint.uri'", "s3://BUCKET/PREFIX"),
+        ({"uri": "s3://jobs/x", "endpoint_url": "localhost:9"}, CREDS, "field 'checkpoint.endpoint_url'", "http://"),
+        ({"uri": "s3://jobs/x", "endpoint_url": f"http://127.0.0.1:{_closed_port()}"}, CREDS,
+         "checkpoint.endpoint_url: cannot reach the S3 endpoint", "check the URL"),
+        ({"uri": "s3://no-such-bucket/x", "endpoint_url": endpoint}, CREDS, "bucket 'no-such-bucket' does not exist",
+         "aws s3 mb s3://no-such-bucket"),
+        ({"uri": "s3://jobs/x", "endpoint_url": endpoint}, {"AWS_EC2_METADATA_DISABLED": "true"},
+         "no AWS credentials were found", "AWS_ACCESS_KEY_ID"),
+        ({"uri": "s3://jobs/x", "keep": 0}, CREDS, "field 'checkpoint.keep'", "greater than or equal to 1"),
+    ]
+    for checkpoint, env, needle, fix in cases:
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+            monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws profile
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        t0 = time.monotonic()
+        res = runner.invoke(app, ["submit", str(_job(tmp_path, checkpoint))])
+        assert res.exit_code == 2, (checkpoint, res.output)
+        assert needle in res.output and fix in res.output and "Traceback" not in res.output, res.output
+        assert "testing" not in res.output  # no credential in any message
+        assert time.monotonic() - t0 < 15
+        assert not ray.is_initialized()
+
+
+def test_resume_and_existing_steps_are_checked(tmp_path, endpoint, monkeypatch):
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    job = _job(tmp_path, {"uri": "s3://jobs/resume-check", "endpoint_url": endpoint})
+    res = runner.invoke(app, ["submit", str(job), "--resume"])
+    assert res.exit_code == 2 and "--resume: no complete step under s3://jobs/resume-check" in res.output
+    store = S3Checkpoints("s3://jobs/resume-check", client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
+    store.save(4, {"w": {"param": torch.ones(2), "exp_avg": None, "exp_avg_sq": None}}, 5.0)
+    res = runner.invoke(app, ["submit", str(job)])
+    assert res.exit_code == 2 and "already holds steps (newest 4); pass --resume to go on from step 5" in res.output
+
+
+def test_checkpoints_list_verify_rm(endpoint, monkeypatch):
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    uri = "s3://jobs/cli"
+    store = S3Checkpoints(uri, client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
+    for s in (1, 2):
+        store.save(s, {"w": {"param": torch.full((4,), float(s)), "exp_avg": torch.zeros(4), "exp_avg_sq": None}}, s)
+    store.client.put_object(Bucket="jobs", Key=store._key(3, "units/w.safetensors"), Body=b"half")
+    base = ["--endpoint-url", endpoint]
+    res = runner.invoke(app, ["checkpoints", "list", uri, *base, "--json"])
+    assert res.exit_code == 0, res.output
+    assert [(r["step"], r["complete"]) for r in json.loads(res.stdout)] == [(3, False), (2, True), (1, True)]
+    res = runner.invoke(app, ["checkpoints", "verify", uri, *base])
+    assert res.exit_code == 0 and "step 2: ok" in res.stdout and "step 1: ok" in res.stdout
+    key = store._key(2, "units/w.safetensors")
+    data = bytearray(store.client.get_object(Bucket="jobs", Key=key)["Body"].read())
+    data[-1] ^= 0xFF
+    store.client.put_object(Bucket="jobs", Key=key, Body=bytes(data))
+    res = runner.invoke(app, ["checkpoints", "verify", uri, *base, "--json"])
+    assert res.exit_code == 1
+    got = {r["step"]: r for r in json.loads(res.stdout)}
+    assert not got[2]["ok"] and key in got[2]["problems"][0] and got[1]["ok"]
+    assert runner.invoke(app, ["checkpoints", "rm", uri, *base, "--step", "2"]).exit_code == 0
+    assert store.complete_steps() == [1]
+    res = runner.invoke(app, ["checkpoints", "rm", uri, *base])
+    assert res.exit_code == 2 and "--step N or --all" in res.output
+    res = runner.invoke(app, ["checkpoints", "rm", uri, *base, "--step", "9"])
+    assert res.exit_code == 2 and "no step 9" in res.output
+    assert runner.invoke(app, ["checkpoints", "rm", uri, *base, "--all"]).exit_code == 0
+    assert store.steps() == []
+    res = runner.invoke(app, ["checkpoints", "list", "s3://no-such-bucket/x", *base])
+    assert res.exit_code == 2 and "does not exist" in res.output
