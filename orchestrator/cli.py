@@ -171,6 +171,9 @@ def status(
                       f"MFU {format_mfu(p['mfu'])}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
     else:
         console.print("  no step committed yet")
+    for e in st.get("events", []):
+        times = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in e.items() if k.endswith("_s"))
+        console.print(f"  {e['kind']} at step {e['at_step']}: {e['cause']}" + (f" ({times})" if times else ""))
 
 
 @app.command()

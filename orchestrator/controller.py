@@ -77,7 +77,7 @@ class Controller:
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
                  max_restarts: int = 3,
-                 snapshot_every: int = 1, on_phase: Callable[[str], None] | None = None):
+                 snapshot_every: int = 1, drain_margin_s: float = 1.0, on_phase: Callable[[str], None] | None = None):
         self.model, self.train, self.steps = model, train, steps
         self.nodes, self.make_group = nodes, make_group
         self.store = store or MemorySnapshots()
@@ -92,6 +92,8 @@ class Controller:
         self.group: WorkerGroup | None = None
         self.error: str | None = None
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
+        self.drain_margin_s = drain_margin_s
+        self._draining: dict | None = None  # the drain event in progress
         self.started_at = self.clock.now()
         # A first plan (already checked against the job) skips the first discovery and planning;
         # `user_plan` says it came from the user (--plan), so it is not replaced without saying so.
@@ -135,6 +137,7 @@ class Controller:
         except PlanningError as e:
             return self._fail(f"no plan on the {self.cluster.num_gpus} GPUs left: {e}")
         log.info("planned %d pipelines, predicted %.0f tokens/s", len(self.plan.pipelines), self.plan.estimate.tokens_per_s)
+        self._mark("plan_s")
         for u in self.plan.unused:
             log.info("GPU %s left idle: %s", u.device, u.reason)
         return State.LAUNCHING
@@ -169,12 +172,7 @@ class Controller:
                 self.store.flush()  # the last checkpoint upload completes before the job says done
             self._phase("done")
             return State.DONE
-        notices = [n for n in self.interruptions.poll() if n.node in {st.node for p in self.plan.pipelines
-                                                                      for st in p.stages}]
-        if notices:
-            self.doomed |= {n.node for n in notices}
-            self._event("drain", f"notice for {', '.join(sorted({n.node for n in notices}))} "
-                                 f"({', '.join(sorted({n.source for n in notices}))})")
+        if self._heed(self.interruptions.poll()):
             return State.DRAINING
         try:
             t0 = self.clock.now()
@@ -183,11 +181,48 @@ class Controller:
             loss = self.group.step(s)
             self.progress.step_time_s[s] = self.clock.now() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
+            self._mark("first_step_s")
             if (s + 1) % self.snapshot_every == 0:
                 self._snapshot(s)
         except WorkerFailure as e:
             return self._decide(e)
         return State.TRAINING
+
+    def _heed(self, notices: list) -> bool:
+        """Start a drain for notices on the plan's nodes, when the deadline leaves time to snapshot first.
+
+        A drain needs one snapshot at this step boundary; with less time left than
+        `drain_margin_s` plus twice the last step, the job keeps training and lets the
+        loss be handled as a failure (recovery), and says so.
+        """
+        used = {st.node for p in self.plan.pipelines for st in p.stages}
+        notices = [n for n in notices if n.node in used]
+        if not notices:
+            return False
+        now = self.clock.now()
+        left = min(n.deadline_s for n in notices) - now
+        last_step = self.progress.step_time_s.get(self.progress.committed, 0.0)
+        nodes = ", ".join(sorted({n.node for n in notices}))
+        sources = ", ".join(sorted({n.source for n in notices}))
+        if left < self.drain_margin_s + 2 * last_step:
+            log.warning("notice for %s (%s) with %.1f s left: too close to drain, falling back to recovery when "
+                        "the node goes", nodes, sources, left)
+            self._event("notice-too-close", f"notice for {nodes} ({sources}) with {left:.1f} s left", nodes=nodes)
+            return False
+        self.doomed |= {n.node for n in notices}
+        self._event("drain", f"notice for {nodes} ({sources})", nodes=nodes, notice_s=round(now - self.started_at, 3),
+                    deadline_s=round(now + left - self.started_at, 3))
+        self._draining = self.progress.events[-1]  # its timeline fills in as the drain goes on
+        return True
+
+    def _mark(self, key: str) -> None:
+        """A point of the current drain's timeline, in seconds since the job started."""
+        if self._draining is not None and key not in self._draining:
+            self._draining[key] = round(self.clock.now() - self.started_at, 3)
+            if key == "first_step_s":
+                snap = self._draining.get("snapshot_s")
+                self._draining["met_deadline"] = snap is not None and snap <= self._draining["deadline_s"]
+                self._draining = None
 
     def _snapshot(self, s: int) -> None:
         state, opt_steps = self.group.export_state()
@@ -203,6 +238,7 @@ class Controller:
         except WorkerFailure as e:
             return self._decide(e)
         self.group.shutdown()
+        self._mark("snapshot_s")  # the doomed node's state is out: it may go now
         self.progress.drains += 1
         return State.DISCOVERING
 

@@ -20,6 +20,7 @@ import ray
 
 from orchestrator.controller import Controller, State
 from orchestrator.job_spec import JobSpec
+from orchestrator.preemption.ray_notices import RayNotices
 from orchestrator.worker_group import RayWorkerGroup
 from planner import Plan
 
@@ -34,6 +35,8 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
 
     return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
                       lambda p: RayWorkerGroup(job, p, on_step), store=make_store(job), first_plan=first_plan,
+                      interruptions=RayNotices(None if job.runtime.notices == "none" else job.runtime.notices,
+                                               job.runtime.notice_poll_s),
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
                       on_phase=on_phase)
 
@@ -82,7 +85,8 @@ class ControllerActor:
 
         c = self.controller
         state = c.step()
-        out: dict = {"state": state.value, "rows": [], "error": c.error, "phase": c.progress.phase}
+        out: dict = {"state": state.value, "rows": [], "error": c.error, "phase": c.progress.phase,
+                     "events": c.progress.events}
         if c.plan is not None and c.plan is not self.plan_seen and state == State.TRAINING:
             self.plan_seen = c.plan
             out["plan"] = {"pipelines": len(c.plan.pipelines), "gpus": len(c.plan.devices()),

@@ -23,6 +23,7 @@ from orchestrator.progress_lines import (
     ENV_JOB,
     ENV_RESUME,
     ENV_STEPS,
+    events_line,
     phase_line,
     progress_line,
 )
@@ -62,7 +63,12 @@ def main() -> int:
         job.model_dump_json(), steps, job_id, False)
     t0 = time.perf_counter()
 
+    printed: list = []
+
     def on_event(out: dict) -> None:
+        if out["events"] != printed:
+            printed[:] = json.loads(json.dumps(out["events"]))
+            _print(events_line(printed))
         if "plan" in out:
             p = out["plan"]
             _print(f"hetspot: training on {p['gpus']} GPUs in {p['pipelines']} pipelines, "

@@ -72,6 +72,10 @@ class RuntimeSpec(_Section):
                                                     "(skipped on fake GPUs)")
     tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX)")
     log_every: int = Field(default=10, ge=1, description="workers log a structured line every k steps")
+    notices: Literal["none", "aws", "gcp", "azure"] = Field(
+        default="none", description="poll each node's cloud metadata service for spot notices and drain before "
+                                    "the deadline; Ray's own drain (`ray drain-node`, autoscaler) is heeded always")
+    notice_poll_s: float = Field(default=1.0, gt=0, le=60, description="seconds between two polls of a node")
     meter_memory: bool = Field(default=False, description="count device-resident bytes per step against the GPU's "
                                                           "memory minus train.memory_reserve_gib (slows CPU steps)")
 

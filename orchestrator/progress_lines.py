@@ -2,8 +2,10 @@
 
 The driver (orchestrator/driver.py) prints one `hetspot-progress {json}` line per
 committed step and one `hetspot-phase {json}` line whenever the job's phase
-changes (placing, restoring, training, ...); `hetspot status` reads the newest
-of each from the job log. Pure: no Ray.
+changes (placing, restoring, training, ...), and a `hetspot-events [json]`
+line (every re-plan, drain and restore so far, with its timeline) whenever
+that list changes; `hetspot status` reads the newest of each from the job log.
+Pure: no Ray.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 
 PROGRESS = "hetspot-progress "
 PHASE = "hetspot-phase "
+EVENTS = "hetspot-events "
 ENV_JOB, ENV_STEPS, ENV_ID = "HETSPOT_JOB_SPEC", "HETSPOT_STEPS", "HETSPOT_SUBMISSION_ID"
 ENV_RESUME = "HETSPOT_RESUME"
 
@@ -45,6 +48,15 @@ def dedupe_worker_lines(text: str, seen: set[str] | None = None) -> str:
             seen.add(line)
         out.append(line)
     return "".join(out)
+
+
+def events_line(events: list[dict]) -> str:
+    return EVENTS + json.dumps(events)
+
+
+def last_events(logs: str) -> list[dict]:
+    """The job's re-plans, drains and restores with their timelines, from the newest events line."""
+    return _last(logs, EVENTS) or []
 
 
 def _last(logs: str, prefix: str) -> dict | None:

@@ -29,6 +29,7 @@ from orchestrator.progress_lines import (
     ENV_JOB,
     ENV_RESUME,
     ENV_STEPS,
+    last_events,
     last_phase,
     last_progress,
 )
@@ -164,6 +165,7 @@ class RayJobs:
         out["progress"] = last_progress(logs)
         phase = last_phase(logs)
         out["phase"] = phase["phase"] if phase else None
+        out["events"] = last_events(logs)
         return out
 
     def logs(self, job_id: str) -> str:

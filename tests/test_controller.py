@@ -127,5 +127,21 @@ def test_notice_drains_at_a_step_boundary_without_losing_a_step():
     assert ("import", 2) in log  # snapshot of committed step 1 taken at the boundary: nothing redone
     assert all(not d.startswith("a/") for d in groups[1].plan.devices())  # the doomed node is left out
     assert c.progress.losses == {s: 10.0 - s for s in range(5)}
-    assert c.progress.events[0]["kind"] == "drain" and "aws" in c.progress.events[0]["cause"]
+    drain = c.progress.events[0]
+    assert drain["kind"] == "drain" and "aws" in drain["cause"] and drain["met_deadline"] is True
+    assert drain["notice_s"] <= drain["snapshot_s"] <= drain["plan_s"] <= drain["first_step_s"] < drain["deadline_s"]
     assert all(t == 0.5 for t in c.progress.step_time_s.values())  # the injected clock times the steps
+
+
+def test_notice_too_close_to_the_deadline_falls_back_to_recovery():
+    from orchestrator.fakes import FakeClock, FakeInterruptions
+    from orchestrator.protocols import Notice
+
+    clock = FakeClock(tick=0.5)
+    late = Notice(node="a", deadline_s=1.0, source="gcp")  # deadline already (nearly) here at poll 2
+    c, log, groups = make(FakeNodes(BIG, SMALL), failures=[[3]], snapshot_every=1, steps=5,
+                          interruptions=FakeInterruptions({2: [late]}), clock=clock)
+    assert c.run() == State.DONE
+    assert c.progress.drains == 0 and c.progress.restarts == 1  # the node's loss was recovered, not drained
+    assert [e["kind"] for e in c.progress.events] == ["notice-too-close", "re-plan"]
+    assert c.progress.losses == {s: 10.0 - s for s in range(5)}  # the uncommitted step was redone, nothing lost

@@ -76,7 +76,7 @@ _REF: dict = {}
 
 
 def reference(j: JobSpec):
-    key = (j.train.global_batch, j.model_spec.name)
+    key = (j.train.global_batch, j.model_spec.model_dump_json())  # the whole shape: custom models share a name
     if key not in _REF:
         one = mk([P(j.train.global_batch, j.train.global_batch, [S(0, j.model_spec.num_layers, "a", ["a/0"])])],
                  j.model_spec.num_layers)

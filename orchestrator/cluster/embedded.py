@@ -33,11 +33,12 @@ class EmbeddedCluster:
         for n in spec.nodes:
             self.nodes[n.name] = self.add(n)
 
-    def add(self, n):
+    def add(self, n, labels: dict[str, str] | None = None):
+        """Start a Ray node for NodeSpec `n`; `labels` adds to hetspot's (e.g. a fake metadata-service URL)."""
         return self.cluster.add_node(
             num_cpus=n.num_gpus, num_gpus=n.num_gpus,
             resources={f"accelerator_type:{n.gpu_type}": 1},
-            labels={"hetspot/gpu-type": n.gpu_type, "hetspot/market": n.market, "hetspot/node": n.name},
+            labels={"hetspot/gpu-type": n.gpu_type, "hetspot/market": n.market, "hetspot/node": n.name} | (labels or {}),
         )
 
     def remove(self, name: str) -> None:

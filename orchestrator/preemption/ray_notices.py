@@ -1,0 +1,100 @@
+"""`RayNotices`: the controller's InterruptionSource on a Ray cluster.
+
+Two kinds of notice, both turned into `Notice(node, deadline_s, source)` on the
+controller's clock:
+  - cloud spot notices: one small `NoticePoller` actor per GPU node, pinned to
+    that node, polls the node's own metadata service on a thread every
+    `interval_s` (orchestrator/preemption/notices.py). The service's base URL
+    is the cloud's, or the node's `hetspot/metadata-url` label (the fake
+    metadata server of tests and drills);
+  - Ray's own drain: a node that Ray marks as draining (the autoscaler,
+    KubeRay, or `ray drain-node --deadline-remaining-seconds N`) with its
+    deadline, read from the GCS.
+`poll()` returns each node's notice once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from orchestrator.protocols import Clock, Notice, SystemClock
+
+LABEL_METADATA_URL = "hetspot/metadata-url"
+DRAIN_DEFAULT_S = 120.0  # a drain without a deadline: assume a spot notice's two minutes
+log = logging.getLogger("hetspot.notices")
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class NoticePoller:
+    def __init__(self, cloud: str, base_url: str | None, interval_s: float):
+        from orchestrator.preemption.notices import poll
+
+        self.notice = None
+        self.stopped = threading.Event()
+
+        def loop() -> None:
+            while not self.stopped.is_set() and self.notice is None:
+                self.notice = poll(cloud, base_url, timeout_s=min(1.0, interval_s))
+                self.stopped.wait(interval_s)
+
+        threading.Thread(target=loop, daemon=True, name="hetspot-notice-poller").start()
+
+    def take(self):
+        """The notice seen so far (source, deadline as UNIX time), or None."""
+        return None if self.notice is None else (self.notice.source, self.notice.deadline_unix)
+
+
+class RayNotices:
+    def __init__(self, cloud: str | None, interval_s: float = 1.0, clock: Clock | None = None):
+        self.cloud, self.interval_s = cloud, interval_s
+        self.clock = clock or SystemClock()
+        self.pollers: dict[str, object] = {}
+        self.reported: set[str] = set()
+
+    def _nodes(self) -> dict[str, dict]:
+        """Alive GPU nodes by discovery name: Ray node id and labels."""
+        from orchestrator.cluster.discovery import RayInventory
+
+        labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes() if n.get("Alive")}
+        return {d.name: {"node_id": d.node_id, "labels": labels.get(d.node_id, {})} for d in RayInventory().discover()}
+
+    def _watch(self, nodes: dict[str, dict]) -> None:
+        for name, n in nodes.items():
+            if name in self.pollers or not self.cloud:
+                continue
+            self.pollers[name] = NoticePoller.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False),
+                name=None).remote(self.cloud, n["labels"].get(LABEL_METADATA_URL), self.interval_s)
+
+    def _to_notice(self, node: str, source: str, deadline_unix: float) -> Notice:
+        return Notice(node=node, deadline_s=self.clock.now() + (deadline_unix - time.time()), source=source)
+
+    def poll(self) -> list[Notice]:
+        nodes = self._nodes()
+        self._watch(nodes)
+        out = []
+        names = [n for n in self.pollers if n in nodes and n not in self.reported]
+        for name, got in zip(names, ray.get([self.pollers[n].take.remote() for n in names], timeout=10), strict=True):
+            if got is not None:
+                out.append(self._to_notice(name, *got))
+        by_id = {n["node_id"]: name for name, n in nodes.items()}
+        draining = ray._private.state.state.get_draining_nodes()  # {node id: deadline in ms, 0 = none}
+        for node_id, deadline_ms in draining.items():
+            name = by_id.get(node_id if isinstance(node_id, str) else node_id.hex())
+            if name and name not in self.reported and name not in {n.node for n in out}:
+                deadline = deadline_ms / 1000 if deadline_ms else time.time() + DRAIN_DEFAULT_S
+                out.append(self._to_notice(name, "ray-drain", deadline))
+        for n in out:
+            self.reported.add(n.node)
+            log.warning("notice: node %s will be taken (%s) in %.1f s", n.node, n.source, n.deadline_s - self.clock.now())
+        return out
+
+    def close(self) -> None:
+        for a in self.pollers.values():
+            ray.kill(a)
+        self.pollers = {}
