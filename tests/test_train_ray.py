@@ -402,3 +402,109 @@ def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
             torch.testing.assert_close(final[name]["param"], want, msg=name)
     finally:
         server.stop()
+
+
+NOTICE_DEADLINE_S = 20.0
+
+
+def _notice_job(doomed: NodeSpec, cloud: str) -> JobSpec:
+    """The tiny job on a doomed H100 node beside the L4 node; no periodic snapshot, so only a drain saves state."""
+    base = job(8)
+    return base.model_copy(update={"cluster": ClusterSpec(nodes=[doomed, CLUSTER.nodes[1]]),
+                                   "runtime": base.runtime.model_copy(update={
+                                       "snapshot_every": 1000, "notices": cloud, "notice_poll_s": 0.2})})
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure", "ray-drain"])
+def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
+    """A spot notice (through the fake metadata service) or a Ray drain with a deadline, then the node is
+    killed at the deadline: the job drains at a step boundary before it, loses no step and matches the
+    uninterrupted run; the drain's timeline is in the controller's events (issue 12)."""
+    import subprocess
+    import sys
+    from datetime import datetime, timedelta, timezone
+    from pathlib import Path
+
+    from orchestrator.controller import State
+    from orchestrator.controller_actor import make_controller
+    from orchestrator.preemption.metadata_server import FakeMetadataServer
+    from orchestrator.preemption.ray_notices import LABEL_METADATA_URL
+
+    imds = FakeMetadataServer().start()
+    name = f"n-{cloud}"
+    doomed = NodeSpec(name=name, gpu_type="H100-SXM", num_gpus=2, inter_node_bw_gb_s=100)
+    cluster.nodes[name] = cluster.add(doomed, labels={LABEL_METADATA_URL: imds.url})
+    killer = None
+    try:
+        c = make_controller(_notice_job(doomed, "none" if cloud == "ray-drain" else cloud), steps=STEPS)
+        while c.progress.committed < 1:
+            c.step()
+        assert any(st.node == name for p in c.plan.pipelines for st in p.stages)
+        deadline = datetime.now(timezone.utc) + timedelta(seconds=NOTICE_DEADLINE_S)
+        if cloud == "aws":
+            imds.aws_spot(deadline)
+        elif cloud == "gcp":
+            imds.gcp_preempt()  # GCP gives about 30 s; the node still goes at the 20 s deadline
+        elif cloud == "azure":
+            imds.azure_preempt(deadline)
+        else:
+            node_id = cluster.nodes[name].node_id
+            r = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                                "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                                "--reason-message", "test", "--deadline-remaining-seconds", str(int(NOTICE_DEADLINE_S))],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stdout + r.stderr
+        killer = threading.Timer(NOTICE_DEADLINE_S, lambda: cluster.remove(name))
+        killer.start()
+        if cloud != "ray-drain":  # the node's poller actor has read its metadata service (it polls every 0.2 s)
+            until = time.monotonic() + 15
+            while ray.get(c.interruptions.pollers[name].take.remote()) is None:
+                assert time.monotonic() < until, "the notice poller never saw the notice"
+                time.sleep(0.2)
+        assert c.run() == State.DONE, c.error
+        assert c.progress.restarts == 0 and c.progress.drains == 1 and "training->recovering" not in c.progress.history
+        drain = next(e for e in c.progress.events if e["kind"] == "drain")
+        assert (cloud if cloud != "aws" else "aws") in drain["cause"] and drain["met_deadline"] is True
+        assert drain["notice_s"] <= drain["snapshot_s"] <= drain["plan_s"] <= drain["first_step_s"]
+        assert all(st.node != name for p in c.plan.pipelines for st in p.stages)
+        ref_losses, _ = reference(job(8))
+        for got, want in zip([c.progress.losses[s] for s in range(STEPS)], ref_losses, strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want)
+    finally:
+        if killer is not None:
+            killer.join()  # the node goes at its deadline, drained or not
+        elif name in cluster.nodes:
+            cluster.remove(name)
+        imds.stop()
+
+
+def test_notice_too_close_to_the_deadline_falls_back_to_recovery(cluster):
+    """A notice 1 s before the kill: no drain, the loss is recovered, at most the uncommitted step is redone,
+    and the losses still match the uninterrupted run (issue 12)."""
+    from datetime import datetime, timedelta, timezone
+
+    from orchestrator.controller import State
+    from orchestrator.controller_actor import make_controller
+    from orchestrator.preemption.metadata_server import FakeMetadataServer
+    from orchestrator.preemption.ray_notices import LABEL_METADATA_URL
+
+    imds = FakeMetadataServer().start()
+    doomed = NodeSpec(name="n-late", gpu_type="H100-SXM", num_gpus=2, inter_node_bw_gb_s=100)
+    cluster.nodes["n-late"] = cluster.add(doomed, labels={LABEL_METADATA_URL: imds.url})
+    try:
+        j = _notice_job(doomed, "aws")
+        j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"snapshot_every": 1})})
+        c = make_controller(j, steps=STEPS)
+        while c.progress.committed < 1:
+            c.step()
+        imds.aws_spot(datetime.now(timezone.utc) + timedelta(seconds=1))
+        time.sleep(0.5)  # the node goes before a drain could finish
+        cluster.remove("n-late")
+        assert c.run() == State.DONE, c.error
+        kinds = [e["kind"] for e in c.progress.events]
+        assert "drain" not in kinds and c.progress.restarts == 1
+        ref_losses, _ = reference(job(8))
+        for got, want in zip([c.progress.losses[s] for s in range(STEPS)], ref_losses, strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want)
+    finally:
+        imds.stop()

@@ -79,7 +79,15 @@ class RayNotices:
         self._watch(nodes)
         out = []
         names = [n for n in self.pollers if n in nodes and n not in self.reported]
-        for name, got in zip(names, ray.get([self.pollers[n].take.remote() for n in names], timeout=10), strict=True):
+        refs = {n: self.pollers[n].take.remote() for n in names}
+        for name, ref in refs.items():
+            try:
+                got = ray.get(ref, timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                # the node went before its notice was read: the loss reaches the controller as a failure
+                log.info("notice poller on %s is gone (%s)", name, type(e).__name__)
+                self.pollers.pop(name, None)
+                continue
             if got is not None:
                 out.append(self._to_notice(name, *got))
         by_id = {n["node_id"]: name for name, n in nodes.items()}
