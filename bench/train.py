@@ -38,6 +38,7 @@ from orchestrator.worker_group import PlanRun, slowdowns  # noqa: E402
 from planner import ClusterSpec, NodeSpec, plan  # noqa: E402
 from planner.baselines import megatron_symmetric  # noqa: E402
 from planner.catalog import gpu_info  # noqa: E402
+from planner.specs import tokens_per_step  # noqa: E402
 from workers.data import SyntheticCorpus  # noqa: E402
 from workers.model import Stage  # noqa: E402
 
@@ -52,8 +53,7 @@ FASTEST = max(gpu_info(n.gpu_type).peak_tflops for n in CLUSTER.nodes)
 
 
 def _median_tok_s(step_times: list[float], warmup: int) -> float:
-    tokens = JOB.train.global_batch * JOB.model_spec.seq_len
-    return tokens / statistics.median(step_times[warmup:])
+    return tokens_per_step(JOB.model_spec, JOB.train.global_batch) / statistics.median(step_times[warmup:])
 
 
 def run_plan(p, steps: int, warmup: int) -> float:

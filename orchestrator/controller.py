@@ -170,6 +170,7 @@ class Controller:
             self.group.shutdown()
             if hasattr(self.store, "flush"):
                 self.store.flush()  # the last checkpoint upload completes before the job says done
+            self._close_interruptions()
             self._phase("done")
             return State.DONE
         if self._heed(self.interruptions.poll()):
@@ -271,7 +272,12 @@ class Controller:
         self.progress.events.append({"kind": kind, "cause": cause, "at_step": self.progress.committed,
                                      "t_s": round(self.clock.now() - self.started_at, 3)} | extra)
 
+    def _close_interruptions(self) -> None:
+        if hasattr(self.interruptions, "close"):
+            self.interruptions.close()  # the notice pollers on the nodes
+
     def _fail(self, reason: str) -> State:
+        self._close_interruptions()
         self.error = reason
         self._phase("failed")
         log.error("job failed: %s", reason)
