@@ -60,8 +60,10 @@ class RayNotices:
         """Alive GPU nodes by discovery name: Ray node id and labels."""
         from orchestrator.cluster.discovery import RayInventory
 
-        labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes() if n.get("Alive")}
-        return {d.name: {"node_id": d.node_id, "labels": labels.get(d.node_id, {})} for d in RayInventory().discover()}
+        raw = ray.nodes()  # once per step boundary: discovery reads the same list
+        labels = {n["NodeID"]: n.get("Labels") or {} for n in raw if n.get("Alive")}
+        return {d.name: {"node_id": d.node_id, "labels": labels.get(d.node_id, {})}
+                for d in RayInventory(lambda: raw).discover()}
 
     def _watch(self, nodes: dict[str, dict]) -> None:
         for name, n in nodes.items():
