@@ -83,7 +83,7 @@ def check_data(job: JobSpec, source: str) -> None:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def check_checkpoint(job: JobSpec, source: str, resume: bool) -> None:
+def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None = None) -> None:
     """The `checkpoint:` section against its bucket, before any worker starts (exit 2 on a problem)."""
     from orchestrator.state.s3_store import check_access
 
@@ -93,14 +93,18 @@ def check_checkpoint(job: JobSpec, source: str, resume: bool) -> None:
             raise ConfigError(f"{source}: --resume needs a 'checkpoint:' section whose uri holds the job's steps")
         return
     try:
-        steps = check_access(c.uri, c.endpoint_url).complete_steps()
+        done = check_access(c.uri, c.endpoint_url).complete_steps()
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
-    if resume and not steps:
+    if resume and not done:
         raise ConfigError(f"{source}: --resume: no complete step under {c.uri}; run without --resume to start the job")
-    if not resume and steps:
-        raise ConfigError(f"{source}: checkpoint.uri {c.uri} already holds steps (newest {steps[0]}); pass --resume "
-                          f"to go on from step {steps[0] + 1}, give checkpoint.uri a new prefix, or delete them "
+    total = steps or job.steps
+    if resume and done[0] + 1 >= total:
+        raise ConfigError(f"{source}: --resume: {c.uri} already holds step {done[0]}, the job's last of {total}; "
+                          f"pass --steps above {done[0] + 1} to train further")
+    if not resume and done:
+        raise ConfigError(f"{source}: checkpoint.uri {c.uri} already holds steps (newest {done[0]}); pass --resume "
+                          f"to go on from step {done[0] + 1}, give checkpoint.uri a new prefix, or delete them "
                           f"(`hetspot checkpoints rm {c.uri} --all`)")
 
 
@@ -111,7 +115,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     job = load_job(job_path)
     cluster = require_cluster(job, source)
     check_data(job, source)
-    check_checkpoint(job, source, resume)
+    check_checkpoint(job, source, resume, steps)
     if plan_path is not None:
         plan = check_plan(load_plan(plan_path), job, str(plan_path))
     else:
@@ -152,7 +156,8 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         "first_step": summary["first_step"],
         "losses": summary["losses"],
         "step_time_s": summary["step_time_s"],
-        "tokens_per_s": tokens_per_step(job.model_spec, job.train.global_batch) * len(summary["losses"]) / trained_s,
+        "tokens_per_s": (tokens_per_step(job.model_spec, job.train.global_batch) * len(summary["losses"]) / trained_s
+                         if trained_s > 0 else 0.0),
         "startup_s": cluster_s + (summary["startup_s"] or 0.0),
         "wall_s": wall,
         "restarts": summary["restarts"],

@@ -51,11 +51,11 @@ def main() -> int:
         from orchestrator.api import check_checkpoint, check_data
 
         check_data(job, "submitted job")
-        check_checkpoint(job, "submitted job", resume)
+        steps = int(os.environ.get(ENV_STEPS) or job.steps)
+        check_checkpoint(job, "submitted job", resume, steps)
     except ConfigError as e:
         _print(f"hetspot driver: {e}", True)
         return 2
-    steps = int(os.environ.get(ENV_STEPS) or job.steps)
     job_id = os.environ.get(ENV_ID, "local")
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
     _print(f"hetspot: job {job_id}: {job.name}, {steps} steps, model {job.model_spec.name}")

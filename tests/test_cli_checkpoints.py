@@ -88,6 +88,8 @@ def test_resume_and_existing_steps_are_checked(tmp_path, endpoint, monkeypatch):
     store.save(4, {"w": {"param": torch.ones(2), "exp_avg": None, "exp_avg_sq": None}}, 5.0)
     res = runner.invoke(app, ["submit", str(job)])
     assert res.exit_code == 2 and "already holds steps (newest 4); pass --resume to go on from step 5" in res.output
+    res = runner.invoke(app, ["submit", str(job), "--resume", "--steps", "5"])  # step 4 is the 5-step job's last
+    assert res.exit_code == 2 and "already holds step 4, the job's last of 5; pass --steps above 5" in res.output
 
 
 def test_checkpoints_list_verify_rm(endpoint, monkeypatch):
