@@ -13,10 +13,14 @@ Every side effect sits behind a protocol (orchestrator/protocols.py): nodes,
 the worker group, the snapshot store, interruptions and the clock, so unit tests
 drive `step()` with the fakes in orchestrator/fakes.py.
 
-Committed step: step s is committed when every worker returned its result for
-s. A canonical state snapshot goes to the store every `snapshot_every` committed
-steps; after a failure the job re-plans on the survivors, restores the newest
-snapshot, and resumes at the step after it, so no sample is lost or repeated.
+Committed step: step s is committed when every worker finished its gradient
+sync for s and was told to apply the update (two-phase; the worker group does
+it). The state plane (`store`, orchestrator/protocols.py `StatePlane`) takes
+snapshots after steps, salvages survivors' state after a failure, and restores
+the newest step it can into the next plan's workers; the job resumes at the step
+after the restored one, so no sample is lost or repeated. On Ray the plane is
+`state.tiers.TieredState` (live, peer and S3 tiers, metadata only through here);
+`state.snapshots.MemorySnapshots` copies whole states and serves the fakes.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from dataclasses import dataclass, field
 from orchestrator.errors import WorkerFailure
 from orchestrator.policies import Abort, Replan, failure_policy
 from orchestrator.protocols import (
-    CheckpointStore,
     Clock,
     InterruptionSource,
     NodeSource,
     NoInterruptions,
+    StatePlane,
     SystemClock,
     WorkerGroup,
 )
@@ -73,14 +77,14 @@ class Progress:
 
 class Controller:
     def __init__(self, model: ModelSpec, train: TrainSpec, steps: int, nodes: NodeSource,
-                 make_group: Callable[[Plan], WorkerGroup], *, store: CheckpointStore | None = None,
+                 make_group: Callable[[Plan], WorkerGroup], *, store: StatePlane | None = None,
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
                  max_restarts: int = 3,
                  snapshot_every: int = 1, drain_margin_s: float = 1.0, on_phase: Callable[[str], None] | None = None):
         self.model, self.train, self.steps = model, train, steps
         self.nodes, self.make_group = nodes, make_group
-        self.store = store or MemorySnapshots()
+        self.store = store or MemorySnapshots(snapshot_every)
         self.clock = clock or SystemClock()
         self.interruptions = interruptions or NoInterruptions()
         self.max_restarts, self.snapshot_every = max_restarts, snapshot_every
@@ -147,15 +151,14 @@ class Controller:
         self.group = self.make_group(self.plan)
         try:
             self.group.start()
-            snap = self.store.latest()
-            if snap is not None:
-                self._phase(f"restoring state of step {snap[0]}")
-                self.group.import_state(snap[1], snap[2])
-                if self.progress.committed < snap[0]:  # a resumed job goes on after the checkpoint's step
-                    self.progress.committed = self.progress.snapshot_step = snap[0]
-                restored = getattr(self.store, "last_restore", None)
-                if restored:
-                    self._event("restore", f"step {snap[0]} from {restored['tier']}", **restored)
+            self._phase("restoring state")
+            restored = self.store.restore(self.group)
+            step = restored["step"] if restored else -1
+            if step != self.progress.committed:  # back to the restored step after a failure, on after a resume
+                self._roll_to(step)
+            if restored:
+                self.progress.snapshot_step = step
+                self._event("restore", f"step {step} from {restored['tier']}", **restored)
         except WorkerFailure as e:
             return self._decide(e)
         except CheckpointError as e:  # no state to go on from: any plan would fail the same way
@@ -167,9 +170,8 @@ class Controller:
     def _train(self) -> State:
         s = self.progress.committed + 1
         if s >= self.steps:
+            self.store.flush()  # the last checkpoint upload completes (from the workers' copies) before the end
             self.group.shutdown()
-            if hasattr(self.store, "flush"):
-                self.store.flush()  # the last checkpoint upload completes before the job says done
             self._close_interruptions()
             self._phase("done")
             return State.DONE
@@ -183,8 +185,8 @@ class Controller:
             self.progress.step_time_s[s] = self.clock.now() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
             self._mark("first_step_s")
-            if (s + 1) % self.snapshot_every == 0:
-                self._snapshot(s)
+            if self.store.after_step(self.group, s, self.doomed):
+                self.progress.snapshot_step = s
         except WorkerFailure as e:
             return self._decide(e)
         return State.TRAINING
@@ -225,17 +227,13 @@ class Controller:
                 self._draining["met_deadline"] = snap is not None and snap <= self._draining["deadline_s"]
                 self._draining = None
 
-    def _snapshot(self, s: int) -> None:
-        state, opt_steps = self.group.export_state()
-        self.store.save(s, state, opt_steps)
-        self.progress.snapshot_step = s
-
     def _drain(self) -> State:
         """At a step boundary before the deadline: snapshot the committed step, then re-plan without the node."""
         self._phase(f"draining {', '.join(sorted(self.doomed))}")
         try:
-            if self.progress.committed >= 0 and self.progress.snapshot_step != self.progress.committed:
-                self._snapshot(self.progress.committed)
+            if self.progress.committed >= 0:
+                self.store.drain(self.group, self.progress.committed, self.doomed)
+                self.progress.snapshot_step = self.progress.committed
         except WorkerFailure as e:
             return self._decide(e)
         self.group.shutdown()
@@ -244,12 +242,17 @@ class Controller:
         return State.DISCOVERING
 
     def _recover(self) -> State:
-        # Work after the newest snapshot is not committed any more: roll back to it.
-        snap = self.store.latest()
-        keep = self.progress.committed = snap[0] if snap else -1
-        self.progress.losses = {k: v for k, v in self.progress.losses.items() if k <= keep}
-        self.progress.step_time_s = {k: v for k, v in self.progress.step_time_s.items() if k <= keep}
+        # The next launch restores the newest step the tiers hold and rolls progress to it.
         return State.DISCOVERING
+
+    def _roll_to(self, step: int) -> None:
+        """Progress continues after `step`: later steps (not restorable) are redone, none skipped."""
+        if step < self.progress.committed:
+            log.warning("rolling back from step %d to step %d: the steps after it are redone",
+                        self.progress.committed, step)
+        self.progress.committed = step
+        self.progress.losses = {k: v for k, v in self.progress.losses.items() if k <= step}
+        self.progress.step_time_s = {k: v for k, v in self.progress.step_time_s.items() if k <= step}
 
     # -- the executor of decisions -------------------------------------------------
     def _decide(self, failure: WorkerFailure) -> State:
@@ -257,6 +260,8 @@ class Controller:
                                   self.replan_user_plan)
         log.warning("worker failure (%s): %s -> %s", failure.kind, failure, type(decision).__name__)
         if self.group is not None:
+            if isinstance(decision, Replan):
+                self._salvage()
             self.group.shutdown()
         if isinstance(decision, Replan):
             self.progress.restarts += 1
@@ -267,6 +272,13 @@ class Controller:
                 self.user_plan = False
             return State.RECOVERING
         return self._fail(decision.reason if isinstance(decision, Abort) else str(failure))
+
+    def _salvage(self) -> None:
+        """Survivors keep their committed state (tier "live") before their group goes."""
+        try:
+            self.store.salvage(self.group)
+        except Exception as e:  # the other tiers still hold the state; a failed salvage costs bytes, not the job
+            log.warning("salvaging survivors' state failed: %s", e)
 
     def _event(self, kind: str, cause: str, **extra) -> None:
         self.progress.events.append({"kind": kind, "cause": cause, "at_step": self.progress.committed,

@@ -41,17 +41,18 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
                       on_phase=on_phase)
 
 
-def make_store(job: JobSpec):
-    """Snapshots in memory, and in S3 when the job has a `checkpoint:` section."""
-    from orchestrator.state.tiered import TieredSnapshots
+def make_store(job: JobSpec, restore_from: str | None = None):
+    """The tiered state plane: live and peer tiers always, S3 when the job has a `checkpoint:` section."""
+    from orchestrator.state.tiers import TieredState
 
     c = job.checkpoint
     if c is None:
-        return TieredSnapshots()
+        return TieredState(job.runtime.snapshot_every)
     from orchestrator.state.s3_store import S3Checkpoints
 
     meta = {"job": job.name, "model": job.model_spec.model_dump(), "global_batch": job.train.global_batch}
-    return TieredSnapshots(S3Checkpoints(c.uri, c.endpoint_url), c.s3_every, c.keep, meta)
+    return TieredState(c.peer_every or job.runtime.snapshot_every, S3Checkpoints(c.uri, c.endpoint_url), c.s3_every,
+                       c.keep, meta, restore_from or c.restore_from)
 
 
 def on_head() -> dict:

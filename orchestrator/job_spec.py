@@ -88,6 +88,10 @@ class CheckpointSpec(_Section):
     s3_every: int = Field(default=10, ge=1, description="upload the snapshot of every k-th committed step "
                                                           "(of those runtime.snapshot_every keeps)")
     keep: int = Field(default=3, ge=1, description="complete steps kept; older ones are deleted after a newer one exists")
+    peer_every: int | None = Field(default=None, ge=1, description="copy every worker's state to a keeper on another "
+                                   "node every k committed steps; default runtime.snapshot_every")
+    restore_from: Literal["nearest", "s3"] = Field(default="nearest", description="nearest: survivors, then peer "
+                                                   "memory, then S3; s3: S3 only (for comparison)")
 
     @field_validator("uri")
     @classmethod

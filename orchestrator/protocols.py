@@ -2,7 +2,8 @@
 
 - `NodeSource`: which GPU nodes exist now (Ray: cluster/node_sources.py).
 - `WorkerGroup`: the workers of one Plan (Ray: worker_group.RayWorkerGroup).
-- `CheckpointStore`: where canonical state snapshots go (state/snapshots.py).
+- `StatePlane`: snapshots after steps, salvage after a failure, restore into a new
+  group (Ray: state/tiers.TieredState; whole-state copies: state/snapshots.MemorySnapshots).
 - `InterruptionSource`: spot notices and drains announced ahead of a node's loss.
 - `Clock`: time, so tests step through deadlines without sleeping.
 Pure: no Ray, no boto3, no torch.
@@ -31,9 +32,12 @@ class WorkerGroup(Protocol):
     def shutdown(self) -> None: ...
 
 
-class CheckpointStore(Protocol):
-    def save(self, step: int, state: Any, optimizer_steps: float) -> None: ...
-    def latest(self) -> tuple[int, Any, float] | None: ...  # (step, state, optimizer steps)
+class StatePlane(Protocol):
+    def after_step(self, group: WorkerGroup, step: int, avoid: set[str]) -> bool: ...  # True: a snapshot was taken
+    def drain(self, group: WorkerGroup, step: int, avoid: set[str]) -> None: ...  # state off the `avoid` nodes, now
+    def salvage(self, group: WorkerGroup) -> None: ...  # a failed group's survivors keep their state
+    def restore(self, group: WorkerGroup) -> dict | None: ...  # {"step", "tier", "bytes", ...}; None: fresh start
+    def flush(self) -> None: ...  # uploads in flight complete
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 `PlanRun` places one STRICT_PACK placement group per stage (a TP group is one
 node), each bundle pinned to the plan's node through Ray's `ray.io/node-id`
 label (the node found by its discovery name), and one TrainWorker per bundle.
-Step s is committed once every worker returned its result for s. The first
+Step s is two-phase: every worker runs its forward, backward and gradient sync
+and returns; only then are all told to commit (apply the optimizer update), so
+a failure mid-step leaves every survivor at the last committed step. The first
 worker error, dead actor or timeout ends the run at once with a `WorkerFailure`
 naming the rank and stage and classified (orchestrator/preemption/failures.py)
 as transient (node lost, actor died, timeout, collective error) or
@@ -26,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.failures import FailureKind, classify_error
+from orchestrator.state.tiers import payload_bytes
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
@@ -61,6 +64,7 @@ class PlanRun:
         self.ranks = layout.ranks(plan)
         self.workers: list = []
         self.pgs: list = []
+        self.received_bytes = 0  # what this process took in from the workers (state stays out of it)
 
     def start(self, timeout_s: float = 120.0) -> None:
         from workers.actor import TrainWorker
@@ -111,6 +115,7 @@ class PlanRun:
         for s in range(first_step, first_step + steps):
             t0 = time.perf_counter()
             outs = self._gather([w.step.remote(s) for w in self.workers], f"step {s}", self.job.runtime.step_timeout_s)
+            self._gather([w.commit.remote(s) for w in self.workers], f"commit of step {s}", 60.0)
             dt = time.perf_counter() - t0
             loss = sum(o.loss for o in outs if o.loss is not None)
             result.losses.append(loss)
@@ -147,6 +152,7 @@ class PlanRun:
             f = ready[0]
             try:
                 results[index[f]] = ray.get(f)
+                self.received_bytes += payload_bytes(results[index[f]])
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
                 kind = classify_error(getattr(cause, "cause_type", type(cause).__name__), str(cause))
@@ -197,9 +203,11 @@ class RayWorkerGroup:
 
     def __init__(self, job: JobSpec, plan: Plan, on_step=None):
         self.run = PlanRun(job, plan)
+        self.plan = plan
         self.on_step = on_step
         self.last_peak_mem = 0
         self.real_gpus = False
+        self.holds_state = False  # the workers hold the job's state (restored, or trained from step 0)
 
     def start(self) -> None:
         self.run.start()
@@ -211,6 +219,40 @@ class RayWorkerGroup:
 
     def export_state(self) -> tuple[dict, float]:
         return full_state(self.run.export_states())
+
+    # -- the tiered state plane's calls (orchestrator/state/tiers.py); metadata in, metadata out --
+    def snapshot(self, step: int, keepers: list) -> list:
+        """Each rank starts copying its shards to its keeper, in order with its steps; the receipts'
+        ObjectRefs (metadata only; the caller waits on them only when it needs the copy complete)."""
+        for w, k in zip(self.run.workers, keepers, strict=True):
+            w.snapshot.remote(step, k)
+        return [w.receipt.remote(step) for w in self.run.workers]
+
+    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]:
+        """Survivors give their committed state to their node's keeper; None for ranks that cannot."""
+        refs = [w.hand_over.remote(k) if k is not None else None for w, k in zip(self.run.workers, keepers, strict=True)]
+        live = [r for r in refs if r is not None]
+        ray.wait(live, num_returns=len(live), timeout=timeout_s)
+        out = []
+        for r in refs:
+            try:
+                out.append(ray.get(r, timeout=0) if r is not None else None)
+            except Exception as e:  # a dead or stuck rank: its state comes from another tier
+                log.info("a rank could not hand over its state: %s", type(e).__name__)
+                out.append(None)
+        return out
+
+    def needs(self) -> list[list[dict]]:
+        return self.run._gather([w.needs.remote() for w in self.run.workers], "restore planning", 60.0)
+
+    def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None) -> list[dict]:
+        return self.run._gather([w.load_state.remote(step, optimizer_steps, t, s3)
+                                 for w, t in zip(self.run.workers, per_rank, strict=True)], f"restore of step {step}",
+                                300.0)
+
+    @property
+    def received_bytes(self) -> int:
+        return self.run.received_bytes
 
     def import_state(self, state: dict, optimizer_steps: float) -> None:
         self.run.import_state(state, optimizer_steps)

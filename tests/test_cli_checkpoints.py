@@ -106,7 +106,7 @@ def test_checkpoints_list_verify_rm(endpoint, monkeypatch):
     assert [(r["step"], r["complete"]) for r in json.loads(res.stdout)] == [(3, False), (2, True), (1, True)]
     res = runner.invoke(app, ["checkpoints", "verify", uri, *base])
     assert res.exit_code == 0 and "step 2: ok" in res.stdout and "step 1: ok" in res.stdout
-    key = store._key(2, "units/w.safetensors")
+    key = store.manifest(2)["units"]["w"]["pieces"][0]["key"]
     data = bytearray(store.client.get_object(Bucket="jobs", Key=key)["Body"].read())
     data[-1] ^= 0xFF
     store.client.put_object(Bucket="jobs", Key=key, Body=bytes(data))

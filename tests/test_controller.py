@@ -143,5 +143,5 @@ def test_notice_too_close_to_the_deadline_falls_back_to_recovery():
                           interruptions=FakeInterruptions({2: [late]}), clock=clock)
     assert c.run() == State.DONE
     assert c.progress.drains == 0 and c.progress.restarts == 1  # the node's loss was recovered, not drained
-    assert [e["kind"] for e in c.progress.events] == ["notice-too-close", "re-plan"]
+    assert [e["kind"] for e in c.progress.events] == ["notice-too-close", "re-plan", "restore"]
     assert c.progress.losses == {s: 10.0 - s for s in range(5)}  # the uncommitted step was redone, nothing lost

@@ -33,6 +33,13 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def cluster():
+    import os
+
+    # The nodes' processes (keepers upload and read S3) take credentials from their environment,
+    # as nodes with an instance role or profile would; moto accepts any.
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
     ec = EmbeddedCluster(CLUSTER)
     ec.connect()
     yield ec
@@ -59,6 +66,14 @@ def P(n, b, stages):
 
 def mk(pipes, layers=4):
     return Plan(model_name="m", num_layers=layers, global_batch=sum(p.num_samples for p in pipes), pipelines=pipes)
+
+
+def run_until(c, step: int) -> None:
+    """Step a controller until `step` is committed; a failed or finished job ends the test with its error."""
+    from orchestrator.controller import State
+
+    while c.progress.committed < step:
+        assert c.step() not in (State.DONE, State.FAILED), c.error
 
 
 def train(j: JobSpec, p: Plan, steps: int = STEPS):
@@ -231,8 +246,7 @@ def test_node_lost_mid_training_replans_and_matches_uninterrupted_run(cluster):
                                   "runtime": job(8).runtime.model_copy(update={"snapshot_every": 2})})
     ref_losses, _ = reference(job(8))
     c = make_controller(j, steps=STEPS)
-    while c.progress.committed < 2:  # steps 0-2 committed, snapshot after step 1
-        c.step()
+    run_until(c, 2)  # steps 0-2 committed, snapshot after step 1
     assert any(st.node == "d" for p in c.plan.pipelines for st in p.stages)
     cluster.remove("d")
     deadline = time.monotonic() + 20
@@ -437,8 +451,7 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
     killer = None
     try:
         c = make_controller(_notice_job(doomed, "none" if cloud == "ray-drain" else cloud), steps=STEPS)
-        while c.progress.committed < 1:
-            c.step()
+        run_until(c, 1)
         assert any(st.node == name for p in c.plan.pipelines for st in p.stages)
         deadline = datetime.now(timezone.utc) + timedelta(seconds=NOTICE_DEADLINE_S)
         if cloud == "aws":
@@ -495,8 +508,7 @@ def test_notice_too_close_to_the_deadline_falls_back_to_recovery(cluster):
         j = _notice_job(doomed, "aws")
         j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"snapshot_every": 1})})
         c = make_controller(j, steps=STEPS)
-        while c.progress.committed < 1:
-            c.step()
+        run_until(c, 1)
         imds.aws_spot(datetime.now(timezone.utc) + timedelta(seconds=1))
         time.sleep(0.5)  # the node goes before a drain could finish
         cluster.remove("n-late")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import ray
 import torch
@@ -16,13 +17,19 @@ from workers.engine import Engine, StepResult
 from workers.faults import FaultInjector
 from workers.layout import ranks
 from workers.logs import structured_logger
-from workers.state import export_shards, import_full
+from workers.state import export_shards, import_full, import_pieces, needs
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1})
 class TrainWorker:
+    """One rank. `step` and `commit` run in order on the default thread; `hand_over` runs on a
+    "control" thread so a survivor blocked in a collective on a dead peer can still give up
+    its committed state (which a pending, uncommitted step has not touched), and `receipt`
+    on a thread of its own, so a copy to a peer keeper completes beside the next steps.
+    `state_lock` keeps a commit from changing the state while `hand_over` copies it."""
+
     def __init__(self, plan_json: str, rank: int, model_json: str, train_json: str, data: dict,
                  dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False):
         torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
@@ -40,6 +47,9 @@ class TrainWorker:
                                      stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)
         self.log_every = log_every
         self.faults = FaultInjector()
+        self.state_lock = threading.Lock()
+        self.puts: dict = {}  # step -> ObjectRef of a keeper's put in flight
+        self.puts_ready = threading.Condition()
 
     def rendezvous_address(self) -> str:
         """Rank 0 picks a free port on its node for torch.distributed's TCP rendezvous."""
@@ -59,8 +69,9 @@ class TrainWorker:
         return os.getpid()
 
     def step(self, step_index: int) -> StepResult:
+        """Forward, backward and gradient sync of a step; the update waits for `commit`."""
         try:
-            r = self.engine.step(step_index, before=self.faults)
+            r = self.engine.step(step_index, before=self.faults, commit=False)
         except Exception as e:
             self.log.error("step %d failed: %s", step_index, e)
             raise
@@ -73,6 +84,73 @@ class TrainWorker:
                           r.time_s, r.peak_mem_bytes / 2**20)
         return r
 
+    def commit(self, step_index: int) -> None:
+        with self.state_lock:
+            self.engine.commit(step_index)
+
+    def snapshot(self, step_index: int, keeper, tier: str = "peer") -> None:
+        """Start copying this rank's shards of committed step `step_index` to `keeper`.
+
+        It runs on the training thread in order with steps and commits (so the copy is of
+        that step), but only takes a host clone and hands it to Ray: the transfer to the keeper
+        goes on beside the next steps, and `receipt` waits for it."""
+        if self.engine.committed_step != step_index:
+            raise RuntimeError(f"{self.engine.where}: snapshot of step {step_index}, but step "
+                               f"{self.engine.committed_step} is the committed one")
+        with self.puts_ready:
+            self.puts[step_index] = keeper.put.remote(tier, step_index, self.engine.rank, export_shards(self.engine))
+            self.puts_ready.notify_all()
+
+    @ray.method(concurrency_group="snapshot")
+    def receipt(self, step_index: int, timeout_s: float = 120.0) -> dict | None:
+        """The keeper's receipt for the copy of `step_index` (metadata), once it is there; None if never started."""
+        with self.puts_ready:
+            if not self.puts_ready.wait_for(lambda: step_index in self.puts, timeout=timeout_s):
+                return None
+            ref = self.puts.pop(step_index)
+        return ray.get(ref, timeout=timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def hand_over(self, keeper) -> dict | None:
+        """After a failure: give the committed state to this node's keeper (tier "live"), and wait until it is there."""
+        with self.state_lock:
+            step = self.engine.committed_step
+            if step < 0:
+                return None
+            shards = export_shards(self.engine)
+        ray.get(keeper.put.remote("live", step, self.engine.rank, shards), timeout=60)
+        return {"rank": self.engine.rank, "step": step}
+
+    def needs(self) -> list[dict]:
+        return needs(self.engine)
+
+    def load_state(self, step: int, optimizer_steps: float, transfers: list[tuple], s3: tuple | None) -> dict:
+        """Pull this rank's state of `step` from keepers and load it (the restore planner's transfers).
+
+        `transfers`: [(unit, region, keeper, request)], the request as `Keeper.get_many` takes it
+        (a shard it holds, or an S3 piece it reads for this node). Returns the bytes read per tier,
+        or {"error": ...} when an S3 object fails its checksum.
+        """
+        by_keeper: dict = {}
+        for i, (_, _, keeper, request) in enumerate(transfers):
+            by_keeper.setdefault(keeper, []).append((i, request))
+        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3)) for k, reqs in by_keeper.items()]
+        nbytes = {"live": 0, "peer": 0, "s3": 0}
+        got: dict[int, dict] = {}
+        for reqs, fut in futures:
+            answers = ray.get(fut, timeout=300)
+            if answers and "error" in answers[0]:
+                return {"error": answers[0]["error"], "bytes": nbytes}
+            for (i, _), a in zip(reqs, answers, strict=True):
+                got[i] = a["tensors"]
+                nbytes[a["tier"]] += a["bytes"]
+        pieces: dict[str, list] = {}
+        for i, (unit, region, _, _) in enumerate(transfers):
+            pieces.setdefault(unit, []).append((region, got[i]))
+        import_pieces(self.engine, pieces, optimizer_steps)
+        self.engine.committed_step = step
+        return {"bytes": nbytes}
+
     def inject_fault(self, step_index: int, kind: str = "raise") -> None:
         """Fail this rank at `step_index` (workers/faults.py), for drills and tests."""
         self.faults.fail_at(step_index, kind)
@@ -80,8 +158,9 @@ class TrainWorker:
     def export_state(self) -> dict:
         return export_shards(self.engine)
 
-    def import_state(self, full: dict, optimizer_steps: float) -> None:
+    def import_state(self, full: dict, optimizer_steps: float, step: int = -1) -> None:
         import_full(self.engine, full, optimizer_steps)
+        self.engine.committed_step = step
 
     def where(self) -> str:
         return self.engine.where

@@ -88,6 +88,8 @@ class Engine:
         self.where = (f"rank {rank} (pipeline {self.info.pipeline}, stage {self.info.stage}, "
                       f"TP rank {self.info.tp_rank}, {self.stage_spec.gpu_type} on {self.info.node})")
         self.module: Stage | None = None
+        self.committed_step = -1  # the newest step whose update is applied (set by restores too)
+        self._pending: int | None = None  # a step synced and clipped, waiting for commit()
 
     # -- set-up --------------------------------------------------------------
     def connect(self, init_method: str, timeout_s: float = 60.0) -> None:
@@ -198,15 +200,34 @@ class Engine:
             dist.destroy_process_group()
 
     # -- one step -------------------------------------------------------------
-    def step(self, step_index: int, before: Callable[[int], None] | None = None) -> StepResult:
-        """One optimizer step. `before(step_index)` runs first, inside the step (fault injection hooks in here)."""
+    def step(self, step_index: int, before: Callable[[int], None] | None = None, commit: bool = True) -> StepResult:
+        """One step. `before(step_index)` runs first, inside the step (fault injection hooks in here).
+
+        With `commit=False` the step stops after the gradient sync and clipping: the
+        optimizer update waits for `commit()`, which the controller sends once every
+        rank has finished the step (two-phase commit, as torchft's `should_commit`).
+        Until then the parameters and optimizer state are the last committed step's,
+        so a failure mid-step leaves every survivor holding exactly that state.
+        """
         try:
             if before is not None:
                 before(step_index)
-            return self._step(step_index)
+            result = self._step(step_index)
+            if commit:
+                self.commit(step_index)
+            return result
         except Exception as e:  # re-raised with the rank's identity; the controller decides
             raise StepError(f"{self.where} failed at step {step_index}: {type(e).__name__}: {e}",
                             type(e).__name__) from e
+
+    def commit(self, step_index: int) -> None:
+        """Apply the optimizer update of `step_index`, whose gradients are synced and clipped."""
+        if self._pending != step_index:
+            raise RuntimeError(f"{self.where}: commit of step {step_index}, but the step ready to commit is "
+                               f"{self._pending}")
+        self._update()
+        self._pending = None
+        self.committed_step = step_index
 
     def _step(self, step_index: int) -> StepResult:
         t0 = time.perf_counter()
@@ -268,7 +289,7 @@ class Engine:
             self.store.drain()
         self._sync_grads()
         self._clip()
-        self._update()
+        self._pending = step_index
         report = self.last and self.info.tp_rank == 0
         return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
                           time.perf_counter() - t0, self._peak_mem(),

@@ -40,20 +40,70 @@ def export_shards(engine: Engine) -> dict[str, dict]:
 def import_full(engine: Engine, full: dict[str, dict[str, torch.Tensor]], optimizer_steps: float) -> None:
     """Load this rank's slices of full canonical tensors ({name: {"param", "exp_avg", "exp_avg_sq"}})."""
     engine.settle()
+    for name in engine.module.params:
+        sl = engine.module.specs[name].local_slice(engine.info.tp_rank, engine.stage_spec.tp)
+        _set_local(engine, name, {k: v[sl] if v is not None else None for k, v in full[name].items()}, optimizer_steps)
+
+
+def local_region(engine: Engine, name: str) -> tuple[tuple[int, int], ...]:
+    """The region [start, stop) per dimension of the full tensor that this rank holds."""
+    spec = engine.module.specs[name]
+    sl = spec.local_slice(engine.info.tp_rank, engine.stage_spec.tp)
+    return tuple((s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl))
+
+
+def needs(engine: Engine) -> list[dict]:
+    """What this rank must be given to resume: per unit, its region and bytes (param and both AdamW moments)."""
+    out = []
+    for name, p in engine.module.params.items():
+        region = local_region(engine, name)
+        numel = 1
+        for a, b in region:
+            numel *= b - a
+        out.append({"unit": name, "region": region, "nbytes": 3 * numel * p.element_size()})
+    return out
+
+
+def cut(shard: dict, region) -> dict[str, torch.Tensor | None]:
+    """The tensors of `shard` (an export_shards entry) inside `region`, a sub-region of the shard's slice."""
+    idx = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(region, shard["slice"], strict=True))
+    return {k: shard[k][idx].clone() if shard.get(k) is not None else None for k in ("param", "exp_avg", "exp_avg_sq")}
+
+
+def import_pieces(engine: Engine, pieces: dict[str, list[tuple]], optimizer_steps: float) -> None:
+    """Load this rank's state from pieces: {unit: [(region, {"param", "exp_avg", "exp_avg_sq"}), ...]}
+    whose regions tile the rank's own region of each unit (the restore planner's transfers)."""
+    engine.settle()
+    for name in engine.module.params:
+        mine = local_region(engine, name)
+        shape = [b - a for a, b in mine]
+        local: dict[str, torch.Tensor | None] = {}
+        for region, tensors in pieces[name]:
+            idx = tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(region, mine, strict=True))
+            for k, t in tensors.items():
+                if t is None:
+                    local.setdefault(k, None)
+                    continue
+                if local.get(k) is None:
+                    local[k] = torch.empty(shape, dtype=t.dtype)
+                local[k][idx] = t
+        _set_local(engine, name, local, optimizer_steps)
+
+
+def _set_local(engine: Engine, name: str, src: dict, optimizer_steps: float) -> None:
+    """Set one parameter (and its AdamW state) from tensors already cut to this rank's region."""
     with torch.no_grad():
-        for name, p in engine.module.params.items():
-            sl = engine.module.specs[name].local_slice(engine.info.tp_rank, engine.stage_spec.tp)
-            src = full[name]
-            p.copy_(src["param"][sl])
-            q = engine.opt_params[name]
-            if engine.offload_opt:
-                q.copy_(src["param"][sl])
-            if src.get("exp_avg") is not None and optimizer_steps > 0:
-                engine.set_optimizer_state(q, {
-                    "step": torch.tensor(optimizer_steps, dtype=torch.float32),
-                    "exp_avg": src["exp_avg"][sl].to(q.device, q.dtype).clone(),
-                    "exp_avg_sq": src["exp_avg_sq"][sl].to(q.device, q.dtype).clone(),
-                })
+        p = engine.module.params[name]
+        p.copy_(src["param"])
+        q = engine.opt_params[name]
+        if engine.offload_opt:
+            q.copy_(src["param"])
+        if src.get("exp_avg") is not None and optimizer_steps > 0:
+            engine.set_optimizer_state(q, {
+                "step": torch.tensor(optimizer_steps, dtype=torch.float32),
+                "exp_avg": src["exp_avg"].to(q.device, q.dtype).clone(),
+                "exp_avg_sq": src["exp_avg_sq"].to(q.device, q.dtype).clone(),
+            })
 
 
 def assemble(shards: list[dict[str, dict]], key: str = "param") -> dict[str, torch.Tensor]:

@@ -29,8 +29,15 @@ _COLLECTIVE_TEXT = ("gloo", "nccl", "connection closed", "connection reset", "br
                     "socket timeout", "peer", "connection refused")
 
 
+# Ray's errors for a peer actor (a keeper, another worker) or its objects gone with a lost node.
+_ACTOR_TYPES = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ObjectLostError", "OwnerDiedError",
+                "ObjectFetchTimedOutError", "NodeDiedError")
+
+
 def classify_error(exc_type: str, message: str) -> FailureKind:
     """Kind of an exception a worker raised, from its type name and message."""
+    if exc_type in _ACTOR_TYPES:
+        return FailureKind.ACTOR_DIED
     if exc_type in _COLLECTIVE_TYPES:
         return FailureKind.COLLECTIVE
     text = message.lower()

@@ -1,5 +1,8 @@
-"""Training state outside the workers: snapshot stores behind the `CheckpointStore` protocol.
+"""Training state outside the workers, in tiers (ARCHITECTURE.md, "State and where it lives").
 
-Today one store, `snapshots.MemorySnapshots`. The tiered stores (peer keepers, S3)
-and the pure restore planner land here (issue: Recovery, part 1).
+- `tiers.TieredState`: the controller's state plane on Ray (live, peer, S3); metadata only.
+- `keeper.Keeper`: one node's host memory for shards, and its S3 uploader.
+- `restore_plan`: the pure restore planner (and peer placement).
+- `s3_store.S3Checkpoints`: the S3 format (safetensors per unit slice, manifest last).
+- `snapshots.MemorySnapshots`: whole-state copies, for the fakes and unit tests.
 """

@@ -157,3 +157,23 @@ def plan_restore(needs: list[Need], holdings: list[Holding], only_tiers: set[str
         if got is not None:
             return RestorePlan(step, got)
     return RestorePlan(None, [], sorted({n.unit for n in needs} - set(by_unit)))
+
+
+def peer_placement(ranks: list[tuple[str, int, int]], candidates: list[str], nbytes: list[int]) -> list[str]:
+    """Where each rank's peer snapshot goes: a node of `candidates`, one per rank.
+
+    `ranks[i]` is (node, first, end) of rank i's extended layer range. Each rank's
+    snapshot goes, in order of preference, to a node that holds none of its layers
+    live (so losing any two nodes rarely takes every copy), else to any node but
+    its own (so losing one node never does), else its own; among those, the node
+    with the fewest bytes placed so far. Pure: plain data in, node names out.
+    """
+    load = dict.fromkeys(candidates, 0)
+    out = []
+    for (node, a, b), n in zip(ranks, nbytes, strict=True):
+        live = {m for m, c, d in ranks if c < b and a < d}
+        tiers = ([c for c in candidates if c not in live], [c for c in candidates if c != node], list(candidates))
+        pick = min(next(t for t in tiers if t), key=lambda c: (load[c], c))
+        load[pick] += n
+        out.append(pick)
+    return out

@@ -1,9 +1,13 @@
-"""The S3 tier: one safetensors object per canonical unit per step, a manifest written last.
+"""The S3 tier: one safetensors object per canonical unit (or TP slice of one) per step, a manifest last.
 
 Layout under `s3://BUCKET/PREFIX/`:
-    step-0000000041/units/<parameter name>.safetensors   tensors "param", "exp_avg", "exp_avg_sq"
-    step-0000000041/manifest.json                         written last, with If-None-Match: *
-A step without a manifest does not exist: a writer that dies mid-upload leaves
+    step-0000000041/units/<parameter name>/<region>.safetensors   tensors "param", "exp_avg", "exp_avg_sq"
+    step-0000000041/manifest.json                                  written last, with If-None-Match: *
+A region is the slice of the full tensor an object holds (`0-64.0-32`: rows
+0-64, columns 0-32), so the keepers upload the TP shards they hold without
+gathering them anywhere, and a reader cuts out what its own layout needs. The
+manifest lists, per unit, its full shape and its pieces (key, region, SHA256,
+size). A step without a manifest does not exist: a writer that dies mid-upload leaves
 objects no reader will use. The manifest holds every object's SHA256 and size,
 and every read is verified against it (moto, like some S3-compatible stores,
 does not check checksums, so the client must); a mismatch or an unreadable
@@ -24,7 +28,7 @@ import re
 import time
 from dataclasses import dataclass
 
-FORMAT = "hetspot-checkpoint/1"
+FORMAT = "hetspot-checkpoint/2"
 MULTIPART_BYTES = 8 << 20
 _STEP = re.compile(r"step-(\d{10})/(.+)$")
 log = logging.getLogger("hetspot.checkpoints")
@@ -54,7 +58,7 @@ class StepInfo:
 class S3Checkpoints:
     def __init__(self, uri: str, endpoint_url: str | None = None, client=None,
                  multipart_bytes: int = MULTIPART_BYTES):
-        self.uri = uri
+        self.uri, self.endpoint_url = uri, endpoint_url
         self.bucket, self.prefix = parse_uri(uri)
         self.client = client or new_client(endpoint_url)
         self.multipart_bytes = multipart_bytes
@@ -68,18 +72,35 @@ class S3Checkpoints:
 
     # -- write --------------------------------------------------------------------
     def save(self, step: int, state: dict[str, dict], optimizer_steps: float, meta: dict | None = None) -> dict:
-        """Upload every unit, then the manifest (conditionally: a step is written once). Returns the manifest."""
-        from safetensors.torch import save as to_safetensors
+        """Upload full canonical tensors (one piece per unit), then the manifest. Returns the manifest."""
+        self.refuse_existing(step)
+        pieces, shapes = {}, {}
+        for name, tensors in sorted(state.items()):
+            shapes[name] = list(tensors["param"].shape)
+            region = tuple((0, n) for n in tensors["param"].shape)
+            pieces[name] = [self.put_piece(step, name, region, tensors)]
+        return self.write_manifest(step, shapes, pieces, optimizer_steps, meta)
 
+    def refuse_existing(self, step: int) -> None:
         if self._exists(self.manifest_key(step)):  # never touch the objects of a complete step
             raise CheckpointError(f"step {step} already exists at s3://{self.bucket}/{self.manifest_key(step)}; "
                                   "a step is written once")
-        units = {}
-        for name, tensors in sorted(state.items()):
-            data = to_safetensors({k: v.contiguous() for k, v in tensors.items() if v is not None})
-            key = self._key(step, f"units/{name}.safetensors")
-            self._put(key, data)
-            units[name] = {"key": key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+    def put_piece(self, step: int, unit: str, region, tensors: dict) -> dict:
+        """Upload one unit's tensors over `region`; the manifest entry for it."""
+        from safetensors.torch import save as to_safetensors
+
+        data = to_safetensors({k: v.contiguous() for k, v in tensors.items() if v is not None})
+        key = self._key(step, f"units/{unit}/{region_tag(region)}.safetensors")
+        self._put(key, data)
+        return {"key": key, "region": [list(r) for r in region], "sha256": hashlib.sha256(data).hexdigest(),
+                "bytes": len(data)}
+
+    def write_manifest(self, step: int, shapes: dict[str, list[int]], pieces: dict[str, list[dict]],
+                       optimizer_steps: float, meta: dict | None = None) -> dict:
+        """The step's manifest, written last and only once (If-None-Match: *): the step now exists."""
+        units = {n: {"shape": list(shapes[n]), "pieces": pieces[n], "bytes": sum(p["bytes"] for p in pieces[n])}
+                 for n in sorted(pieces)}
         manifest = {"format": FORMAT, "step": step, "optimizer_steps": optimizer_steps, "written_at": time.time(),
                     "meta": meta or {}, "units": units}
         self.client.put_object(Bucket=self.bucket, Key=self.manifest_key(step), IfNoneMatch="*",
@@ -132,16 +153,42 @@ class S3Checkpoints:
             raise CheckpointError(f"s3://{self.bucket}/{key} is not a {FORMAT} manifest")
         return m
 
-    def read_unit(self, manifest: dict, name: str) -> tuple[dict, int]:
-        """One unit's tensors, verified against the manifest's SHA256; (tensors, bytes read)."""
+    def manifests(self, limit: int | None = None) -> list[dict]:
+        """The newest complete steps' manifests, newest first; unreadable ones are refused with a log line."""
+        out = []
+        for step in self.complete_steps():
+            try:
+                out.append(self.manifest(step))
+            except CheckpointError as e:
+                log.warning("refusing checkpoint step %d: %s", step, e)
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def read_piece(self, step: int, entry: dict) -> tuple[dict, int]:
+        """One piece's tensors, verified against its SHA256 and size in the manifest; (tensors, bytes read)."""
         from safetensors.torch import load as from_safetensors
 
-        entry = manifest["units"][name]
         data = self.client.get_object(Bucket=self.bucket, Key=entry["key"])["Body"].read()
         if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise CheckpointError(f"s3://{self.bucket}/{entry['key']} does not match its SHA256 in the manifest "
-                                  f"of step {manifest['step']} ({len(data)} bytes, manifest says {entry['bytes']})")
+                                  f"of step {step} ({len(data)} bytes, manifest says {entry['bytes']})")
         return from_safetensors(data), len(data)
+
+    def read_unit(self, manifest: dict, name: str) -> tuple[dict, int]:
+        """One unit's full tensors from its pieces, each verified; (tensors, bytes read)."""
+        import torch
+
+        entry = manifest["units"][name]
+        full: dict = {}
+        nbytes = 0
+        for piece in entry["pieces"]:
+            tensors, n = self.read_piece(manifest["step"], piece)
+            nbytes += n
+            idx = tuple(slice(a, b) for a, b in piece["region"])
+            for k, t in tensors.items():
+                full.setdefault(k, torch.empty(entry["shape"], dtype=t.dtype))[idx] = t
+        return full, nbytes
 
     def load(self, step: int, names: list[str] | None = None) -> tuple[dict, float, int]:
         """(state by unit name, optimizer steps, bytes read) of a complete step; CheckpointError if unusable."""
@@ -199,6 +246,11 @@ class S3Checkpoints:
         for step in doomed:
             self.delete_step(step)
         return sorted(doomed)
+
+
+def region_tag(region) -> str:
+    """`((0, 64), (0, 32))` -> "0-64.0-32" (the object's name under its unit)."""
+    return ".".join(f"{a}-{b}" for a, b in region) or "scalar"
 
 
 def new_client(endpoint_url: str | None = None, config=None):

@@ -1,8 +1,9 @@
-"""`MemorySnapshots`: the newest canonical state snapshot, in the memory of the process that holds it.
+"""`MemorySnapshots`: a state plane that copies the whole state through the process that holds it.
 
-A `CheckpointStore` (orchestrator/protocols.py). The controller keeps only the
-snapshot's step in its progress; the tensors live here. It is the single-copy
-store the tiered state work replaces; it also serves the controller's unit tests.
+It implements the controller's `StatePlane` (orchestrator/protocols.py) with the
+worker group's `export_state` / `import_state`: the newest snapshot, in memory.
+It serves the controller's unit tests and the shipped fakes. On Ray the
+controller uses `state.tiers.TieredState` instead, which moves metadata only.
 """
 
 from __future__ import annotations
@@ -11,11 +12,33 @@ from typing import Any
 
 
 class MemorySnapshots:
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
         self._latest: tuple[int, Any, float] | None = None
 
-    def save(self, step: int, state: Any, optimizer_steps: float) -> None:
+    def after_step(self, group, step: int, avoid: set[str] = frozenset()) -> bool:
+        if (step + 1) % self.every:
+            return False
+        self._save(group, step)
+        return True
+
+    def drain(self, group, step: int, avoid: set[str]) -> None:
+        if self._latest is None or self._latest[0] != step:
+            self._save(group, step)
+
+    def _save(self, group, step: int) -> None:
+        state, optimizer_steps = group.export_state()
         self._latest = (step, state, optimizer_steps)
 
-    def latest(self) -> tuple[int, Any, float] | None:
-        return self._latest
+    def salvage(self, group) -> None:
+        """Nothing to keep from a failed group: the snapshot is already here."""
+
+    def restore(self, group) -> dict | None:
+        if self._latest is None:
+            return None
+        step, state, optimizer_steps = self._latest
+        group.import_state(state, optimizer_steps)
+        return {"step": step, "tier": "memory", "bytes": 0, "bytes_by_tier": {}}
+
+    def flush(self) -> None:
+        """Nothing is in flight."""

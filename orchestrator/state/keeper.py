@@ -1,0 +1,130 @@
+"""`Keeper`: one node's host memory for training state (tiers "live" and "peer"), and its S3 uploader.
+
+One keeper actor runs on every node of the job (orchestrator/state/tiers.py
+starts them, pinned to their node). Workers hand it their shards, by
+(tier, step, rank of the plan that wrote them):
+  - "peer": every `checkpoint.peer_every` steps each worker copies its committed
+    shards to the keeper of *another* node (Gemini, SOSP'23: checkpoints in
+    peers' CPU memory), so one node's loss never takes a unit's live copies and
+    its snapshot together when another placement exists;
+  - "live": after a failure, each surviving worker hands the committed state it
+    holds to its own node's keeper before the worker processes are replaced
+    (AutoHet's local-first recovery: survivors' state is the cheapest source).
+New workers pull exactly the regions the restore planner assigns them
+(`get_many`), so bytes move keeper -> worker through Ray's object store and
+never through the controller. Keepers also upload pieces to S3
+(`upload`), off every training step, and report only metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+
+log = logging.getLogger("hetspot.keeper")
+
+
+def shard_nbytes(shard: dict) -> int:
+    return sum(shard[k].numel() * shard[k].element_size() for k in ("param", "exp_avg", "exp_avg_sq")
+               if shard.get(k) is not None)
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class Keeper:
+    def __init__(self, node: str, keep_peer_steps: int = 2):
+        self.node, self.keep_peer_steps = node, keep_peer_steps
+        self.lock = threading.Lock()
+        self.held: dict[tuple[str, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
+        self.upload_delay_s = 0.0
+        self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
+        self.s3_lock = threading.Lock()
+
+    def ping(self) -> str:
+        return self.node
+
+    def put(self, tier: str, step: int, rank: int, shards: dict) -> dict:
+        """Keep a worker's shards; for "peer", only the newest `keep_peer_steps` steps stay."""
+        opt = max((s["optimizer_steps"] for s in shards.values()), default=0.0)
+        with self.lock:
+            self.held[(tier, step, rank)] = (shards, opt)
+            if tier == "peer":
+                steps = sorted({s for t, s, _ in self.held if t == "peer"}, reverse=True)
+                for key in [k for k in self.held if k[0] == "peer" and k[1] not in steps[:self.keep_peer_steps]]:
+                    del self.held[key]
+        return {"node": self.node, "tier": tier, "step": step, "rank": rank,
+                "nbytes": sum(shard_nbytes(s) for s in shards.values())}
+
+    def clear(self, tier: str) -> int:
+        """Drop a tier (and the S3 pieces read for the last restore)."""
+        self.s3_read = {}
+        with self.lock:
+            doomed = [k for k in self.held if k[0] == tier]
+            for k in doomed:
+                del self.held[k]
+        return len(doomed)
+
+    def inventory(self) -> list[dict]:
+        """What this keeper holds, as metadata: one row per (tier, step, rank, unit)."""
+        with self.lock:
+            items = list(self.held.items())
+        return [{"tier": tier, "step": step, "rank": rank, "unit": unit, "region": [list(r) for r in s["slice"]],
+                 "shape": list(s["shape"]), "nbytes": shard_nbytes(s), "optimizer_steps": opt, "node": self.node}
+                for (tier, step, rank), (shards, opt) in items for unit, s in shards.items()]
+
+    def get_many(self, requests: list[tuple], step: int, s3: tuple | None = None) -> list[dict]:
+        """The tensors of each requested region of `step`, cut here so only those bytes move.
+
+        A request is ("live" | "peer", rank, unit, region): a shard this keeper holds;
+        or ("s3", entry, region): a piece of the S3 checkpoint (s3 = (uri, endpoint)),
+        read once per keeper and verified against the manifest's SHA256. Each answer is
+        {"tier", "tensors", "bytes"}; a checksum mismatch answers {"error": ...} instead.
+        """
+        from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
+        from workers.state import cut
+
+        out = []
+        store = S3Checkpoints(*s3) if s3 else None
+        for req in requests:
+            if req[0] == "s3":
+                entry, region = req[1], req[2]
+                read = 0
+                with self.s3_lock:  # one read per object per node, however many workers need it
+                    if entry["key"] not in self.s3_read:
+                        try:
+                            self.s3_read[entry["key"]], read = store.read_piece(step, entry)
+                        except CheckpointError as e:
+                            log.error("restore of step %d: %s", step, e)
+                            return [{"error": str(e)}]
+                tensors = cut(self.s3_read[entry["key"]] | {"slice": entry["region"]}, region)
+                out.append({"tier": "s3", "tensors": tensors, "bytes": read})
+                continue
+            tier, rank, unit, region = req
+            with self.lock:
+                shard = self.held[(tier, step, rank)][0][unit]
+            tensors = cut(shard, region)
+            out.append({"tier": tier, "tensors": tensors, "bytes": sum(
+                t.numel() * t.element_size() for t in tensors.values() if t is not None)})
+        return out
+
+    def delay_uploads(self, seconds: float) -> None:
+        """Drills: hold every later upload this long first, so a test can kill a node mid-upload."""
+        self.upload_delay_s = seconds
+
+    def upload(self, step: int, pieces: list[tuple], uri: str, endpoint_url: str | None) -> list[dict]:
+        """Upload [(tier, rank, unit, region)] of `step` as S3 objects; their manifest entries (metadata only)."""
+        from orchestrator.state.s3_store import S3Checkpoints
+        from workers.state import cut
+
+        if self.upload_delay_s:
+            time.sleep(self.upload_delay_s)
+        store = S3Checkpoints(uri, endpoint_url)
+        out = []
+        for tier, rank, unit, region in pieces:
+            with self.lock:
+                shard = self.held[(tier, step, rank)][0][unit]
+            region = tuple(tuple(r) for r in region)
+            out.append({"unit": unit} | store.put_piece(step, unit, region, cut(shard, region)))
+        return out

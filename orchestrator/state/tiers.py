@@ -1,0 +1,274 @@
+"""`TieredState`: the controller's state plane on Ray. It moves metadata only.
+
+Three tiers hold the committed training state (ARCHITECTURE.md, "State and where it lives"):
+  1. live: survivors' shards, handed to their own node's keeper after a failure (`salvage`);
+  2. peer: every `peer_every` steps each worker copies its shards to a keeper on
+     another node (`after_step`; placement by `restore_plan.peer_placement`);
+  3. S3: every `s3_every`-th snapshot, the keepers upload one object per unit
+     slice (a cover of the units chosen by the restore planner, so replicas are not
+     uploaded twice), then the controller writes the manifest, last and once.
+After a (re)start, `restore` asks the new workers what they need, asks the
+keepers and the S3 manifests what they hold, runs the pure restore planner
+(orchestrator/state/restore_plan.py) and hands each worker its transfers; the
+workers pull the bytes themselves (keeper -> worker through Ray's object store,
+S3 -> worker through boto3). The controller sees unit names, regions, sizes and
+checksums, never tensors: `received_bytes` counts what it took in.
+A piece whose checksum fails refuses that S3 step, with a log line naming the
+object, and the restore plans again without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from orchestrator.state.keeper import Keeper
+from orchestrator.state.restore_plan import TIERS, Holding, Need, peer_placement, plan_restore
+from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
+from workers import layout
+
+log = logging.getLogger("hetspot.checkpoints")
+RPC_TIMEOUT_S = 60.0
+
+
+def payload_bytes(obj) -> int:
+    """Bytes of a value as it crosses a process boundary: tensors by their data, containers by their parts."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (bytes, bytearray, str)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(k) + payload_bytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return sum(payload_bytes(x) for x in obj)
+    if hasattr(obj, "__dict__"):
+        return payload_bytes(vars(obj))
+    return 8
+
+
+class TieredState:
+    def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, s3_every: int = 10, keep: int = 3,
+                 meta: dict | None = None, restore_from: str = "nearest"):
+        self.peer_every, self.s3, self.s3_every, self.keep = peer_every, s3, s3_every, keep
+        self.meta, self.restore_from = meta or {}, restore_from
+        self.keepers: dict[str, ray.actor.ActorHandle] = {}
+        self.received_bytes = 0  # what the controller took in for state: metadata only
+        self.uploads: list[dict] = []  # per S3 step: step, bytes, seconds, error
+        self.last_restore: dict | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetspot-s3") if s3 is not None else None
+        self._queued: list[Future] = []
+
+    # -- keepers ------------------------------------------------------------------------
+    def _alive_nodes(self) -> dict[str, str]:
+        from orchestrator.cluster.discovery import node_ids
+
+        return node_ids()
+
+    def _keeper(self, node: str, ids: dict[str, str]):
+        if node not in self.keepers:
+            self.keepers[node] = Keeper.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ids[node], soft=False)).remote(node)
+        return self.keepers[node]
+
+    def _call_keepers(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, object]:
+        """Call every keeper; those that do not answer (their node is gone) are forgotten."""
+        refs = {node: getattr(k, method).remote(*args) for node, k in list(self.keepers.items())}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out = {}
+        for node, ref in refs.items():
+            try:
+                if ref not in ready:
+                    raise TimeoutError(f"no answer in {timeout_s:.0f} s")
+                out[node] = ray.get(ref)
+                self.received_bytes += payload_bytes(out[node])
+            except Exception as e:  # a keeper on a lost node: what it held is gone
+                log.info("keeper on %s is gone (%s); its state is not counted", node, type(e).__name__)
+                self.keepers.pop(node, None)
+        return out
+
+    # -- snapshots ------------------------------------------------------------------------
+    def after_step(self, group, step: int, avoid: set[str] = frozenset()) -> bool:
+        if (step + 1) % self.peer_every:
+            return False
+        self.snapshot(group, step, avoid)
+        return True
+
+    def drain(self, group, step: int, avoid: set[str]) -> None:
+        """A notice: copy the committed step to keepers off the doomed nodes, and wait until it is there."""
+        self.snapshot(group, step, avoid, wait=True)
+
+    def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
+        ids = self._alive_nodes()
+        candidates = sorted(set(ids) - set(avoid))
+        if not candidates:
+            log.warning("no node outside %s to keep a snapshot of step %d on", sorted(avoid), step)
+            return
+        plan = group.plan
+        ranks = layout.ranks(plan)
+        spans = []
+        for r in ranks:
+            st = plan.pipelines[r.pipeline].stages[r.stage]
+            spans.append((r.node, st.layer_start - (st.layer_start == 0),
+                          st.layer_end + (st.layer_end == plan.num_layers)))
+        sizes = [b - a for _, a, b in spans]  # bytes are about proportional to layers held
+        targets = peer_placement(spans, candidates, sizes)
+        refs = group.snapshot(step, [self._keeper(n, ids) for n in targets])
+        if wait:
+            receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
+            self.received_bytes += payload_bytes(receipts)
+            if any(r is None for r in receipts):
+                log.warning("the drain snapshot of step %d is incomplete", step)
+        if self._pool is not None and (step + 1) % (self.s3_every * self.peer_every) == 0:
+            self._queued = [f for f in self._queued if not f.done()] + [self._pool.submit(self._upload, step, refs)]
+
+    def _upload(self, step: int, refs: list) -> None:
+        """Background: once the peer copies of `step` are in, the keepers upload a cover; the manifest last."""
+        t0 = time.perf_counter()
+        try:
+            receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
+            self.received_bytes += payload_bytes(receipts)
+            if any(r is None for r in receipts):
+                raise CheckpointError(f"the peer copies of step {step} are incomplete")
+            self.s3.refuse_existing(step)
+            holdings, _, opt, shapes = self._keeper_holdings(tiers=("peer",), step=step)
+            needs = [Need(-1, "", unit, tuple((0, n) for n in shape), 0) for unit, shape in sorted(shapes.items())]
+            cover = plan_restore(needs, holdings)
+            if cover.step != step:
+                raise CheckpointError(f"the peer copies of step {step} do not cover every unit")
+            by_node: dict[str, list] = {}
+            for t in cover.transfers:
+                tier, _, rank = t.source.holder.split(":")
+                by_node.setdefault(t.source.node, []).append((tier, int(rank), t.need.unit, t.region))
+            c = self.s3
+            futures = [self.keepers[n].upload.remote(step, pieces, c.uri, c.endpoint_url) for n, pieces in by_node.items()]
+            entries = [e for got in ray.get(futures, timeout=600) for e in got]
+            self.received_bytes += payload_bytes(entries)
+            pieces: dict[str, list] = {}
+            for e in entries:
+                pieces.setdefault(e.pop("unit"), []).append(e)
+            manifest = c.write_manifest(step, shapes, pieces, opt.get(step, 0.0), self.meta)
+            c.keep_newest(self.keep)
+            nbytes = sum(u["bytes"] for u in manifest["units"].values())
+            self.uploads.append({"step": step, "bytes": nbytes, "seconds": time.perf_counter() - t0, "error": None})
+            log.info("checkpoint step %d in %s: %d bytes from %d keepers in %.2f s", step, c.uri, nbytes,
+                     len(by_node), time.perf_counter() - t0)
+        except Exception as e:  # an upload failure costs a checkpoint, not the job; it is recorded
+            self.uploads.append({"step": step, "bytes": 0, "seconds": time.perf_counter() - t0, "error": str(e)})
+            log.warning("checkpoint step %d to %s failed: %s", step, self.s3.uri, e)
+
+    def flush(self, timeout_s: float = 300.0) -> None:
+        """Wait for the S3 uploads queued (at the end of a job, so its last checkpoint is complete)."""
+        for f in self._queued:
+            f.result(timeout=timeout_s)
+        self._queued = []
+
+    # -- after a failure ----------------------------------------------------------------
+    def salvage(self, group) -> None:
+        """Survivors hand the committed state they hold to their own node's keeper (tier "live")."""
+        if not getattr(group, "holds_state", False):
+            return  # a group that failed before its state was restored holds nothing worth keeping
+        ids = self._alive_nodes()
+        self._call_keepers("clear", "live")
+        ranks = layout.ranks(group.plan)
+        targets = [self._keeper(r.node, ids) if r.node in ids else None for r in ranks]
+        got = group.hand_over(targets)
+        self.received_bytes += payload_bytes(got)
+        kept = [g for g in got if g is not None]
+        log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
+                 len(ranks), sorted({g["step"] for g in kept}))
+
+    # -- restore --------------------------------------------------------------------------
+    def _keeper_holdings(self, tiers=TIERS, step: int | None = None):
+        """The keepers' holdings, as the restore planner's Holdings; their sources, optimizer steps, shapes."""
+        holdings, sources, opt, shapes = [], {}, {}, {}
+        for node, rows in self._call_keepers("inventory").items():
+            for row in rows:
+                if row["tier"] not in tiers or (step is not None and row["step"] != step):
+                    continue
+                holder = f"{row['tier']}:{node}:{row['rank']}"
+                h = Holding(row["tier"], holder, node, row["unit"], tuple(tuple(r) for r in row["region"]), row["step"])
+                holdings.append(h)
+                sources[(holder, row["step"])] = ("keeper", node, row["tier"], row["rank"])
+                shapes[row["unit"]] = row["shape"]
+                opt[row["step"]] = row["optimizer_steps"]
+        return holdings, sources, opt, shapes
+
+    def _s3_holdings(self):
+        """The complete S3 steps' pieces as Holdings; their sources and optimizer steps."""
+        holdings, sources, opt = [], {}, {}
+        if self.s3 is None:
+            return holdings, sources, opt
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            manifests = self.s3.manifests(limit=self.keep)
+        except (BotoCoreError, ClientError) as e:
+            log.warning("cannot list checkpoints in %s: %s; restoring without the S3 tier", self.s3.uri, e)
+            return holdings, sources, opt
+        for m in manifests:
+            self.received_bytes += payload_bytes(m)
+            opt[m["step"]] = float(m["optimizer_steps"])
+            for unit, u in m["units"].items():
+                for piece in u["pieces"]:
+                    holdings.append(Holding("s3", piece["key"], None, unit, tuple(tuple(r) for r in piece["region"]),
+                                            m["step"]))
+                    sources[(piece["key"], m["step"])] = ("s3", piece)
+        return holdings, sources, opt
+
+    def restore(self, group) -> dict | None:
+        """Restore the newest step every unit is available at, from the cheapest sources; None: nothing held."""
+        t0 = time.perf_counter()
+        group.holds_state = False
+        needs_by_rank = group.needs()
+        self.received_bytes += payload_bytes(needs_by_rank)
+        ranks = layout.ranks(group.plan)
+        needs = [Need(i, ranks[i].node, n["unit"], tuple(tuple(r) for r in n["region"]), n["nbytes"])
+                 for i, rank_needs in enumerate(needs_by_rank) for n in rank_needs]
+        kh, ksrc, kopt, _ = self._keeper_holdings()
+        sh, ssrc, sopt = self._s3_holdings()
+        holdings, sources, opt = kh + sh, ksrc | ssrc, sopt | kopt
+        only = {"s3"} if self.restore_from == "s3" else None
+        refused: set[int] = set()
+        while True:
+            usable = [h for h in holdings if not (h.tier == "s3" and h.step in refused)]
+            rp = plan_restore(needs, usable, only)
+            if rp.step is None:
+                if holdings:
+                    log.warning("no step has every unit (missing at every step: %s); starting from step 0",
+                                ", ".join(rp.missing[:5]) or "some units")
+                group.holds_state = True  # its fresh initial state is the job's state now
+                return None
+            per_rank: list[list] = [[] for _ in ranks]
+            ids = self._alive_nodes()
+            for t in rp.transfers:
+                kind, *rest = sources[(t.source.holder, rp.step)]
+                if kind == "keeper":  # a shard a keeper holds
+                    node, tier, rank = rest
+                    keeper, request = self.keepers[node], (tier, rank, t.need.unit, t.region)
+                else:  # an S3 piece, read by the keeper of the worker's node (once per node)
+                    keeper, request = self._keeper(t.need.node, ids), ("s3", rest[0], t.region)
+                per_rank[t.need.rank].append((t.need.unit, t.region, keeper, request))
+            s3cfg = (self.s3.uri, self.s3.endpoint_url) if self.s3 is not None else None
+            results = group.load(per_rank, rp.step, opt[rp.step], s3cfg)
+            self.received_bytes += payload_bytes(results)
+            errors = [r["error"] for r in results if r.get("error")]
+            if not errors:
+                break
+            log.warning("refusing checkpoint step %d: %s; trying the previous complete step", rp.step, errors[0])
+            refused.add(rp.step)
+        by_tier = {t: sum(r["bytes"].get(t, 0) for r in results) for t in TIERS}
+        costliest = next((t for t in reversed(TIERS) if by_tier[t]), "live")
+        s3_units = sorted({t.need.unit for t in rp.transfers if t.source.tier == "s3"})
+        self.last_restore = {"step": rp.step, "tier": costliest, "bytes": sum(by_tier.values()),
+                             "bytes_by_tier": by_tier, "s3_units": s3_units, "refused_steps": sorted(refused),
+                             "restore_s": round(time.perf_counter() - t0, 3)}
+        group.holds_state = True
+        self._call_keepers("clear", "live")  # the new workers hold it now; salvage refills it on a failure
+        log.info("restored step %d: bytes by tier %s in %.2f s", rp.step, by_tier, self.last_restore["restore_s"])
+        return self.last_restore
