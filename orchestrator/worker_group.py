@@ -221,11 +221,11 @@ class RayWorkerGroup:
         return full_state(self.run.export_states())
 
     # -- the tiered state plane's calls (orchestrator/state/tiers.py); metadata in, metadata out --
-    def snapshot(self, step: int, keepers: list) -> list:
+    def snapshot(self, step: int, keepers: list, pin: bool = False) -> list:
         """Each rank starts copying its shards to its keeper, in order with its steps; the receipts'
         ObjectRefs (metadata only; the caller waits on them only when it needs the copy complete)."""
         for w, k in zip(self.run.workers, keepers, strict=True):
-            w.snapshot.remote(step, k)
+            w.snapshot.remote(step, k, pin)
         return [w.receipt.remote(step) for w in self.run.workers]
 
     def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]:

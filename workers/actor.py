@@ -88,7 +88,7 @@ class TrainWorker:
         with self.state_lock:
             self.engine.commit(step_index)
 
-    def snapshot(self, step_index: int, keeper, tier: str = "peer") -> None:
+    def snapshot(self, step_index: int, keeper, pin: bool = False) -> None:
         """Start copying this rank's shards of committed step `step_index` to `keeper`.
 
         It runs on the training thread in order with steps and commits (so the copy is of
@@ -98,7 +98,8 @@ class TrainWorker:
             raise RuntimeError(f"{self.engine.where}: snapshot of step {step_index}, but step "
                                f"{self.engine.committed_step} is the committed one")
         with self.puts_ready:
-            self.puts[step_index] = keeper.put.remote(tier, step_index, self.engine.rank, export_shards(self.engine))
+            self.puts[step_index] = keeper.put.remote("peer", step_index, self.engine.rank, export_shards(self.engine),
+                                                      pin)
             self.puts_ready.notify_all()
 
     @ray.method(concurrency_group="snapshot")

@@ -39,23 +39,35 @@ class Keeper:
         self.lock = threading.Lock()
         self.held: dict[tuple[str, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
         self.upload_delay_s = 0.0
+        self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
         self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
         self.s3_lock = threading.Lock()
 
     def ping(self) -> str:
         return self.node
 
-    def put(self, tier: str, step: int, rank: int, shards: dict) -> dict:
-        """Keep a worker's shards; for "peer", only the newest `keep_peer_steps` steps stay."""
+    def put(self, tier: str, step: int, rank: int, shards: dict, pin: bool = False) -> dict:
+        """Keep a worker's shards; for "peer", only the newest `keep_peer_steps` steps stay, and
+        pinned ones (an S3 upload of them is coming) until `unpin`."""
         opt = max((s["optimizer_steps"] for s in shards.values()), default=0.0)
         with self.lock:
             self.held[(tier, step, rank)] = (shards, opt)
+            if pin:
+                self.pinned.add(step)
             if tier == "peer":
-                steps = sorted({s for t, s, _ in self.held if t == "peer"}, reverse=True)
-                for key in [k for k in self.held if k[0] == "peer" and k[1] not in steps[:self.keep_peer_steps]]:
-                    del self.held[key]
+                self._prune()
         return {"node": self.node, "tier": tier, "step": step, "rank": rank,
                 "nbytes": sum(shard_nbytes(s) for s in shards.values())}
+
+    def _prune(self) -> None:
+        steps = sorted({s for t, s, _ in self.held if t == "peer"}, reverse=True)[:self.keep_peer_steps]
+        for key in [k for k in self.held if k[0] == "peer" and k[1] not in steps and k[1] not in self.pinned]:
+            del self.held[key]
+
+    def unpin(self, step: int) -> None:
+        with self.lock:
+            self.pinned.discard(step)
+            self._prune()
 
     def clear(self, tier: str) -> int:
         """Drop a tier (and the S3 pieces read for the last restore)."""
@@ -122,9 +134,12 @@ class Keeper:
             time.sleep(self.upload_delay_s)
         store = S3Checkpoints(uri, endpoint_url)
         out = []
-        for tier, rank, unit, region in pieces:
-            with self.lock:
-                shard = self.held[(tier, step, rank)][0][unit]
-            region = tuple(tuple(r) for r in region)
-            out.append({"unit": unit} | store.put_piece(step, unit, region, cut(shard, region)))
+        try:
+            for tier, rank, unit, region in pieces:
+                with self.lock:
+                    shard = self.held[(tier, step, rank)][0][unit]
+                region = tuple(tuple(r) for r in region)
+                out.append({"unit": unit} | store.put_piece(step, unit, region, cut(shard, region)))
+        finally:
+            self.unpin(step)
         return out

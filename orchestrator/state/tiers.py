@@ -118,13 +118,14 @@ class TieredState:
                           st.layer_end + (st.layer_end == plan.num_layers)))
         sizes = [b - a for _, a, b in spans]  # bytes are about proportional to layers held
         targets = peer_placement(spans, candidates, sizes)
-        refs = group.snapshot(step, [self._keeper(n, ids) for n in targets])
+        upload = self._pool is not None and (step + 1) % (self.s3_every * self.peer_every) == 0
+        refs = group.snapshot(step, [self._keeper(n, ids) for n in targets], pin=upload)
         if wait:
             receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
             self.received_bytes += payload_bytes(receipts)
             if any(r is None for r in receipts):
                 log.warning("the drain snapshot of step %d is incomplete", step)
-        if self._pool is not None and (step + 1) % (self.s3_every * self.peer_every) == 0:
+        if upload:
             self._queued = [f for f in self._queued if not f.done()] + [self._pool.submit(self._upload, step, refs)]
 
     def _upload(self, step: int, refs: list) -> None:
@@ -159,6 +160,7 @@ class TieredState:
             log.info("checkpoint step %d in %s: %d bytes from %d keepers in %.2f s", step, c.uri, nbytes,
                      len(by_node), time.perf_counter() - t0)
         except Exception as e:  # an upload failure costs a checkpoint, not the job; it is recorded
+            self._call_keepers("unpin", step)
             self.uploads.append({"step": step, "bytes": 0, "seconds": time.perf_counter() - t0, "error": str(e)})
             log.warning("checkpoint step %d to %s failed: %s", step, self.s3.uri, e)
 

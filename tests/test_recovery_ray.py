@@ -1,0 +1,317 @@
+"""Recovery scenarios on the Ray test cluster: tiered state (live, peer, S3 through moto's server) and the oracle.
+
+Each scenario adds its own nodes of mixed fake GPU types to one module cluster,
+kills some of them, and holds the job to an uninterrupted 1-device run of the
+same job: per-step losses and final parameters (read back from the job's last
+S3 step) agree to 1e-5 relative in float64. Bytes are checked by tier.
+"""
+
+import logging
+import os
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from orchestrator.cluster.embedded import EmbeddedCluster
+from orchestrator.controller import State
+from orchestrator.controller_actor import make_controller
+from orchestrator.job_spec import JobSpec, parse_job
+from orchestrator.state.s3_store import S3Checkpoints
+from orchestrator.worker_group import PlanRun
+from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage
+from workers.state import assemble
+
+pytestmark = pytest.mark.ray
+STEPS = 5
+BASE = NodeSpec(name="base", gpu_type="A100-80GB", num_gpus=1, inter_node_bw_gb_s=100)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)  # the nodes' processes read S3 with these, as with an instance role
+    ec = EmbeddedCluster(ClusterSpec(nodes=[BASE]))
+    ec.connect()
+    for hidden in (32, 128):  # before any scenario kills nodes (a peer copy may sit on the base node)
+        reference(make_job([BASE], None, "", hidden=hidden))
+    yield ec
+    ec.shutdown()
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    S3Checkpoints("s3://ckpt", url).client.create_bucket(Bucket="ckpt")
+    yield url
+    server.stop()
+
+
+def nodes(cluster, *specs: tuple[str, str, int]) -> list[NodeSpec]:
+    out = []
+    for name, gpu, n in specs:
+        spec = NodeSpec(name=name, gpu_type=gpu, num_gpus=n, inter_node_bw_gb_s=100)
+        cluster.nodes[name] = cluster.add(spec)
+        out.append(spec)
+    return out
+
+
+def make_job(node_specs: list[NodeSpec], endpoint: str | None, prefix: str, hidden: int = 32, **ckpt) -> JobSpec:
+    spec = {
+        "model": {"name": f"gpt-{hidden}", "num_layers": 4, "hidden_size": hidden, "num_heads": 4, "vocab_size": 64,
+                  "seq_len": 16},
+        "train": {"global_batch": 8, "lr": 0.01, "precision": "fp32"},
+        "cluster": {"nodes": [n.model_dump() for n in node_specs]},
+        "runtime": {"dtype": "float64", "emulate_speed": False, "collective_timeout_s": 20, "snapshot_every": 1},
+        "steps": STEPS,
+    }
+    if endpoint is not None:
+        spec["checkpoint"] = {"uri": f"s3://ckpt/{prefix}", "endpoint_url": endpoint, "s3_every": 1, "keep": 3} | ckpt
+    return parse_job(spec)
+
+
+_REF: dict = {}
+
+
+def reference(j: JobSpec):
+    """Losses and final parameters of the uninterrupted 1-device run (on the base node)."""
+    key = j.model_spec.model_dump_json()
+    if key not in _REF:
+        p = Plan(model_name=j.model_spec.name, num_layers=4, global_batch=8, pipelines=[Pipeline(
+            num_samples=8, micro_batch_size=8, num_micro_batches=1,
+            stages=[Stage(layer_start=0, layer_end=4, gpu_type=BASE.gpu_type, node="base", devices=["base/0"])])])
+        run = PlanRun(j.model_copy(update={"cluster": ClusterSpec(nodes=[BASE])}), p)
+        try:
+            run.start()
+            losses = run.run(STEPS).losses
+            _REF[key] = losses, assemble(run.export_states())
+        finally:
+            run.shutdown()
+    return _REF[key]
+
+
+def assert_matches_reference(j: JobSpec, losses: dict[int, float], final: dict | None = None) -> None:
+    ref_losses, ref_params = reference(j)
+    assert sorted(losses) == list(range(STEPS))  # every step once: none lost, none repeated
+    for s, want in enumerate(ref_losses):
+        assert abs(losses[s] - want) <= 1e-5 * abs(want), (s, losses, ref_losses)
+    if final is not None:
+        assert set(final) == set(ref_params)
+        for name, want in ref_params.items():
+            torch.testing.assert_close(final[name]["param"], want, msg=name)
+
+
+def final_state(j: JobSpec) -> dict:
+    state, _, _ = S3Checkpoints(j.checkpoint.uri, j.checkpoint.endpoint_url).load(STEPS - 1)
+    return state
+
+
+def run_until(c, step: int) -> None:
+    while c.progress.committed < step:
+        assert c.step() not in (State.DONE, State.FAILED), c.error
+
+
+def kill(cluster, *names: str) -> None:
+    """Remove nodes at once (threads), and wait until Ray reports them dead."""
+    threads = [threading.Thread(target=cluster.remove, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 20
+    while any(n["Alive"] and n.get("Labels", {}).get("hetspot/node") in names for n in ray.nodes()):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def dp_plan(a: NodeSpec, b: NodeSpec) -> Plan:
+    """Two replicas, one per node: each node's layers have a live DP peer on the other."""
+    def pipe(n, node):
+        return Pipeline(num_samples=n, micro_batch_size=n, num_micro_batches=1, stages=[Stage(
+            layer_start=0, layer_end=4, gpu_type=node.gpu_type, node=node.name, devices=[f"{node.name}/0"])])
+    return Plan(model_name="gpt-32", num_layers=4, global_batch=8, pipelines=[pipe(5, a), pipe(3, b)])
+
+
+def restore_events(c) -> list[dict]:
+    return [e for e in c.progress.events if e["kind"] == "restore"]
+
+
+def test_node_killed_mid_step_with_a_live_dp_peer_loses_no_step_and_reads_no_s3(cluster, endpoint):
+    """Acceptance 1: one node hard-killed while its peers wait in the step's collective; the survivor's
+    committed state restores the new plan: 0 lost steps, 0 S3 bytes, and the oracle holds."""
+    a, b = nodes(cluster, ("live-a", "H100-SXM", 1), ("live-b", "L4", 1))
+    j = make_job([a, b], endpoint, "live")
+    c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+    run_until(c, 1)
+    c.store.flush()
+    assert S3Checkpoints(j.checkpoint.uri, endpoint).complete_steps()[0] == 1  # S3 could serve step 1, too
+    ray.get(c.group.run.workers[0].inject_fault.remote(2, "hang"))  # live-a's rank stalls inside step 2
+    killer = threading.Timer(1.5, kill, (cluster, "live-a"))
+    killer.start()
+    assert c.run() == State.DONE, c.error
+    killer.join()
+    (r,) = restore_events(c)
+    assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0 and r["bytes_by_tier"]["live"] > 0
+    assert c.progress.restarts == 1  # step 1 was the last committed one, so nothing is redone
+    assert_matches_reference(j, c.progress.losses, final_state(j))
+
+
+def unit_layer(name: str, num_layers: int = 4) -> int:
+    if name.startswith("h."):
+        return int(name.split(".")[1])
+    return -1 if name.startswith(("wte", "wpe")) else num_layers
+
+
+def test_two_nodes_killed_restore_exactly_the_lost_units_from_s3(cluster, endpoint):
+    """Acceptance 2: two nodes killed at once, taking every live holder and the peer copy of some units:
+    exactly those units come from S3, and the S3 bytes read are their objects' sizes."""
+    m1, m2, m3 = nodes(cluster, ("pp-1", "H100-SXM", 1), ("pp-2", "L4", 1), ("pp-3", "A100-80GB", 1))
+
+    def st(a, b, n):
+        return Stage(layer_start=a, layer_end=b, gpu_type=n.gpu_type, node=n.name, devices=[f"{n.name}/0"])
+    plan = Plan(model_name="gpt-32", num_layers=4, global_batch=8, pipelines=[Pipeline(
+        num_samples=8, micro_batch_size=4, num_micro_batches=2, stages=[st(0, 1, m1), st(1, 3, m2), st(3, 4, m3)])])
+    j = make_job([m1, m2, m3], endpoint, "two-lost")
+    c = make_controller(j, STEPS, first_plan=plan)
+    run_until(c, 1)
+    c.store.flush()
+    # Who holds what at step 1: live on the ranks' nodes, peer copies where the keepers say.
+    holders: dict[str, set[str]] = {}
+    for rank_needs, node in zip(c.group.needs(), ["pp-1", "pp-2", "pp-3"], strict=True):
+        for n in rank_needs:
+            holders.setdefault(n["unit"], set()).add(node)
+    for node, k in c.store.keepers.items():
+        for row in ray.get(k.inventory.remote()):
+            if row["tier"] == "peer" and row["step"] == 1:
+                holders[row["unit"]].add(node)
+    peer_of_first = {n for u, h in holders.items() if unit_layer(u) == -1 for n in h} - {"pp-1"}
+    doomed = {"pp-1", *peer_of_first}
+    assert len(doomed) == 2
+    lost = sorted(u for u, h in holders.items() if h <= doomed)
+    assert lost and len(lost) < len(holders)  # some units, not all
+    kill(cluster, *doomed)
+    assert c.run() == State.DONE, c.error
+    (r,) = restore_events(c)
+    assert r["step"] == 1 and r["s3_units"] == lost
+    manifest = S3Checkpoints(j.checkpoint.uri, endpoint).manifest(1)
+    # Each node of the new plan reads an object once; count the nodes that need each lost unit.
+    new_nodes: dict[int, set[str]] = {}
+    for p in c.plan.pipelines:
+        for s in p.stages:
+            for layer in range(s.layer_start - (s.layer_start == 0), s.layer_end + (s.layer_end == 4)):
+                new_nodes.setdefault(layer, set()).add(s.node)
+    want = sum(manifest["units"][u]["bytes"] * len(new_nodes[unit_layer(u)]) for u in lost)
+    assert r["bytes_by_tier"]["s3"] == want
+    assert_matches_reference(j, c.progress.losses, final_state(j))
+
+
+def test_node_killed_during_an_s3_upload_uses_the_previous_complete_step(cluster, endpoint):
+    """Acceptance 3: a node dies while its keeper uploads step 2: step 2 never gets a manifest, so it does
+    not exist; an S3-only restore (restore_from: s3) takes step 1 and the oracle holds."""
+    a, b = nodes(cluster, ("up-a", "H100-SXM", 1), ("up-b", "L4", 1))
+    j = make_job([a, b], endpoint, "in-flight", restore_from="s3")
+    c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+    run_until(c, 1)
+    c.store.flush()
+    ray.get([k.delay_uploads.remote(3.0) for k in c.store.keepers.values()])
+    run_until(c, 2)  # step 2's upload is held in the keepers
+    kill(cluster, "up-a")
+    for name, k in list(c.store.keepers.items()):
+        if name != "up-a":
+            ray.get(k.delay_uploads.remote(0.0))
+    assert c.run() == State.DONE, c.error
+    r = restore_events(c)[0]
+    assert r["step"] == 1 and r["tier"] == "s3" and r["bytes_by_tier"]["live"] == r["bytes_by_tier"]["peer"] == 0
+    first_try = next(u for u in c.store.uploads if u["step"] == 2)
+    assert first_try["error"]  # the half-written step 2 was never completed...
+    assert_matches_reference(j, c.progress.losses, final_state(j))  # ...and step 2 was redone, once
+
+
+def test_second_node_killed_during_recovery_starts_recovery_over(cluster, endpoint):
+    """Acceptance 4: a node is killed, and another while the first recovery restores state: recovery
+    starts over on what is left and completes; the oracle holds."""
+    specs = nodes(cluster, ("rr-1", "H100-SXM", 1), ("rr-2", "A100-80GB", 1), ("rr-3", "L4", 2))
+    j = make_job(specs, endpoint, "twice")
+    armed = {"on": False}
+
+    def on_phase(phase: str) -> None:  # the second kill: a node of the new plan, while it restores
+        if armed["on"] and phase == "restoring state":
+            armed["on"] = False
+            kill(cluster, sorted({s.node for p in c.plan.pipelines for s in p.stages})[0])
+
+    c = make_controller(j, STEPS, first_plan=dp_plan(specs[0], specs[1]), on_phase=on_phase)
+    run_until(c, 1)
+    c.store.flush()
+    armed["on"] = True
+    kill(cluster, "rr-1")
+    assert c.run() == State.DONE, c.error
+    assert c.progress.restarts == 2 and [e["kind"] for e in c.progress.events].count("re-plan") == 2
+    assert_matches_reference(j, c.progress.losses, final_state(j))
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated-manifest"])
+def test_corrupt_newest_step_is_refused_and_the_previous_one_resumes(cluster, endpoint, damage, caplog):
+    """Acceptance 5 and 6: a job stopped after step 2 resumes (--resume) on other nodes; its newest S3 step is
+    damaged (one flipped byte in one object, or a truncated manifest), refused with a log line naming it, and
+    the job continues from step 1 with the oracle's losses."""
+    first_node, = nodes(cluster, (f"cr-{damage}-a", "H100-SXM", 1))
+    j1 = make_job([first_node], endpoint, f"corrupt-{damage}")
+    first = make_controller(j1, 3)
+    assert first.run() == State.DONE, first.error
+    store = S3Checkpoints(j1.checkpoint.uri, endpoint)
+    assert store.complete_steps() == [2, 1, 0]
+    if damage == "flipped-byte":
+        key = store.manifest(2)["units"]["h.1.mlp.fc.weight"]["pieces"][0]["key"]
+    else:
+        key = store.manifest_key(2)
+    data = bytearray(store.client.get_object(Bucket="ckpt", Key=key)["Body"].read())
+    if damage == "flipped-byte":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    store.client.put_object(Bucket="ckpt", Key=key, Body=bytes(data))
+    second_node, = nodes(cluster, (f"cr-{damage}-b", "L4", 1))
+    kill(cluster, first_node.name)
+    j2 = make_job([second_node], endpoint, f"corrupt-{damage}")
+    second = make_controller(j2, STEPS)
+    with caplog.at_level(logging.WARNING, logger="hetspot"):
+        assert second.run() == State.DONE, second.error
+    r = restore_events(second)[0]
+    assert r["step"] == 1 and r["tier"] == "s3"
+    assert any("refusing checkpoint step 2" in m and key in m for m in caplog.messages), caplog.messages
+    losses = {s: first.progress.losses[s] for s in (0, 1)} | second.progress.losses
+    assert sorted(second.progress.losses) == [2, 3, 4]
+    assert_matches_reference(j1, losses, final_state(j2))
+
+
+def test_controller_receives_metadata_only_whatever_the_model_size(cluster):
+    """Acceptance 7: through snapshots every step, a worker crash, salvage and restore, the bytes the
+    controller takes in stay under a small bound that does not grow with the model (16x the parameters)."""
+    a, b = nodes(cluster, ("md-a", "H100-SXM", 1), ("md-b", "L4", 1))
+    got = {}
+    for hidden in (32, 128):
+        j = make_job([a, b], None, "", hidden=hidden)
+        c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+        groups = []
+        make_group = c.make_group
+        c.make_group = lambda p, mg=make_group, gs=groups: gs.append(mg(p)) or gs[-1]
+        run_until(c, 1)
+        ray.get(c.group.run.workers[1].inject_fault.remote(2, "exit"))  # a worker process dies in step 2
+        assert c.run() == State.DONE, c.error
+        (r,) = restore_events(c)
+        assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0
+        got[hidden] = {"received": sum(g.received_bytes for g in groups) + c.store.received_bytes,
+                       "restored": r["bytes"]}
+        assert_matches_reference(j, c.progress.losses)
+    small, big = got[32], got[128]
+    assert big["restored"] > 8 * small["restored"]  # the state moved grew with the model...
+    assert big["received"] < 256 << 10 and big["received"] <= 1.5 * small["received"]  # ...the controller's did not
+    assert big["received"] < big["restored"] / 4
