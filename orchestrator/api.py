@@ -108,11 +108,23 @@ def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None 
                           f"(`hetspot checkpoints rm {c.uri} --all`)")
 
 
+def with_restore_from(job: JobSpec, restore_from: str | None, source: str) -> JobSpec:
+    """The job with `checkpoint.restore_from` set from `--restore-from` (nearest or s3)."""
+    if restore_from is None:
+        return job
+    if restore_from not in ("nearest", "s3"):
+        raise ConfigError(f"--restore-from {restore_from!r}: use nearest (survivors, peers, then S3) or s3")
+    if job.checkpoint is None:
+        raise ConfigError(f"{source}: --restore-from needs a 'checkpoint:' section (uri of the S3 tier)")
+    return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"restore_from": restore_from})})
+
+
 def submit_local(job_path: str | Path, plan_path: str | Path | None = None, steps: int | None = None,
-                 on_step=None, on_status=None, replan_on_loss: bool = False, resume: bool = False) -> dict[str, Any]:
+                 on_step=None, on_status=None, replan_on_loss: bool = False, resume: bool = False,
+                 restore_from: str | None = None) -> dict[str, Any]:
     """`hetspot submit` without --address: check, plan (or load --plan), start the embedded cluster, train."""
     source = str(job_path)
-    job = load_job(job_path)
+    job = with_restore_from(load_job(job_path), restore_from, source)
     cluster = require_cluster(job, source)
     check_data(job, source)
     check_checkpoint(job, source, resume, steps)

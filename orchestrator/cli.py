@@ -86,6 +86,8 @@ def submit(
     plan_file: str | None = typer.Option(None, "--plan", help="a plan JSON (from `hetspot plan --json`); local runs only"),
     steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (default: the job's steps)"),
     resume: bool = typer.Option(False, "--resume", help="go on from the newest complete step under checkpoint.uri"),
+    restore_from: str | None = typer.Option(None, "--restore-from", help="nearest (survivors, peer memory, then S3; "
+                                            "the default) or s3 (S3 only, for comparison)"),
     replan_on_loss: bool = typer.Option(False, "--replan-on-loss",
                                         help="with --plan: after a node loss, re-plan on the survivors instead of failing"),
     follow: bool = typer.Option(False, "--follow", help="with --address: stream the job's logs until it ends"),
@@ -95,7 +97,7 @@ def submit(
     from orchestrator import api
     from orchestrator.job_spec import load_job
 
-    job = load_job(job_file)  # validate before anything starts or is sent
+    job = api.with_restore_from(load_job(job_file), restore_from, job_file)  # validate before anything starts
     if address:
         from orchestrator.errors import ConfigError
         from orchestrator.ray_jobs import RayJobs
@@ -135,7 +137,7 @@ def submit(
             progress.update(task, completed=s + 1, info=f"step {s} loss {loss:.4f} {tok_s:,.0f} tok/s")
 
         result = api.submit_local(job_file, plan_file, steps, on_step=on_step, on_status=on_status,
-                                  replan_on_loss=replan_on_loss, resume=resume)
+                                  replan_on_loss=replan_on_loss, resume=resume, restore_from=restore_from)
     if as_json:
         _print_json(result)
     else:
@@ -173,7 +175,9 @@ def status(
         console.print("  no step committed yet")
     for e in st.get("events", []):
         times = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in e.items() if k.endswith("_s"))
-        console.print(f"  {e['kind']} at step {e['at_step']}: {e['cause']}" + (f" ({times})" if times else ""))
+        tiers = ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in e.get("bytes_by_tier", {}).items())
+        console.print(f"  {e['kind']} at step {e['at_step']}: {e['cause']}" + (f" ({times})" if times else "")
+                      + (f"; restored bytes: {tiers}" if tiers else ""))
 
 
 @app.command()

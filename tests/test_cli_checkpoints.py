@@ -124,3 +124,13 @@ def test_checkpoints_list_verify_rm(endpoint, monkeypatch):
     assert store.steps() == []
     res = runner.invoke(app, ["checkpoints", "list", "s3://no-such-bucket/x", *base])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_restore_from_flag_is_checked(tmp_path, endpoint):
+    job = _job(tmp_path, {"uri": "s3://jobs/restore-from", "endpoint_url": endpoint})
+    res = runner.invoke(app, ["submit", str(job), "--restore-from", "tape"])
+    assert res.exit_code == 2 and "--restore-from 'tape': use nearest" in res.output and "Traceback" not in res.output
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(job.read_text()).items() if k != "checkpoint"}))
+    res = runner.invoke(app, ["submit", str(bare), "--restore-from", "s3"])
+    assert res.exit_code == 2 and "--restore-from needs a 'checkpoint:' section" in res.output
