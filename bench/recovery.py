@@ -7,8 +7,10 @@ that the job uses and the bench removes (a hard kill: `remove_node`). The
 embedded cluster's head has tuned health checks (orchestrator/cluster/embedded.py).
 Per trial, from the kill: time until the controller sees the failure
 (detection), has a new plan, has restored state, and has committed the first
-new step. Then, in the same run, the same state restored from the controller's
-memory tier and from S3 only (moto's threaded server on 127.0.0.1). Last, an
+new step, and the restore's bytes by tier. Then, in the same run, after a real
+node loss, the same state restored into the same new plan by the restore
+planner (survivors' live state, peer memory) and from S3 only (moto's threaded
+server on 127.0.0.1), alternately, for the small preset and a larger model. Last, an
 AWS spot notice through the fake metadata service with a 20 s deadline:
 notice to drained (the doomed node's state is out) against the deadline.
 Medians; these machines are shared and noisy.
@@ -34,7 +36,6 @@ from orchestrator.controller_actor import make_controller  # noqa: E402
 from orchestrator.job_spec import parse_job  # noqa: E402
 from orchestrator.preemption.metadata_server import FakeMetadataServer  # noqa: E402
 from orchestrator.preemption.ray_notices import LABEL_METADATA_URL  # noqa: E402
-from orchestrator.state.s3_store import S3Checkpoints  # noqa: E402
 from planner import ClusterSpec, NodeSpec  # noqa: E402
 
 STAY = NodeSpec(name="l4-0", gpu_type="L4", num_gpus=2, inter_node_bw_gb_s=100)
@@ -67,35 +68,41 @@ def kill_trial(ec: EmbeddedCluster, i: int) -> dict:
     restore = next(e for e in reversed(c.progress.events) if e["kind"] == "restore")
     c.group.shutdown()
     return {"detect_s": t_detect - t0, "plan_s": t_plan - t0, "restored_s": t_restored - t0,
-            "first_step_s": t_step - t0, "lost_steps": committed - c.progress.committed + 1,
-            "bytes": restore["bytes"], "tier": restore["tier"]}
+            "first_step_s": t_step - t0, "lost_steps": committed - restore["step"],
+            "tiers": fmt_tiers(restore["bytes_by_tier"])}
 
 
-def tier_restore(ec: EmbeddedCluster, endpoint: str) -> dict:
-    """The same state restored into the same plan from the memory tier, then from S3 only."""
-    doomed = NodeSpec(name="h100-tiers", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
+def fmt_tiers(by_tier: dict) -> str:
+    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in by_tier.items() if v) or "nothing"
+
+
+def tier_restore(ec: EmbeddedCluster, endpoint: str, hidden: int | None, repeats: int = 5) -> dict:
+    """After a real node loss, the same state restored into the same new plan, alternately by hetspot's
+    restore planner (survivors' live state and peer memory first) and from S3 only (--restore-from s3)."""
+    doomed = NodeSpec(name=f"h100-tiers-{hidden}", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
     ec.nodes[doomed.name] = ec.add(doomed)
-    j = parse_job(job(doomed).model_dump() | {"checkpoint": {"uri": "s3://bench/tiers", "endpoint_url": endpoint,
-                                                            "s3_every": 1}})
+    model = {"preset": "small"} if hidden is None else {
+        "name": f"bench-{hidden}", "num_layers": 6, "hidden_size": hidden, "num_heads": 8, "vocab_size": 256, "seq_len": 64}
+    j = parse_job(job(doomed).model_dump() | {"model": model, "checkpoint": {
+        "uri": f"s3://bench/tiers-{hidden}", "endpoint_url": endpoint, "s3_every": 1}})
     c = make_controller(j, steps=100)
     until(c, lambda c: c.progress.committed >= 2)
     c.store.flush()
-    out = {}
-    for tier in ("memory", "s3"):
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            if tier == "memory":
-                step, state, opt = c.store.memory.latest()
-            else:
-                step, state, opt, nbytes = S3Checkpoints(j.checkpoint.uri, endpoint).load_latest()
-            c.group.import_state(state, opt)
-            times.append(time.perf_counter() - t0)
-        out[tier] = statistics.median(times)
-    out["bytes"] = nbytes
-    c.group.shutdown()
     ec.remove(doomed.name)
-    return out
+    until(c, lambda c: c.state == State.TRAINING and c.progress.restarts == 1)
+    first = next(e for e in reversed(c.progress.events) if e["kind"] == "restore")
+    times: dict[str, list[float]] = {"nearest": [], "s3": []}
+    by_tier: dict[str, dict] = {}
+    for _ in range(repeats):
+        for source in ("nearest", "s3"):
+            c.store.salvage(c.group)  # the workers' state becomes survivors' live state again
+            c.store.restore_from = source
+            r = c.store.restore(c.group)
+            times[source].append(r["restore_s"])
+            by_tier[source] = r["bytes_by_tier"]
+    c.group.shutdown()
+    return {"first": first, "nearest_s": statistics.median(times["nearest"]), "s3_s": statistics.median(times["s3"]),
+            "by_tier": by_tier, "model": model.get("name", "small")}
 
 
 def drain_trial(ec: EmbeddedCluster, deadline_s: float = 20.0) -> dict:
@@ -117,6 +124,7 @@ def drain_trial(ec: EmbeddedCluster, deadline_s: float = 20.0) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--big-hidden", type=int, default=384, help="hidden size of the larger model of the tier comparison")
     args = ap.parse_args()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -134,12 +142,18 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         for i, t in enumerate(trials):
             print(f"| {i} | {t['detect_s']:.2f} | {t['plan_s']:.2f} | {t['restored_s']:.2f} | {t['first_step_s']:.2f} "
-                  f"| {t['lost_steps']} | {t['tier']} ({t['bytes'] / 2**20:.1f} MiB) |")
+                  f"| {t['lost_steps']} | {t['tiers']} |")
         for k in ("detect_s", "plan_s", "restored_s", "first_step_s"):
             print(f"median {k}: {statistics.median(t[k] for t in trials):.2f}")
-        tiers = tier_restore(ec, endpoint)
-        print(f"restore of the same state ({tiers['bytes'] / 2**20:.1f} MiB), median of 5: memory tier "
-              f"{tiers['memory']:.3f} s, S3 only {tiers['s3']:.3f} s, S3-only / memory = {tiers['s3'] / tiers['memory']:.1f}x")
+        print("\n| model | state MiB | first recovery: restored from | hetspot restore s (tiers) | S3-only restore s "
+              "| S3-only / hetspot |")
+        print("|---|---|---|---|---|---|")
+        for hidden in (None, args.big_hidden):
+            t = tier_restore(ec, endpoint, hidden)
+            near, s3 = t["by_tier"]["nearest"], t["by_tier"]["s3"]
+            tiers = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in near.items() if v)
+            print(f"| {t['model']} | {s3['s3'] / 2**20:.1f} | {fmt_tiers(t['first']['bytes_by_tier'])} "
+                  f"| {t['nearest_s']:.3f} ({tiers} MiB) | {t['s3_s']:.3f} | {t['s3_s'] / t['nearest_s']:.1f}x |")
         d = drain_trial(ec)
         print(f"AWS notice, deadline {d['deadline_s']:.1f} s: drained after {d['drained_s']:.2f} s, first step without "
               f"the node after {d['first_step_s']:.2f} s, re-plans after failures {d['lost_steps']}")

@@ -208,6 +208,7 @@ class RayWorkerGroup:
         self.last_peak_mem = 0
         self.real_gpus = False
         self.holds_state = False  # the workers hold the job's state (restored, or trained from step 0)
+        self.keepers: list = []  # each rank's peer keeper, as last set
 
     def start(self) -> None:
         self.run.start()
@@ -222,10 +223,15 @@ class RayWorkerGroup:
 
     # -- the tiered state plane's calls (orchestrator/state/tiers.py); metadata in, metadata out --
     def snapshot(self, step: int, keepers: list, pin: bool = False) -> list:
-        """Each rank starts copying its shards to its keeper, in order with its steps; the receipts'
-        ObjectRefs (metadata only; the caller waits on them only when it needs the copy complete)."""
-        for w, k in zip(self.run.workers, keepers, strict=True):
-            w.snapshot.remote(step, k, pin)
+        """Each rank takes a host clone of its committed shards, then sends it to its keeper on a thread
+        beside training; the receipts' ObjectRefs (metadata; waited on only when the copy must be complete)."""
+        if keepers != self.keepers:
+            self.run._gather([w.set_keeper.remote(k) for w, k in zip(self.run.workers, keepers, strict=True)],
+                             "choosing peer keepers", 60.0)
+            self.keepers = keepers
+        # Awaited: an actor with concurrency groups does not promise to run calls in the order sent, and
+        # the clone must be of `step`, before the next commit. The transfer itself is not waited for.
+        self.run._gather([w.snapshot.remote(step, pin) for w in self.run.workers], f"snapshot of step {step}", 60.0)
         return [w.receipt.remote(step) for w in self.run.workers]
 
     def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]:

@@ -197,11 +197,11 @@ def test_two_nodes_killed_restore_exactly_the_lost_units_from_s3(cluster, endpoi
     assert len(doomed) == 2
     lost = sorted(u for u, h in holders.items() if h <= doomed)
     assert lost and len(lost) < len(holders)  # some units, not all
+    manifest = S3Checkpoints(j.checkpoint.uri, endpoint).manifest(1)  # read now: `keep` prunes it later
     kill(cluster, *doomed)
     assert c.run() == State.DONE, c.error
     (r,) = restore_events(c)
     assert r["step"] == 1 and r["s3_units"] == lost
-    manifest = S3Checkpoints(j.checkpoint.uri, endpoint).manifest(1)
     # Each node of the new plan reads an object once; count the nodes that need each lost unit.
     new_nodes: dict[int, set[str]] = {}
     for p in c.plan.pipelines:

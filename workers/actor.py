@@ -17,7 +17,7 @@ from workers.engine import Engine, StepResult
 from workers.faults import FaultInjector
 from workers.layout import ranks
 from workers.logs import structured_logger
-from workers.state import export_shards, import_full, import_pieces, needs
+from workers.state import export_shards, import_full, import_pieces, needs, to_numpy
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -48,7 +48,8 @@ class TrainWorker:
         self.log_every = log_every
         self.faults = FaultInjector()
         self.state_lock = threading.Lock()
-        self.puts: dict = {}  # step -> ObjectRef of a keeper's put in flight
+        self.puts: dict = {}  # step -> (host clone of the shards, pin) waiting to go to the keeper
+        self.keeper = None
         self.puts_ready = threading.Condition()
 
     def rendezvous_address(self) -> str:
@@ -88,18 +89,21 @@ class TrainWorker:
         with self.state_lock:
             self.engine.commit(step_index)
 
-    def snapshot(self, step_index: int, keeper, pin: bool = False) -> None:
-        """Start copying this rank's shards of committed step `step_index` to `keeper`.
+    def set_keeper(self, keeper) -> None:
+        """The keeper this rank's peer snapshots go to (set apart from `snapshot`: an actor handle in a
+        call's arguments can hold that call back behind later ones)."""
+        self.keeper = keeper
 
-        It runs on the training thread in order with steps and commits (so the copy is of
-        that step), but only takes a host clone and hands it to Ray: the transfer to the keeper
-        goes on beside the next steps, and `receipt` waits for it."""
+    def snapshot(self, step_index: int, pin: bool = False) -> None:
+        """Take a host clone of this rank's shards of committed step `step_index` for its keeper.
+
+        It runs on the training thread between commits (the caller waits for it, so the clone
+        is of that step); the transfer to the keeper goes on in `receipt`, beside the next steps."""
         if self.engine.committed_step != step_index:
             raise RuntimeError(f"{self.engine.where}: snapshot of step {step_index}, but step "
                                f"{self.engine.committed_step} is the committed one")
         with self.puts_ready:
-            self.puts[step_index] = keeper.put.remote("peer", step_index, self.engine.rank, export_shards(self.engine),
-                                                      pin)
+            self.puts[step_index] = (to_numpy(export_shards(self.engine)), pin)
             self.puts_ready.notify_all()
 
     @ray.method(concurrency_group="snapshot")
@@ -108,8 +112,8 @@ class TrainWorker:
         with self.puts_ready:
             if not self.puts_ready.wait_for(lambda: step_index in self.puts, timeout=timeout_s):
                 return None
-            ref = self.puts.pop(step_index)
-        return ray.get(ref, timeout=timeout_s)
+            shards, pin = self.puts.pop(step_index)
+        return ray.get(self.keeper.put.remote("peer", step_index, self.engine.rank, shards, pin), timeout=timeout_s)
 
     @ray.method(concurrency_group="control")
     def hand_over(self, keeper) -> dict | None:
@@ -118,7 +122,7 @@ class TrainWorker:
             step = self.engine.committed_step
             if step < 0:
                 return None
-            shards = export_shards(self.engine)
+            shards = to_numpy(export_shards(self.engine))
         ray.get(keeper.put.remote("live", step, self.engine.rank, shards), timeout=60)
         return {"rank": self.engine.rank, "step": step}
 

@@ -64,10 +64,25 @@ def needs(engine: Engine) -> list[dict]:
     return out
 
 
-def cut(shard: dict, region) -> dict[str, torch.Tensor | None]:
-    """The tensors of `shard` (an export_shards entry) inside `region`, a sub-region of the shard's slice."""
+def cut(shard: dict, region) -> dict:
+    """The arrays of `shard` (an export_shards entry, torch or numpy) inside `region`, a sub-region of its slice."""
+    import numpy as np
+
     idx = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(region, shard["slice"], strict=True))
-    return {k: shard[k][idx].clone() if shard.get(k) is not None else None for k in ("param", "exp_avg", "exp_avg_sq")}
+    whole = all(tuple(r) == tuple(s) for r, s in zip(region, shard["slice"], strict=True))
+    out = {}
+    for k in ("param", "exp_avg", "exp_avg_sq"):
+        if whole and isinstance(shard.get(k), np.ndarray):  # all of it: no copy here (Ray copies it once)
+            out[k] = shard[k]
+            continue
+        t = shard.get(k)
+        out[k] = None if t is None else t[idx].clone() if isinstance(t, torch.Tensor) else np.ascontiguousarray(t[idx])
+    return out
+
+
+def to_numpy(shards: dict[str, dict]) -> dict[str, dict]:
+    """Shards with numpy arrays instead of CPU tensors: Ray moves numpy arrays without pickling their data."""
+    return {n: {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for n, s in shards.items()}
 
 
 def import_pieces(engine: Engine, pieces: dict[str, list[tuple]], optimizer_steps: float) -> None:
@@ -78,7 +93,11 @@ def import_pieces(engine: Engine, pieces: dict[str, list[tuple]], optimizer_step
         mine = local_region(engine, name)
         shape = [b - a for a, b in mine]
         local: dict[str, torch.Tensor | None] = {}
+        if len(pieces[name]) == 1 and tuple(map(tuple, pieces[name][0][0])) == tuple(mine):  # one piece: as it is
+            _set_local(engine, name, {k: _tensor(v) for k, v in pieces[name][0][1].items()}, optimizer_steps)
+            continue
         for region, tensors in pieces[name]:
+            tensors = {k: _tensor(v) for k, v in tensors.items()}
             idx = tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(region, mine, strict=True))
             for k, t in tensors.items():
                 if t is None:
@@ -88,6 +107,17 @@ def import_pieces(engine: Engine, pieces: dict[str, list[tuple]], optimizer_step
                     local[k] = torch.empty(shape, dtype=t.dtype)
                 local[k][idx] = t
         _set_local(engine, name, local, optimizer_steps)
+
+
+def _tensor(v):
+    """A torch view of a numpy array (read-only when Ray delivered it; `_set_local` copies it), else `v`."""
+    if v is None or isinstance(v, torch.Tensor):
+        return v
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": it is only read, then copied
+        return torch.from_numpy(v)
 
 
 def _set_local(engine: Engine, name: str, src: dict, optimizer_steps: float) -> None:

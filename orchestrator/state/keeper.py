@@ -28,8 +28,7 @@ log = logging.getLogger("hetspot.keeper")
 
 
 def shard_nbytes(shard: dict) -> int:
-    return sum(shard[k].numel() * shard[k].element_size() for k in ("param", "exp_avg", "exp_avg_sq")
-               if shard.get(k) is not None)
+    return sum(shard[k].nbytes for k in ("param", "exp_avg", "exp_avg_sq") if shard.get(k) is not None)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -110,15 +109,15 @@ class Keeper:
                         except CheckpointError as e:
                             log.error("restore of step %d: %s", step, e)
                             return [{"error": str(e)}]
-                tensors = cut(self.s3_read[entry["key"]] | {"slice": entry["region"]}, region)
+                tensors = cut({k: v.numpy() for k, v in self.s3_read[entry["key"]].items()} | {"slice": entry["region"]},
+                              region)
                 out.append({"tier": "s3", "tensors": tensors, "bytes": read})
                 continue
             tier, rank, unit, region = req
             with self.lock:
                 shard = self.held[(tier, step, rank)][0][unit]
             tensors = cut(shard, region)
-            out.append({"tier": tier, "tensors": tensors, "bytes": sum(
-                t.numel() * t.element_size() for t in tensors.values() if t is not None)})
+            out.append({"tier": tier, "tensors": tensors, "bytes": shard_nbytes(tensors)})
         return out
 
     def delay_uploads(self, seconds: float) -> None:
@@ -127,6 +126,8 @@ class Keeper:
 
     def upload(self, step: int, pieces: list[tuple], uri: str, endpoint_url: str | None) -> list[dict]:
         """Upload [(tier, rank, unit, region)] of `step` as S3 objects; their manifest entries (metadata only)."""
+        import torch
+
         from orchestrator.state.s3_store import S3Checkpoints
         from workers.state import cut
 
@@ -139,7 +140,8 @@ class Keeper:
                 with self.lock:
                     shard = self.held[(tier, step, rank)][0][unit]
                 region = tuple(tuple(r) for r in region)
-                out.append({"unit": unit} | store.put_piece(step, unit, region, cut(shard, region)))
+                tensors = {k: torch.from_numpy(v) for k, v in cut(shard, region).items() if v is not None}
+                out.append({"unit": unit} | store.put_piece(step, unit, region, tensors))
         finally:
             self.unpin(step)
         return out

@@ -37,10 +37,11 @@ RPC_TIMEOUT_S = 60.0
 
 def payload_bytes(obj) -> int:
     """Bytes of a value as it crosses a process boundary: tensors by their data, containers by their parts."""
+    import numpy as np
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return obj.nbytes
     if isinstance(obj, (bytes, bytearray, str)):
         return len(obj)
     if isinstance(obj, dict):
@@ -63,6 +64,7 @@ class TieredState:
         self.last_restore: dict | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetspot-s3") if s3 is not None else None
         self._queued: list[Future] = []
+        self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
 
     # -- keepers ------------------------------------------------------------------------
     def _alive_nodes(self) -> dict[str, str]:
@@ -72,8 +74,9 @@ class TieredState:
 
     def _keeper(self, node: str, ids: dict[str, str]):
         if node not in self.keepers:
-            self.keepers[node] = Keeper.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(ids[node], soft=False)).remote(node)
+            k = Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[node], soft=False)).remote(node)
+            ray.get(k.ping.remote(), timeout=RPC_TIMEOUT_S)  # placed and running before anyone sends it state
+            self.keepers[node] = k
         return self.keepers[node]
 
     def _call_keepers(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, object]:
@@ -120,6 +123,7 @@ class TieredState:
         targets = peer_placement(spans, candidates, sizes)
         upload = self._pool is not None and (step + 1) % (self.s3_every * self.peer_every) == 0
         refs = group.snapshot(step, [self._keeper(n, ids) for n in targets], pin=upload)
+        self._check_receipts(step, refs)
         if wait:
             receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
             self.received_bytes += payload_bytes(receipts)
@@ -127,6 +131,21 @@ class TieredState:
                 log.warning("the drain snapshot of step %d is incomplete", step)
         if upload:
             self._queued = [f for f in self._queued if not f.done()] + [self._pool.submit(self._upload, step, refs)]
+
+    def _check_receipts(self, step: int, refs: list) -> None:
+        """Hold the newest snapshot's receipts; say so when an earlier snapshot did not complete."""
+        done = [r for s, rs in self._receipts for r in rs]
+        if done:
+            ready, _ = ray.wait(done, num_returns=len(done), timeout=0)
+            for s, rs in self._receipts:
+                if all(r in ready for r in rs):
+                    try:
+                        if any(x is None for x in ray.get(rs)):
+                            log.warning("the peer snapshot of step %d is incomplete", s)
+                    except Exception as e:  # a worker or keeper gone: that snapshot is incomplete
+                        log.warning("the peer snapshot of step %d failed: %s", s, type(e).__name__)
+            self._receipts = [(s, rs) for s, rs in self._receipts if not all(r in ready for r in rs)]
+        self._receipts.append((step, refs))
 
     def _upload(self, step: int, refs: list) -> None:
         """Background: once the peer copies of `step` are in, the keepers upload a cover; the manifest last."""
