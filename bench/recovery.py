@@ -68,6 +68,7 @@ def kill_trial(ec: EmbeddedCluster, i: int) -> dict:
     restore = next(e for e in reversed(c.progress.events) if e["kind"] == "restore")
     c.group.shutdown()
     return {"detect_s": t_detect - t0, "plan_s": t_plan - t0, "restored_s": t_restored - t0,
+            "restore_only_s": restore["restore_s"],
             "first_step_s": t_step - t0, "lost_steps": committed - restore["step"],
             "tiers": fmt_tiers(restore["bytes_by_tier"])}
 
@@ -121,6 +122,29 @@ def drain_trial(ec: EmbeddedCluster, deadline_s: float = 20.0) -> dict:
             "first_step_s": d["first_step_s"] - d["notice_s"], "lost_steps": c.progress.restarts}
 
 
+def scale_up_trial(ec: EmbeddedCluster) -> dict:
+    """An L4-only job; an H100 node (declared) joins after step 4; tokens/s before and after the move."""
+    fast = NodeSpec(name="h100-join", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
+    j = parse_job(job(fast).model_dump() | {"runtime": job(fast).runtime.model_dump() | {
+        "emulate_speed": True, "scale_check_every": 1}})
+    c = make_controller(j, steps=100000)
+    until(c, lambda c: c.progress.committed >= 4)
+    ec.nodes[fast.name] = ec.add(fast)
+    t0 = time.perf_counter()
+    until(c, lambda c: any(e["kind"] == "scale-up" for e in c.progress.events) and c.state == State.TRAINING)
+    moved_s = time.perf_counter() - t0
+    at = c.progress.committed
+    until(c, lambda c: c.progress.committed >= at + 5)
+    c.group.shutdown()
+    ec.remove(fast.name)
+    tokens = j.train.global_batch * j.model_spec.seq_len
+    before = statistics.median(c.progress.step_time_s[s] for s in range(1, 5))
+    after = statistics.median(c.progress.step_time_s[s] for s in range(at + 1, at + 6))
+    up = next(e for e in c.progress.events if e["kind"] == "scale-up")
+    return {"before": tokens / before, "after": tokens / after, "moved_s": moved_s, "lost": at - up["at_step"],
+            "predicted": up["predicted_tokens_per_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=5)
@@ -134,14 +158,15 @@ def main() -> None:
 
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
     boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
-    ec = EmbeddedCluster(ClusterSpec(nodes=[STAY]))
+    ec = EmbeddedCluster(ClusterSpec(nodes=[STAY]), object_store_mb=1024)  # room for the larger model's copies
     ec.connect()
     try:
         trials = [kill_trial(ec, i) for i in range(args.trials)]
-        print("| kill trial | detect s | new plan s | restored s | first new step s | lost steps | restored from |")
+        print("| kill trial | detect s | new plan s | restored s (restore alone) | first new step s | lost steps "
+              "| restored from |")
         print("|---|---|---|---|---|---|---|")
         for i, t in enumerate(trials):
-            print(f"| {i} | {t['detect_s']:.2f} | {t['plan_s']:.2f} | {t['restored_s']:.2f} | {t['first_step_s']:.2f} "
+            print(f"| {i} | {t['detect_s']:.2f} | {t['plan_s']:.2f} | {t['restored_s']:.2f} ({t['restore_only_s']:.2f}) | {t['first_step_s']:.2f} "
                   f"| {t['lost_steps']} | {t['tiers']} |")
         for k in ("detect_s", "plan_s", "restored_s", "first_step_s"):
             print(f"median {k}: {statistics.median(t[k] for t in trials):.2f}")
@@ -154,6 +179,10 @@ def main() -> None:
             tiers = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in near.items() if v)
             print(f"| {t['model']} | {s3['s3'] / 2**20:.1f} | {fmt_tiers(t['first']['bytes_by_tier'])} "
                   f"| {t['nearest_s']:.3f} ({tiers} MiB) | {t['s3_s']:.3f} | {t['s3_s'] / t['nearest_s']:.1f}x |")
+        u = scale_up_trial(ec)
+        print(f"scale-up: an H100 joins an L4 job: {u['before']:,.0f} -> {u['after']:,.0f} tokens/s (measured, "
+              f"emulated speeds; predicted {u['predicted']['running']:,} -> {u['predicted']['new']:,}), moved "
+              f"{u['moved_s']:.2f} s after the join, steps lost {u['lost']}")
         d = drain_trial(ec)
         print(f"AWS notice, deadline {d['deadline_s']:.1f} s: drained after {d['drained_s']:.2f} s, first step without "
               f"the node after {d['first_step_s']:.2f} s, re-plans after failures {d['lost_steps']}")

@@ -9,18 +9,15 @@ States (one job):
   A worker failure goes to the failure policy (orchestrator/policies.py): re-plan
   (RECOVERING) or abort (FAILED). A job started with a user's plan begins at LAUNCHING.
 
-Every side effect sits behind a protocol (orchestrator/protocols.py): nodes,
-the worker group, the snapshot store, interruptions and the clock, so unit tests
-drive `step()` with the fakes in orchestrator/fakes.py.
+Every side effect sits behind a protocol (orchestrator/protocols.py), so unit
+tests drive `step()` with the fakes in orchestrator/fakes.py.
 
-Committed step: step s is committed when every worker finished its gradient
-sync for s and was told to apply the update (two-phase; the worker group does
-it). The state plane (`store`, orchestrator/protocols.py `StatePlane`) takes
-snapshots after steps, salvages survivors' state after a failure, and restores
-the newest step it can into the next plan's workers; the job resumes at the step
-after the restored one, so no sample is lost or repeated. On Ray the plane is
-`state.tiers.TieredState` (live, peer and S3 tiers, metadata only through here);
-`state.snapshots.MemorySnapshots` copies whole states and serves the fakes.
+Step s is committed when every worker finished its gradient sync for s and was
+told to apply the update (two-phase; the worker group does it). The state plane
+(`StatePlane`: state/tiers.TieredState on Ray, state/snapshots.MemorySnapshots
+for fakes) snapshots after steps, salvages survivors' state after a failure and
+restores the newest step it can; the job resumes after it: no sample lost or repeated.
+Joined nodes are weighed every `scale_check_every` steps (orchestrator/elastic.py).
 """
 
 from __future__ import annotations
@@ -30,8 +27,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from orchestrator.elastic import consider_joined, joined_nodes
 from orchestrator.errors import WorkerFailure
-from orchestrator.policies import Abort, Replan, failure_policy
+from orchestrator.policies import Abort, Replan, failure_policy, notice_decision
 from orchestrator.protocols import (
     Clock,
     InterruptionSource,
@@ -43,22 +41,15 @@ from orchestrator.protocols import (
 )
 from orchestrator.state.s3_store import CheckpointError
 from orchestrator.state.snapshots import MemorySnapshots
-from planner import ClusterSpec, Plan, PlanningError
+from planner import Plan, PlanningError
 from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec
 
 log = logging.getLogger("hetspot.controller")
 
 
-class State(enum.Enum):
-    DISCOVERING = "discovering"
-    PLANNING = "planning"
-    LAUNCHING = "launching"
-    TRAINING = "training"
-    RECOVERING = "recovering"
-    DRAINING = "draining"
-    DONE = "done"
-    FAILED = "failed"
+State = enum.Enum("State", {s.upper(): s for s in (
+    "discovering", "planning", "launching", "training", "recovering", "draining", "done", "failed")})
 
 
 @dataclass
@@ -80,27 +71,24 @@ class Controller:
                  make_group: Callable[[Plan], WorkerGroup], *, store: StatePlane | None = None,
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
-                 max_restarts: int = 3,
-                 snapshot_every: int = 1, drain_margin_s: float = 1.0, on_phase: Callable[[str], None] | None = None):
+                 max_restarts: int = 3, snapshot_every: int = 1, drain_margin_s: float = 1.0,
+                 on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0):
         self.model, self.train, self.steps = model, train, steps
         self.nodes, self.make_group = nodes, make_group
         self.store = store or MemorySnapshots(snapshot_every)
-        self.clock = clock or SystemClock()
-        self.interruptions = interruptions or NoInterruptions()
-        self.max_restarts, self.snapshot_every = max_restarts, snapshot_every
-        self.replan_user_plan = replan_user_plan
+        self.clock, self.interruptions = clock or SystemClock(), interruptions or NoInterruptions()
+        self.max_restarts, self.snapshot_every, self.replan_user_plan = max_restarts, snapshot_every, replan_user_plan
         self.on_phase = on_phase or (lambda phase: None)
         self.planner = Planner(model, train)  # keeps its cost caches across re-plans
         self.progress = Progress()
-        self.cluster: ClusterSpec | None = None
-        self.group: WorkerGroup | None = None
-        self.error: str | None = None
+        self.cluster, self.group, self.error = None, None, None  # ClusterSpec, WorkerGroup, str
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
-        self.drain_margin_s = drain_margin_s
+        self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
+        self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
+        self._launch_s = 5.0  # the last launch's start-up (placing workers, process group), for migration costs
         self._draining: dict | None = None  # the drain event in progress
         self.started_at = self.clock.now()
-        # A first plan (already checked against the job) skips the first discovery and planning;
-        # `user_plan` says it came from the user (--plan), so it is not replaced without saying so.
+        # A first plan (checked against the job) skips discovery and planning; `user_plan`: from --plan.
         self.plan: Plan | None = first_plan
         self.user_plan = user_plan and first_plan is not None
         self.state = State.LAUNCHING if first_plan is not None else State.DISCOVERING
@@ -131,6 +119,7 @@ class Controller:
     def _discover(self) -> State:
         self._phase("discovering GPUs")
         self.cluster = self.nodes.discover().without_nodes(self.doomed)
+        self._known_nodes = {n.name for n in self.cluster.nodes}
         log.info("discovered %d GPUs on %d nodes", self.cluster.num_gpus, len(self.cluster.nodes))
         return State.PLANNING
 
@@ -150,7 +139,9 @@ class Controller:
         self._phase(f"placing {len(self.plan.devices())} workers and joining their process group")
         self.group = self.make_group(self.plan)
         try:
+            t0 = self.clock.now()
             self.group.start()
+            self._launch_s = self.clock.now() - t0
             self._phase("restoring state")
             restored = self.store.restore(self.group)
             step = restored["step"] if restored else -1
@@ -187,32 +178,46 @@ class Controller:
             self._mark("first_step_s")
             if self.store.after_step(self.group, s, self.doomed):
                 self.progress.snapshot_step = s
+            if self.scale_check_every and (s + 1) % self.scale_check_every == 0 and s + 1 < self.steps \
+                    and self._scale_up():
+                return State.LAUNCHING
         except WorkerFailure as e:
             return self._decide(e)
         return State.TRAINING
 
-    def _heed(self, notices: list) -> bool:
-        """Start a drain for notices on the plan's nodes, when the deadline leaves time to snapshot first.
-
-        A drain needs one snapshot at this step boundary; with less time left than
-        `drain_margin_s` plus twice the last step, the job keeps training and lets the
-        loss be handled as a failure (recovery), and says so.
-        """
-        used = {st.node for p in self.plan.pipelines for st in p.stages}
-        notices = [n for n in notices if n.node in used]
-        if not notices:
+    def _scale_up(self) -> bool:
+        """Nodes joined: move at this step boundary only when the new plan finishes sooner, migration included."""
+        cluster = self.nodes.discover().without_nodes(self.doomed)
+        self._known_nodes, joined = joined_nodes(self._known_nodes, cluster)
+        got = joined and consider_joined(self.planner, self.model, self.train, self.plan, cluster,
+                                         self.steps - self.progress.committed - 1, self._launch_s)
+        if not got:
             return False
+        new, d, extra = got
+        log.info("nodes joined (%s): %s, %s", joined, "moving" if d.move else "staying", d.reason)
+        self._event("scale-up" if d.move else "scale-up-declined", f"nodes joined ({joined}): {d.reason}", **extra)
+        if d.move:
+            self.store.drain(self.group, self.progress.committed, set())  # the committed step, copied out now
+            self.group.shutdown()
+            self.plan, self.cluster = new, cluster
+        return d.move
+
+    def _heed(self, notices: list) -> bool:
+        """Start a drain for notices on the plan's nodes when the deadline leaves time (policies.notice_decision)."""
         now = self.clock.now()
-        left = min(n.deadline_s for n in notices) - now
-        last_step = self.progress.step_time_s.get(self.progress.committed, 0.0)
-        nodes = ", ".join(sorted({n.node for n in notices}))
-        sources = ", ".join(sorted({n.source for n in notices}))
-        if left < self.drain_margin_s + 2 * last_step:
+        used = {st.node for p in self.plan.pipelines for st in p.stages}
+        got = notice_decision(notices, used, now, self.progress.step_time_s.get(self.progress.committed, 0.0),
+                              self.drain_margin_s)
+        if got is None:
+            return False
+        drain, mine, left = got
+        nodes, sources = ", ".join(sorted({n.node for n in mine})), ", ".join(sorted({n.source for n in mine}))
+        if not drain:
             log.warning("notice for %s (%s) with %.1f s left: too close to drain, falling back to recovery when "
                         "the node goes", nodes, sources, left)
             self._event("notice-too-close", f"notice for {nodes} ({sources}) with {left:.1f} s left", nodes=nodes)
             return False
-        self.doomed |= {n.node for n in notices}
+        self.doomed |= {n.node for n in mine}
         self._event("drain", f"notice for {nodes} ({sources})", nodes=nodes, notice_s=round(now - self.started_at, 3),
                     deadline_s=round(now + left - self.started_at, 3))
         self._draining = self.progress.events[-1]  # its timeline fills in as the drain goes on
@@ -245,8 +250,7 @@ class Controller:
         # The next launch restores the newest step the tiers hold and rolls progress to it.
         return State.DISCOVERING
 
-    def _roll_to(self, step: int) -> None:
-        """Progress continues after `step`: later steps (not restorable) are redone, none skipped."""
+    def _roll_to(self, step: int) -> None:  # progress goes on after `step`: later steps are redone, none skipped
         if step < self.progress.committed:
             log.warning("rolling back from step %d to step %d: the steps after it are redone",
                         self.progress.committed, step)
@@ -273,8 +277,7 @@ class Controller:
             return State.RECOVERING
         return self._fail(decision.reason if isinstance(decision, Abort) else str(failure))
 
-    def _salvage(self) -> None:
-        """Survivors keep their committed state (tier "live") before their group goes."""
+    def _salvage(self) -> None:  # survivors keep their committed state (tier "live") before their group goes
         try:
             self.store.salvage(self.group)
         except Exception as e:  # the other tiers still hold the state; a failed salvage costs bytes, not the job

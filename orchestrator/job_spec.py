@@ -67,7 +67,10 @@ class RuntimeSpec(_Section):
     )
     step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
     collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")
-    snapshot_every: int = Field(default=5, ge=1, description="keep a state snapshot every k committed steps")
+    snapshot_every: int = Field(default=5, ge=1, description="copy every worker's state to a peer keeper every k "
+                                "committed steps (checkpoint.peer_every overrides it)")
+    scale_check_every: int = Field(default=10, ge=0, description="every k steps, look for nodes that joined and move "
+                                   "onto a plan that uses them when that pays for the migration (0: never)")
     profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "
                                                     "(skipped on fake GPUs)")
     tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX)")

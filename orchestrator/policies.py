@@ -45,3 +45,66 @@ def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int,
         return Abort(f"{failure} (the job runs the plan given with --plan; pass --replan-on-loss to let "
                      "hetspot re-plan on the surviving GPUs)")
     return Replan(str(failure))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the job could run for its remaining steps, and what moving onto it costs."""
+
+    name: str
+    tokens_per_s: float  # the planner's prediction
+    migration_bytes: dict[str, int]  # state the new workers must pull, by tier ("live", "peer", "s3")
+    startup_s: float  # placing workers and joining their process group (0 for the plan running now)
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    chosen: str
+    move: bool
+    reason: str
+    finish_s: dict[str, float]  # per candidate: migration plus the remaining steps, predicted
+
+
+def migration_cost_s(c: Candidate, bandwidth: dict[str, float]) -> float:
+    """Start-up plus each tier's bytes over that tier's bandwidth (bytes/s)."""
+    return c.startup_s + sum(n / bandwidth[t] for t, n in c.migration_bytes.items() if n)
+
+
+def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: float,
+                 bandwidth: dict[str, float]) -> ScaleDecision:
+    """Pick the plan that finishes the remaining tokens soonest, migration included.
+
+    Throughput minus amortized migration cost (Parcae makes this trade on
+    homogeneous spot fleets): a faster plan is taken only when its predicted
+    gain over the remaining work exceeds what moving onto it costs. Pure.
+    """
+    finish = {c.name: migration_cost_s(c, bandwidth) + tokens_left / c.tokens_per_s
+              for c in [current, *candidates] if c.tokens_per_s > 0}
+    best = min(finish, key=finish.get)
+    stay = finish.get(current.name, float("inf"))
+    if best == current.name:
+        others = [c for c in candidates if c.tokens_per_s > current.tokens_per_s]
+        if not others:
+            return ScaleDecision(current.name, False, "no candidate plan is faster than the running one", finish)
+        c = max(others, key=lambda c: c.tokens_per_s)
+        gain = tokens_left / current.tokens_per_s - tokens_left / c.tokens_per_s
+        return ScaleDecision(current.name, False, f"{c.name}: predicted gain {gain:.1f} s over the remaining work is "
+                             f"below its migration cost {migration_cost_s(c, bandwidth):.1f} s", finish)
+    return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s (migration "
+                         f"{finish[best] - tokens_left / next(c for c in candidates if c.name == best).tokens_per_s:.1f} s "
+                         f"included) against {stay:.1f} s on the running plan", finish)
+
+
+def notice_decision(notices: list, used: set[str], now: float, last_step_s: float,
+                    margin_s: float) -> tuple[bool, list, float] | None:
+    """None when no notice concerns the plan's nodes; else (drain?, those notices, seconds left).
+
+    A drain needs one copy of the committed step at this boundary: with less time
+    left than `margin_s` plus twice the last step, the job keeps training and the
+    loss is handled as a failure (recovery) instead.
+    """
+    mine = [n for n in notices if n.node in used]
+    if not mine:
+        return None
+    left = min(n.deadline_s for n in mine) - now
+    return left >= margin_s + 2 * last_step_s, mine, left

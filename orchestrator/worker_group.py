@@ -49,12 +49,13 @@ class TrainResult:
     real_gpus: bool = False  # every worker computed on CUDA (else fake GPUs: no MFU)
 
 
-def slowdowns(plan: Plan, emulate: bool) -> dict[str, float]:
-    """Per GPU type: how much slower than the plan's fastest type, by catalog TFLOPS."""
+def slowdowns(plan: Plan, emulate: bool, declared: set[str] = frozenset()) -> dict[str, float]:
+    """Per GPU type: how much slower than the fastest type of the plan or of the job's declared nodes
+    (so a plan on slow GPUs runs slower than one that adds a fast node later), by catalog TFLOPS."""
     types = {st.gpu_type for p in plan.pipelines for st in p.stages}
     if not emulate:
         return {t: 1.0 for t in types}
-    fastest = max(gpu_info(t).peak_tflops for t in types)
+    fastest = max(gpu_info(t).peak_tflops for t in types | set(declared))
     return {t: fastest / gpu_info(t).peak_tflops for t in types}
 
 
@@ -81,7 +82,8 @@ class PlanRun:
         if missing:
             raise WorkerFailure("start-up", f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
                             f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST.value)
-        slow = slowdowns(self.plan, self.job.runtime.emulate_speed)
+        declared = {n.gpu_type for n in self.job.cluster.nodes} if self.job.cluster else set()
+        slow = slowdowns(self.plan, self.job.runtime.emulate_speed, declared)
         model_json, train_json = self.job.model_spec.model_dump_json(), self.job.train.model_dump_json()
         plan_json = self.plan.model_dump_json()
         for p in self.plan.pipelines:

@@ -315,3 +315,42 @@ def test_controller_receives_metadata_only_whatever_the_model_size(cluster):
     assert big["restored"] > 8 * small["restored"]  # the state moved grew with the model...
     assert big["received"] < 256 << 10 and big["received"] <= 1.5 * small["received"]  # ...the controller's did not
     assert big["received"] < big["restored"] / 4
+
+
+def test_scale_up_moves_onto_a_faster_joining_node_and_declines_a_late_one(cluster):
+    """Issue 12, scale-up: a faster node joins mid-run; with most of the job ahead the controller moves onto
+    it at a step boundary (no step lost, tokens/s up, the oracle holds); with few steps left the same join
+    is declined because the predicted gain is below the migration cost, and the reason is in the event."""
+    import statistics
+
+    def job_with_join(tag: str):
+        slow, = nodes(cluster, (f"sc-{tag}-t4", "T4", 1))
+        fast = NodeSpec(name=f"sc-{tag}-h100", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
+        j = make_job([slow, fast], None, "")  # the H100 is declared, but joins the Ray cluster later
+        return j.model_copy(update={"runtime": j.runtime.model_copy(
+            update={"emulate_speed": True, "scale_check_every": 1})}), slow, fast
+
+    j, slow, fast = job_with_join("long")
+    c = make_controller(j, 10**6)  # a long job: the move pays for itself
+    run_until(c, 1)
+    assert {s.node for p in c.plan.pipelines for s in p.stages} == {slow.name}
+    cluster.nodes[fast.name] = cluster.add(fast)
+    run_until(c, 4)
+    (up,) = [e for e in c.progress.events if e["kind"] == "scale-up"]
+    assert fast.name in up["cause"] and up["predicted_tokens_per_s"]["new"] > up["predicted_tokens_per_s"]["running"]
+    assert fast.name in {s.node for p in c.plan.pipelines for s in p.stages} and c.progress.restarts == 0
+    before = statistics.median(c.progress.step_time_s[s] for s in (0, 1))
+    after = statistics.median(c.progress.step_time_s[s] for s in (3, 4))
+    assert after < before / 2, (before, after)  # tokens/s more than doubled on the emulated speeds
+    assert_matches_reference(j, {s: c.progress.losses[s] for s in range(STEPS)})
+    c.group.shutdown()
+
+    j, slow, fast = job_with_join("short")
+    c = make_controller(j, STEPS)  # 3 steps left when the node joins
+    run_until(c, 1)
+    cluster.nodes[fast.name] = cluster.add(fast)
+    assert c.run() == State.DONE, c.error
+    (no,) = [e for e in c.progress.events if e["kind"] == "scale-up-declined"]
+    assert "below its migration cost" in no["cause"] and no["steps_left"] <= 3
+    assert {s.node for p in c.plan.pipelines for s in p.stages} == {slow.name}
+    assert_matches_reference(j, c.progress.losses)

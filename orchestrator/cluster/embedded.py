@@ -20,10 +20,11 @@ HEALTH = {"health_check_period_ms": 200, "health_check_failure_threshold": 5, "h
 
 
 class EmbeddedCluster:
-    def __init__(self, spec: ClusterSpec, head_cpus: int = 1):
+    def __init__(self, spec: ClusterSpec, head_cpus: int = 1, object_store_mb: int | None = None):
         from ray.cluster_utils import Cluster
 
         self.spec = spec
+        self.object_store = None if object_store_mb is None else object_store_mb << 20  # Ray's default if None
         self.cluster = Cluster(
             initialize_head=True, connect=False,
             head_node_args={"num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
@@ -35,8 +36,9 @@ class EmbeddedCluster:
 
     def add(self, n, labels: dict[str, str] | None = None):
         """Start a Ray node for NodeSpec `n`; `labels` adds to hetspot's (e.g. a fake metadata-service URL)."""
+        extra = {} if self.object_store is None else {"object_store_memory": self.object_store}
         return self.cluster.add_node(
-            num_cpus=n.num_gpus, num_gpus=n.num_gpus,
+            num_cpus=n.num_gpus, num_gpus=n.num_gpus, **extra,
             resources={f"accelerator_type:{n.gpu_type}": 1},
             labels={"hetspot/gpu-type": n.gpu_type, "hetspot/market": n.market, "hetspot/node": n.name} | (labels or {}),
         )

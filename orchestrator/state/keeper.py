@@ -34,6 +34,8 @@ def shard_nbytes(shard: dict) -> int:
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Keeper:
     def __init__(self, node: str, keep_peer_steps: int = 2):
+        import workers.state  # noqa: F401  (torch: imported now, not on a recovery's path)
+
         self.node, self.keep_peer_steps = node, keep_peer_steps
         self.lock = threading.Lock()
         self.held: dict[tuple[str, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)

@@ -252,7 +252,13 @@ class TieredState:
         needs = [Need(i, ranks[i].node, n["unit"], tuple(tuple(r) for r in n["region"]), n["nbytes"])
                  for i, rank_needs in enumerate(needs_by_rank) for n in rank_needs]
         kh, ksrc, kopt, _ = self._keeper_holdings()
-        sh, ssrc, sopt = self._s3_holdings()
+        # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
+        newest_upload = max((u["step"] for u in self.uploads if not u["error"]), default=-1)
+        near = plan_restore(needs, kh) if self.restore_from != "s3" else None
+        if near is not None and near.step is not None and near.step >= newest_upload:
+            sh, ssrc, sopt = [], {}, {}
+        else:
+            sh, ssrc, sopt = self._s3_holdings()
         holdings, sources, opt = kh + sh, ksrc | ssrc, sopt | kopt
         only = {"s3"} if self.restore_from == "s3" else None
         refused: set[int] = set()
