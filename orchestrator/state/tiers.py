@@ -13,8 +13,7 @@ keepers and the S3 manifests what they hold, runs the pure restore planner
 workers pull the bytes themselves (keeper -> worker through Ray's object store,
 S3 -> worker through boto3). The controller sees unit names, regions, sizes and
 checksums, never tensors: `received_bytes` counts what it took in.
-A piece whose checksum fails refuses that S3 step, with a log line naming the
-object, and the restore plans again without it.
+A piece whose checksum fails refuses that S3 step (a log line names the object); the restore plans again.
 """
 
 from __future__ import annotations
