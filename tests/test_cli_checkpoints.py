@@ -8,11 +8,11 @@ import boto3
 import pytest
 import torch
 import yaml
-from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from orchestrator.state.s3_store import S3Checkpoints
+from tests.moto_s3 import moto_s3
 
 pytestmark = pytest.mark.unit
 runner = CliRunner()
@@ -22,13 +22,8 @@ CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AW
 
 @pytest.fixture(scope="module")
 def endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=url, **_creds()).create_bucket(Bucket="jobs")
-    yield url
-    server.stop()
+    with moto_s3("jobs") as url:
+        yield url
 
 
 def _creds():

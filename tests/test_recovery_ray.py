@@ -22,6 +22,7 @@ from orchestrator.job_spec import JobSpec, parse_job
 from orchestrator.state.s3_store import S3Checkpoints
 from orchestrator.worker_group import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage
+from tests.moto_s3 import moto_s3
 from workers.state import assemble
 
 pytestmark = pytest.mark.ray
@@ -44,15 +45,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    S3Checkpoints("s3://ckpt", url).client.create_bucket(Bucket="ckpt")
-    yield url
-    server.stop()
+    with moto_s3("ckpt") as url:
+        yield url
 
 
 def nodes(cluster, *specs: tuple[str, str, int]) -> list[NodeSpec]:
