@@ -27,8 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
+from orchestrator.metrics import payload_bytes
 from orchestrator.preemption.failures import FailureKind, classify_error
-from orchestrator.state.tiers import payload_bytes
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.metrics import payload_bytes
 from orchestrator.state.keeper import Keeper
 from orchestrator.state.restore_plan import TIERS, Holding, Need, peer_placement, plan_restore
 from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
@@ -32,24 +33,6 @@ from workers import layout
 
 log = logging.getLogger("hetspot.checkpoints")
 RPC_TIMEOUT_S = 60.0
-
-
-def payload_bytes(obj) -> int:
-    """Bytes of a value as it crosses a process boundary: tensors by their data, containers by their parts."""
-    import numpy as np
-    import torch
-
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return obj.nbytes
-    if isinstance(obj, (bytes, bytearray, str)):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(payload_bytes(k) + payload_bytes(v) for k, v in obj.items())
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return sum(payload_bytes(x) for x in obj)
-    if hasattr(obj, "__dict__"):
-        return payload_bytes(vars(obj))
-    return 8
 
 
 class TieredState:
@@ -64,6 +47,7 @@ class TieredState:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetspot-s3") if s3 is not None else None
         self._queued: list[Future] = []
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
+        self._placed: tuple | None = None  # (group, avoided nodes, target nodes, keeper handles)
 
     # -- keepers ------------------------------------------------------------------------
     def _alive_nodes(self) -> dict[str, str]:
@@ -106,22 +90,12 @@ class TieredState:
         self.snapshot(group, step, avoid, wait=True)
 
     def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
-        ids = self._alive_nodes()
-        candidates = sorted(set(ids) - set(avoid))
-        if not candidates:
+        keepers = self._targets(group, frozenset(avoid))
+        if keepers is None:
             log.warning("no node outside %s to keep a snapshot of step %d on", sorted(avoid), step)
             return
-        plan = group.plan
-        ranks = layout.ranks(plan)
-        spans = []
-        for r in ranks:
-            st = plan.pipelines[r.pipeline].stages[r.stage]
-            spans.append((r.node, st.layer_start - (st.layer_start == 0),
-                          st.layer_end + (st.layer_end == plan.num_layers)))
-        sizes = [b - a for _, a, b in spans]  # bytes are about proportional to layers held
-        targets = peer_placement(spans, candidates, sizes)
         upload = self._pool is not None and (step + 1) % (self.s3_every * self.peer_every) == 0
-        refs = group.snapshot(step, [self._keeper(n, ids) for n in targets], pin=upload)
+        refs = group.snapshot(step, keepers, pin=upload)
         self._check_receipts(step, refs)
         if wait:
             receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
@@ -130,6 +104,25 @@ class TieredState:
                 log.warning("the drain snapshot of step %d is incomplete", step)
         if upload:
             self._queued = [f for f in self._queued if not f.done()] + [self._pool.submit(self._upload, step, refs)]
+
+    def _targets(self, group, avoid: frozenset) -> list | None:
+        """Each rank's peer keeper, placed once per group (and again after a copy failed or a keeper was lost)."""
+        if self._placed is not None and self._placed[0] is group and self._placed[1] == avoid \
+                and all(n in self.keepers for n in self._placed[2]):
+            return self._placed[3]
+        ids = self._alive_nodes()
+        candidates = sorted(set(ids) - avoid)
+        if not candidates:
+            return None
+        plan = group.plan
+        spans = []
+        for r in layout.ranks(plan):
+            st = plan.pipelines[r.pipeline].stages[r.stage]
+            spans.append((r.node, st.layer_start - (st.layer_start == 0),
+                          st.layer_end + (st.layer_end == plan.num_layers)))
+        targets = peer_placement(spans, candidates, [b - a for _, a, b in spans])  # bytes ~ layers held
+        self._placed = (group, avoid, targets, [self._keeper(n, ids) for n in targets])
+        return self._placed[3]
 
     def _check_receipts(self, step: int, refs: list) -> None:
         """Hold the newest snapshot's receipts; say so when an earlier snapshot did not complete."""
@@ -143,6 +136,7 @@ class TieredState:
                             log.warning("the peer snapshot of step %d is incomplete", s)
                     except Exception as e:  # a worker or keeper gone: that snapshot is incomplete
                         log.warning("the peer snapshot of step %d failed: %s", s, type(e).__name__)
+                        self._placed = None  # place the next one afresh
             self._receipts = [(s, rs) for s, rs in self._receipts if not all(r in ready for r in rs)]
         self._receipts.append((step, refs))
 
@@ -271,7 +265,7 @@ class TieredState:
                 group.holds_state = True  # its fresh initial state is the job's state now
                 return None
             per_rank: list[list] = [[] for _ in ranks]
-            ids = self._alive_nodes()
+            ids = self._alive_nodes() if any(t.source.tier == "s3" for t in rp.transfers) else {}
             for t in rp.transfers:
                 kind, *rest = sources[(t.source.holder, rp.step)]
                 if kind == "keeper":  # a shard a keeper holds
