@@ -9,8 +9,7 @@ States (one job):
   A worker failure goes to the failure policy (orchestrator/policies.py): re-plan
   (RECOVERING) or abort (FAILED). A job started with a user's plan begins at LAUNCHING.
 
-Every side effect sits behind a protocol (orchestrator/protocols.py), so unit
-tests drive `step()` with the fakes in orchestrator/fakes.py.
+Every side effect sits behind a protocol (orchestrator/protocols.py): unit tests drive `step()` with orchestrator/fakes.py.
 
 Step s is committed when every worker finished its gradient sync for s and was
 told to apply the update (two-phase; the worker group does it). The state plane
@@ -27,7 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.elastic import consider_joined, joined_nodes
+from orchestrator.elastic import choose_replan, consider_joined, joined_nodes
 from orchestrator.errors import WorkerFailure
 from orchestrator.policies import Abort, Replan, failure_policy, notice_decision
 from orchestrator.protocols import (
@@ -125,11 +124,14 @@ class Controller:
 
     def _plan(self) -> State:
         self._phase(f"planning on {self.cluster.num_gpus} GPUs")
-        try:
-            self.plan = self.planner.plan(self.cluster)
+        try:  # a re-plan weighs the planner's top plans by throughput minus migration (orchestrator/elastic.py)
+            self.plan, choice = choose_replan(self.planner, self.model, self.train, self.plan, self.cluster,
+                                              self.steps - self.progress.committed - 1, self._launch_s)
         except PlanningError as e:
             return self._fail(f"no plan on the {self.cluster.num_gpus} GPUs left: {e}")
         log.info("planned %d pipelines, predicted %.0f tokens/s", len(self.plan.pipelines), self.plan.estimate.tokens_per_s)
+        if choice and self.progress.events:
+            self.progress.events[-1]["plan_choice"] = choice  # the re-plan's or drain's event
         self._mark("plan_s")
         for u in self.plan.unused:
             log.info("GPU %s left idle: %s", u.device, u.reason)
@@ -246,8 +248,7 @@ class Controller:
         self.progress.drains += 1
         return State.DISCOVERING
 
-    def _recover(self) -> State:
-        # The next launch restores the newest step the tiers hold and rolls progress to it.
+    def _recover(self) -> State:  # the next launch restores the newest step the tiers hold, rolls progress to it
         return State.DISCOVERING
 
     def _roll_to(self, step: int) -> None:  # progress goes on after `step`: later steps are redone, none skipped
@@ -260,6 +261,7 @@ class Controller:
 
     # -- the executor of decisions -------------------------------------------------
     def _decide(self, failure: WorkerFailure) -> State:
+        detected_s = round(self.clock.now() - self.started_at, 3)  # before salvage and shutdown
         decision = failure_policy(failure, self.progress.restarts, self.max_restarts, self.user_plan,
                                   self.replan_user_plan)
         log.warning("worker failure (%s): %s -> %s", failure.kind, failure, type(decision).__name__)
@@ -269,7 +271,7 @@ class Controller:
             self.group.shutdown()
         if isinstance(decision, Replan):
             self.progress.restarts += 1
-            self._event("re-plan", str(failure))
+            self._event("re-plan", str(failure), detected_s=detected_s)
             if self.user_plan:
                 log.warning("replacing the plan given with --plan by a planner plan on the surviving GPUs "
                             "(--replan-on-loss)")
@@ -287,9 +289,8 @@ class Controller:
         self.progress.events.append({"kind": kind, "cause": cause, "at_step": self.progress.committed,
                                      "t_s": round(self.clock.now() - self.started_at, 3)} | extra)
 
-    def _close_interruptions(self) -> None:
-        if hasattr(self.interruptions, "close"):
-            self.interruptions.close()  # the notice pollers on the nodes
+    def _close_interruptions(self) -> None:  # the notice pollers on the nodes
+        getattr(self.interruptions, "close", lambda: None)()
 
     def _fail(self, reason: str) -> State:
         self._close_interruptions()

@@ -1,21 +1,24 @@
-"""Elastic scale-up: when nodes join, the candidate plans and the migration-aware choice between them.
+"""Re-plans that weigh migration: the planner's top candidates, each with the state it would move.
 
-Pure (the planner and its cost model, no Ray): the controller calls
-`consider_joined` at a step boundary when the node set grew, and moves only
-when `policies.scale_policy` says the new plan finishes the remaining steps
-sooner with its migration included: start-up (as last measured) plus the
-state the new workers pull, over the slowest node link.
+Pure (the planner and its cost model, no Ray). On every re-plan the controller
+asks the planner for its best few plans and `policies` picks by throughput minus
+amortized migration cost: after a loss (`choose_replan`, nothing to stay on) and
+when nodes join (`consider_joined`, at a step boundary, staying is a candidate).
+Migration is start-up (as last measured) plus the state each new stage pulls:
+from its own node when the running plan held those layers there ("live"), else
+from another node ("peer"), over `bandwidths`.
 """
 
 from __future__ import annotations
 
 import logging
 
-from orchestrator.policies import Candidate, ScaleDecision, scale_policy
+from orchestrator.policies import Candidate, ScaleDecision, replan_policy, scale_policy
 from planner import ClusterSpec, Plan, PlanningError, evaluate
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
+TOP_K = 4  # candidate plans weighed per re-plan
 
 
 def joined_nodes(known: set[str] | None, cluster: ClusterSpec) -> tuple[set[str], str]:
@@ -26,21 +29,75 @@ def joined_nodes(known: set[str] | None, cluster: ClusterSpec) -> tuple[set[str]
     return names, ", ".join(sorted(names - known))
 
 
+def _layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
+    """State of one extended layer (-1 embedding, L head): weights plus AdamW's state."""
+    params = model.embed_params if layer < 0 else model.head_params if layer >= model.num_layers else model.layer_params
+    return params * (train.param_bytes + train.optimizer_bytes_per_param)
+
+
+def _stage_layers(p: Plan, model: ModelSpec):
+    """(node, extended layers) per stage of plan `p`: a pipeline's first stage holds the embedding, its last the head."""
+    for pipe in p.pipelines:
+        for i, st in enumerate(pipe.stages):
+            lo = -1 if i == 0 else st.layer_start
+            hi = model.num_layers + 1 if i == len(pipe.stages) - 1 else st.layer_end
+            yield st.node, range(lo, hi)
+
+
+def migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
+    """Bytes the new plan's stages pull, by tier: "live" where the old plan held the layer on the
+    stage's node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
+    held: dict[str, set[int]] = {}
+    for node, layers in _stage_layers(old, model) if old is not None else ():
+        held.setdefault(node, set()).update(layers)
+    out = {"live": 0.0, "peer": 0.0}
+    for node, layers in _stage_layers(new, model):
+        for layer in layers:
+            out["live" if layer in held.get(node, ()) else "peer"] += _layer_bytes(model, train, layer)
+    return out
+
+
+def bandwidths(cluster: ClusterSpec) -> dict[str, float]:
+    """Bytes/s per tier: a node's own keeper, another node over the slowest link, S3 at most 1 GB/s."""
+    link = min(n.inter_node_bw_gb_s for n in cluster.nodes) * 1e9
+    return {"live": 4 * link, "peer": link, "s3": min(link, 1e9)}
+
+
+def _candidates(plans: list[Plan], old: Plan | None, model: ModelSpec, train: TrainSpec,
+                startup_s: float) -> list[Candidate]:
+    return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s, migration_bytes(old, p, model, train), startup_s)
+            for i, p in enumerate(plans)]
+
+
+def _numbers(d: ScaleDecision, cands: list[Candidate], steps_left: int) -> dict:
+    return {"predicted_tokens_per_s": {c.name: round(c.tokens_per_s) for c in cands},
+            "migration_mib": {c.name: round(sum(c.migration_bytes.values()) / 2**20, 2) for c in cands},
+            "finish_s": {k: round(v, 2) for k, v in d.finish_s.items()}, "steps_left": steps_left}
+
+
+def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None, cluster: ClusterSpec,
+                  steps_left: int, startup_s: float) -> tuple[Plan, dict]:
+    """The re-plan after a loss or a drain: (plan, the numbers for the event). Raises PlanningError."""
+    plans = planner.candidates(cluster, k=TOP_K)
+    if old is None or len(plans) == 1:
+        return plans[0], {}
+    cands = _candidates(plans, old, model, train, startup_s)
+    d = replan_policy(cands, steps_left * tokens_per_step(model, train.global_batch), bandwidths(cluster))
+    log.info("re-plan: %s", d.reason)
+    return plans[[c.name for c in cands].index(d.chosen)], {"choice": d.reason} | _numbers(d, cands, steps_left)
+
+
 def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, cluster: ClusterSpec,
                     steps_left: int, startup_s: float) -> tuple[Plan, ScaleDecision, dict] | None:
-    """(new plan, decision, the numbers for the event), or None when no plan uses the grown cluster."""
+    """(chosen plan, decision, the numbers for the event), or None when no plan uses the grown cluster."""
     try:
-        new = planner.plan(cluster)
+        plans = planner.candidates(cluster, k=TOP_K)
         now = evaluate(running, cluster, model, train).tokens_per_s
     except PlanningError as e:
         log.info("nodes joined but no plan uses them: %s", e)
         return None
-    state = 12 * model.num_params  # fp32 weights and AdamW's two moments, pulled by the new workers
-    link = min(n.inter_node_bw_gb_s for n in cluster.nodes) * 1e9  # bytes/s
-    bandwidth = {"live": 4 * link, "peer": link, "s3": min(link, 1e9)}
+    cands = _candidates(plans, running, model, train, startup_s)
     left = steps_left * tokens_per_step(model, train.global_batch)
-    d = scale_policy(Candidate("running", now, {}, 0.0),
-                     [Candidate("new", new.estimate.tokens_per_s, {"peer": state}, startup_s)], left, bandwidth)
-    extra = {"predicted_tokens_per_s": {"running": round(now), "new": round(new.estimate.tokens_per_s)},
-             "finish_s": {k: round(v, 2) for k, v in d.finish_s.items()}, "steps_left": steps_left}
-    return new, d, extra
+    d = scale_policy(Candidate("running", now, {}, 0.0), cands, left, bandwidths(cluster))
+    chosen = plans[[c.name for c in cands].index(d.chosen)] if d.move else running
+    return chosen, d, _numbers(d, [Candidate("running", now, {}, 0.0), *cands], steps_left)

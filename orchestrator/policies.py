@@ -95,6 +95,21 @@ def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: f
                          f"included) against {stay:.1f} s on the running plan", finish)
 
 
+def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: dict[str, float]) -> ScaleDecision:
+    """After a loss the running plan is gone: of the planner's top candidates, the one that finishes soonest.
+
+    Throughput minus amortized migration cost, as `scale_policy`, with no plan to stay on: a
+    slightly slower plan that keeps layers where their state already is wins near the end of a run.
+    """
+    finish = {c.name: migration_cost_s(c, bandwidth) + tokens_left / c.tokens_per_s
+              for c in candidates if c.tokens_per_s > 0}
+    best = min(finish, key=finish.get)
+    fastest = max(candidates, key=lambda c: c.tokens_per_s).name
+    why = "also the fastest" if best == fastest else (
+        f"{fastest} is faster but finishes at {finish[fastest]:.1f} s with its migration")
+    return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s, migration included ({why})", finish)
+
+
 def notice_decision(notices: list, used: set[str], now: float, last_step_s: float,
                     margin_s: float) -> tuple[bool, list, float] | None:
     """None when no notice concerns the plan's nodes; else (drain?, those notices, seconds left).

@@ -312,6 +312,14 @@ class Planner:
         self._stage_cache: dict = {}
 
     def plan(self, cluster: ClusterSpec, objective: str = "throughput") -> Plan:
+        return self.candidates(cluster, objective, 1)[0]
+
+    def candidates(self, cluster: ClusterSpec, objective: str = "throughput", k: int = FINALISTS) -> list[Plan]:
+        """The best `k` distinct plans the search scored exactly (`evaluate`), best first.
+
+        The controller weighs these on a re-plan by throughput minus the cost of
+        moving the job's state onto each (orchestrator/policies.py).
+        """
         model, train = self.model, self.train
         if objective not in ("throughput", "cost"):
             raise ValueError(f"objective {objective!r} must be 'throughput' or 'cost'")
@@ -339,8 +347,8 @@ class Planner:
             finalists += [(s, tp, i, pset, exact, unused, groups) for s, i, pset in scored[:FINALISTS]]
         # The surrogate ranks candidates across TP degrees; `evaluate` settles the best few.
         finalists.sort(key=lambda f: f[:3])
-        best, best_key = None, None
-        for _, _, _, pset, exact, unused, groups in finalists[:FINALISTS]:
+        ranked: list[tuple[tuple, int, Plan]] = []
+        for _, _, _, pset, exact, unused, groups in finalists[:max(k, FINALISTS)]:
             plan_, used = search.build(pset, exact, unused)
             idle = [UnusedDevice(device=d, reason="left out: adding it as a replica or stage does not speed up the step")
                     for g in groups if not set(g.devices) & used for d in g.devices]
@@ -348,13 +356,15 @@ class Planner:
             plan_.estimate = evaluate(plan_, cluster, model, train)
             est = plan_.estimate
             key = (est.cost_per_mtok, est.step_time_s) if objective == "cost" else (est.step_time_s,)
-            if best_key is None or key < best_key:
-                best, best_key = plan_, key
-        if best is None:
+            if all(p.pipelines != plan_.pipelines for _, _, p in ranked):
+                ranked.append((key, len(ranked), plan_))
+        if not ranked:
             raise PlanningError(_no_fit_message(cluster, model, train))
-        problems = plan_problems(best, model, train, cluster)
-        assert not problems, f"the search built a plan that breaks the plan contract: {problems}"
-        return best
+        out = [p for _, _, p in sorted(ranked, key=lambda r: r[:2])[:k]]
+        for p in out:
+            problems = plan_problems(p, model, train, cluster)
+            assert not problems, f"the search built a plan that breaks the plan contract: {problems}"
+        return out
 
 
 def plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, objective: str = "throughput") -> Plan:

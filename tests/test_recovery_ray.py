@@ -158,6 +158,35 @@ def test_node_killed_mid_step_with_a_live_dp_peer_loses_no_step_and_reads_no_s3(
     assert_matches_reference(j, c.progress.losses, final_state(j))
 
 
+def test_survivor_blocked_in_a_collective_is_released_within_the_collective_timeout(cluster, endpoint):
+    """Issue 12, acceptance 6: a rank stalls inside step 2 (its node stays up, so no node death releases
+    anyone) while its DP peer waits in the gradient all-reduce. Every process group carries
+    `collective_timeout_s` (3 s here), so the survivor's all-reduce fails within it and the job recovers;
+    the step timeout is 300 s and torch's default group timeout 30 min, so without the bound this test
+    would wait far past its assertion."""
+    a, b = nodes(cluster, ("hang-a", "H100-SXM", 1), ("hang-b", "L4", 1))
+    j = make_job([a, b], endpoint, "no-hang")
+    j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"collective_timeout_s": 3.0,
+                                                                      "step_timeout_s": 300.0})})
+    c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+    try:
+        run_until(c, 1)
+        ray.get(c.group.run.workers[1].inject_fault.remote(2, "hang"))  # hang-b's rank never reaches the sync
+        t_stall = c.clock.now() - c.started_at
+        assert c.run() == State.DONE, c.error
+        replan = next(e for e in c.progress.events if e["kind"] == "re-plan")
+        assert replan["at_step"] == 1 and "step 2" in replan["cause"]
+        assert replan["detected_s"] - t_stall < 3.0 + 2.0, (replan, t_stall)  # the timeout, a step and slack
+        assert replan["t_s"] - t_stall < 3.0 + 4.0  # survivors' state handed over, the group shut down
+        (r,) = restore_events(c)
+        assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0  # both nodes' live state survived
+        assert_matches_reference(j, c.progress.losses, final_state(j))
+    finally:
+        for n in ("hang-a", "hang-b"):  # free the module cluster's memory for the next scenarios
+            if n in cluster.nodes:
+                cluster.remove(n)
+
+
 def unit_layer(name: str, num_layers: int = 4) -> int:
     if name.startswith("h."):
         return int(name.split(".")[1])

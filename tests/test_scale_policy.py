@@ -1,8 +1,13 @@
-"""The migration-aware scale-up policy: pure, plain numbers in, a decision and its reason out."""
+"""The migration-aware re-plan and scale-up policies: pure, plain numbers in, a decision and its reason out."""
+
+import json
 
 import pytest
 
-from orchestrator.policies import Candidate, migration_cost_s, scale_policy
+from orchestrator.elastic import migration_bytes
+from orchestrator.policies import Candidate, migration_cost_s, replan_policy, scale_policy
+from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec
+from planner.search import Planner
 
 pytestmark = pytest.mark.unit
 BW = {"live": 10e9, "peer": 1e9, "s3": 0.1e9}
@@ -34,3 +39,61 @@ def test_among_candidates_the_soonest_finish_wins_not_the_fastest():
 def test_no_faster_candidate_stays():
     d = scale_policy(NOW, [Candidate("slower", 500.0, {}, 1.0)], tokens_left=1e6, bandwidth=BW)
     assert not d.move and "no candidate plan is faster" in d.reason
+
+
+def test_replan_picks_the_soonest_finish_among_top_candidates():
+    """After a loss there is no plan to stay on: near the end a slower plan that keeps layers where their
+    state is wins; with much work left the fastest wins."""
+    fastest = Candidate("candidate 1", 3000.0, {"peer": 20e9}, 5.0)  # 20 s of transfers from other nodes
+    local = Candidate("candidate 2", 2500.0, {"live": 20e9}, 5.0)  # 2 s from its own node's keeper
+    near_end = replan_policy([fastest, local], tokens_left=30_000, bandwidth=BW)
+    assert near_end.chosen == "candidate 2" and "candidate 1 is faster" in near_end.reason
+    assert near_end.finish_s["candidate 1"] == pytest.approx(25 + 10) and near_end.finish_s["candidate 2"] == pytest.approx(7 + 12)
+    assert replan_policy([fastest, local], tokens_left=1e8, bandwidth=BW).chosen == "candidate 1"
+
+
+MODEL, TRAIN = ModelSpec.preset("tiny"), TrainSpec(global_batch=8)
+TWO = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
+                         NodeSpec(name="l", gpu_type="L4", num_gpus=2)])
+
+
+def _one_stage(node: str, replicas: int = 1) -> Plan:
+    return Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[
+        Pipeline(num_samples=8 // replicas, micro_batch_size=8 // replicas, num_micro_batches=1,
+                 stages=[Stage(layer_start=0, layer_end=MODEL.num_layers, gpu_type="L4", node=node, devices=[f"{node}/{i}"])])
+        for i in range(replicas)])
+
+
+def test_migration_bytes_by_where_the_running_plan_held_each_layer():
+    full = MODEL.num_params * (TRAIN.param_bytes + TRAIN.optimizer_bytes_per_param)
+    assert migration_bytes(_one_stage("l"), _one_stage("l"), MODEL, TRAIN) == {"live": full, "peer": 0.0}
+    assert migration_bytes(_one_stage("a"), _one_stage("l"), MODEL, TRAIN) == {"live": 0.0, "peer": full}
+    assert migration_bytes(_one_stage("a"), _one_stage("l", 2), MODEL, TRAIN)["peer"] == 2 * full  # each replica pulls
+
+
+def test_planner_candidates_are_distinct_best_first_and_the_first_is_the_plan():
+    planner = Planner(MODEL, TRAIN)
+    got = planner.candidates(TWO, k=4)
+    assert len(got) >= 2 and len({json.dumps(p.model_dump()["pipelines"]) for p in got}) == len(got)
+    times = [p.estimate.step_time_s for p in got]
+    assert times == sorted(times)
+    assert got[0].pipelines == planner.plan(TWO).pipelines
+
+
+def test_controller_replan_records_the_weighed_candidates():
+    from orchestrator.controller import Controller, State
+    from orchestrator.fakes import FakeNodes, FakeWorkerGroup
+
+    log: list = []
+    fails = [[2]]
+    c = Controller(MODEL, TRAIN, 4, FakeNodes(TWO, TWO),
+                   lambda p: FakeWorkerGroup(p, log, fails.pop(0) if fails else None), snapshot_every=1)
+    first = None
+    while c.state != State.DONE:
+        c.step()
+        first = first or c.plan
+    ev = next(e for e in c.progress.events if e["kind"] == "re-plan")
+    choice = ev["plan_choice"]
+    assert len(choice["predicted_tokens_per_s"]) >= 2 and set(choice["finish_s"]) == set(choice["predicted_tokens_per_s"])
+    assert min(choice["finish_s"], key=choice["finish_s"].get) in choice["choice"]
+    assert c.plan.pipelines == first.pipelines  # same nodes survive: the plan whose state is all local wins

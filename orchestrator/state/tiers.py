@@ -48,19 +48,24 @@ class TieredState:
         self._queued: list[Future] = []
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
         self._placed: tuple | None = None  # (group, avoided nodes, target nodes, keeper handles)
+        self._starting: dict[str, ray.ObjectRef] = {}  # keepers started and not yet seen running
 
     # -- keepers ------------------------------------------------------------------------
     def _alive_nodes(self) -> dict[str, str]:
         from orchestrator.cluster.discovery import node_ids
-
         return node_ids()
 
-    def _keeper(self, node: str, ids: dict[str, str]):
-        if node not in self.keepers:
-            k = Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[node], soft=False)).remote(node)
-            ray.get(k.ping.remote(), timeout=RPC_TIMEOUT_S)  # placed and running before anyone sends it state
-            self.keepers[node] = k
-        return self.keepers[node]
+    def _keepers_on(self, nodes: list[str], ids: dict[str, str], wait: bool = True) -> list:
+        """The keepers of `nodes` (alive, in `ids`), started together where missing; with `wait`, running before
+        anyone sends them state. A keeper is a process (seconds to start): a group's first snapshot starts them."""
+        for n in dict.fromkeys(nodes):
+            if n not in self.keepers:
+                k = Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[n], soft=False)).remote(n)
+                self.keepers[n], self._starting[n] = k, k.ping.remote()
+        if wait:
+            pending = [self._starting.pop(n) for n in dict.fromkeys(nodes) if n in self._starting]
+            ray.get(pending, timeout=RPC_TIMEOUT_S)
+        return [self.keepers[n] for n in nodes]
 
     def _call_keepers(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, object]:
         """Call every keeper; those that do not answer (their node is gone) are forgotten."""
@@ -75,7 +80,7 @@ class TieredState:
                 self.received_bytes += payload_bytes(out[node])
             except Exception as e:  # a keeper on a lost node: what it held is gone
                 log.info("keeper on %s is gone (%s); its state is not counted", node, type(e).__name__)
-                self.keepers.pop(node, None)
+                self.keepers.pop(node, None), self._starting.pop(node, None)
         return out
 
     # -- snapshots ------------------------------------------------------------------------
@@ -121,7 +126,8 @@ class TieredState:
             spans.append((r.node, st.layer_start - (st.layer_start == 0),
                           st.layer_end + (st.layer_end == plan.num_layers)))
         targets = peer_placement(spans, candidates, [b - a for _, a, b in spans])  # bytes ~ layers held
-        self._placed = (group, avoid, targets, [self._keeper(n, ids) for n in targets])
+        self._keepers_on([n for n, _, _ in spans if n in ids], ids, wait=False)  # for a salvage, later
+        self._placed = (group, avoid, targets, self._keepers_on(targets, ids))
         return self._placed[3]
 
     def _check_receipts(self, step: int, refs: list) -> None:
@@ -190,8 +196,8 @@ class TieredState:
         ids = self._alive_nodes()
         self._call_keepers("clear", "live")
         ranks = layout.ranks(group.plan)
-        targets = [self._keeper(r.node, ids) if r.node in ids else None for r in ranks]
-        got = group.hand_over(targets)
+        alive = iter(self._keepers_on([r.node for r in ranks if r.node in ids], ids))
+        got = group.hand_over([next(alive) if r.node in ids else None for r in ranks])
         self.received_bytes += payload_bytes(got)
         kept = [g for g in got if g is not None]
         log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
@@ -272,7 +278,7 @@ class TieredState:
                     node, tier, rank = rest
                     keeper, request = self.keepers[node], (tier, rank, t.need.unit, t.region)
                 else:  # an S3 piece, read by the keeper of the worker's node (once per node)
-                    keeper, request = self._keeper(t.need.node, ids), ("s3", rest[0], t.region)
+                    keeper, request = self._keepers_on([t.need.node], ids)[0], ("s3", rest[0], t.region)
                 per_rank[t.need.rank].append((t.need.unit, t.region, keeper, request))
             s3cfg = (self.s3.uri, self.s3.endpoint_url) if self.s3 is not None else None
             results = group.load(per_rank, rp.step, opt[rp.step], s3cfg)
