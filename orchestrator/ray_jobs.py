@@ -226,6 +226,10 @@ def _slug(name: str) -> str:
 
 
 def _redact(text: str, headers: dict) -> str:
+    """The server's error without its secrets, and without a server-side traceback: only its last line."""
+    if "Traceback (most recent call last)" in text:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() not in ("", ".")]
+        text = f"{text.split('Traceback', 1)[0].strip()} {lines[-1]}".strip()
     for v in headers.values():
         text = text.replace(v, "<redacted>").replace(v.removeprefix("Bearer "), "<redacted>")
     return text

@@ -55,17 +55,20 @@ class RealHead:
                      "RAY_AUTH_MODE": "token" if auth else "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
         self.tmp = tmp
 
-    def start(self) -> None:
+    def start(self, head_gpu: str | None = "A100-80GB", nodes: tuple[tuple[str, str], ...] = (("t4-spot", "T4"),)) -> None:
+        """The head (2 fake GPUs of `head_gpu`, or none), then one 2-GPU spot node per (name, GPU type)."""
         import tempfile
 
         ray_tmp = self.ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
+        gpus = [f'--resources={{"accelerator_type:{head_gpu}": 1}}', "--num-gpus=2",
+                f"--labels=hetspot/gpu-type={head_gpu},hetspot/node=head-a100"] if head_gpu else ["--num-gpus=0"]
         self._ray("start", "--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dash}",
-                  "--num-cpus=2", "--num-gpus=2", '--resources={"accelerator_type:A100-80GB": 1}',
-                  "--labels=hetspot/gpu-type=A100-80GB,hetspot/node=head-a100", f"--temp-dir={ray_tmp}",
+                  "--num-cpus=2", *gpus, f"--temp-dir={ray_tmp}",
                   f"--metrics-export-port={self.metrics}", '--system-config={"metrics_report_interval_ms": 500}')
-        self._ray("start", f"--address=127.0.0.1:{self.gcs}", "--num-cpus=2", "--num-gpus=2",
-                  '--resources={"accelerator_type:T4": 1}', "--labels=hetspot/gpu-type=T4,hetspot/node=t4-spot,"
-                  "hetspot/market=spot")
+        for name, gpu in nodes:  # all nodes share this host: each dashboard agent needs a port of its own
+            self._ray("start", f"--address=127.0.0.1:{self.gcs}", "--num-cpus=2", "--num-gpus=2",
+                      f"--dashboard-agent-listen-port={_free_port()}", f'--resources={{"accelerator_type:{gpu}": 1}}',
+                      f"--labels=hetspot/gpu-type={gpu},hetspot/node={name},hetspot/market=spot")
 
     def stop(self) -> None:
         import shutil
@@ -73,6 +76,11 @@ class RealHead:
         subprocess.run([RAY, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
         if getattr(self, "ray_tmp", None):
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+    def ray_out(self, *args: str) -> str:
+        r = subprocess.run([RAY, *args], env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
 
     def _ray(self, *args: str) -> None:
         # From a directory outside the checkout, as on a real head: job entry points run in Ray's
@@ -227,5 +235,42 @@ def test_submit_fails_fast_when_the_heads_python_lacks_hetspot(tmp_path):
         assert "python -m orchestrator.driver" in r.stderr and "Fix:" in r.stderr
         assert time.monotonic() - t0 < 60
         assert json.loads(cli(h, "list", "--address", h.url, "--json").stdout) == []  # no job was submitted
+    finally:
+        h.stop()
+
+
+def test_ray_drain_on_a_real_cluster_moves_the_job_before_the_deadline(tmp_path):
+    """Issue 12: on a real `ray start` cluster shaped like deploy/aws (a head without GPUs, spot GPU nodes),
+    `ray drain-node` with a deadline on the node the plan uses is a notice: the job drains at a step
+    boundary, re-plans onto the other node and loses no step; `hetspot status --json` and the job's
+    log carry the drain's timeline. (Ray then terminates the drained node once it is idle.)"""
+    h = RealHead(tmp_path, auth=False)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(JOB)
+    try:
+        h.start(head_gpu=None, nodes=(("a100-spot", "A100-80GB"), ("t4-spot", "T4")))
+        r = cli(h, "submit", str(job_file), "--address", h.url, "--steps", "60", "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = json.loads(r.stdout)["job_id"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            st = json.loads(cli(h, "status", job_id, "--address", h.url, "--json").stdout)
+            if (st["progress"] or {}).get("step", -1) >= 2 or st["status"] not in ("PENDING", "RUNNING"):
+                break
+            time.sleep(0.5)
+        assert st["status"] == "RUNNING", st
+        nodes = json.loads(h.ray_out("list", "nodes", "--address", f"127.0.0.1:{h.gcs}", "--format", "json"))
+        doomed = next(n["node_id"] for n in nodes if n["labels"].get("hetspot/node") == "a100-spot")
+        h.ray_out("drain-node", "--address", f"127.0.0.1:{h.gcs}", "--node-id", doomed, "--reason",
+                  "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot", "--deadline-remaining-seconds", "60")
+        st = wait_status(h, job_id, ("SUCCEEDED", "FAILED", "STOPPED"), timeout=300)
+        logs = cli(h, "logs", job_id, "--address", h.url).stdout
+        assert st["status"] == "SUCCEEDED", logs[-3000:]
+        drain = next(e for e in st["events"] if e["kind"] == "drain")
+        assert "a100-spot" in drain["cause"] and "ray-drain" in drain["cause"] and drain["met_deadline"] is True
+        assert drain["notice_s"] <= drain["snapshot_s"] <= drain["plan_s"] <= drain["first_step_s"] <= drain["deadline_s"]
+        assert not any(e["kind"] == "re-plan" for e in st["events"])  # drained, not recovered: no step lost
+        assert st["progress"]["step"] == 59
+        assert '"phase": "draining a100-spot"' in logs and '"kind": "drain"' in logs  # phase and events lines
     finally:
         h.stop()
