@@ -271,7 +271,7 @@ class Controller:
             self.group.shutdown()
         if isinstance(decision, Replan):
             self.progress.restarts += 1
-            self._event("re-plan", str(failure), detected_s=detected_s)
+            self._event("re-plan", str(failure), detected_s=detected_s, failure=failure.kind, nodes=failure.nodes)
             if self.user_plan:
                 log.warning("replacing the plan given with --plan by a planner plan on the surviving GPUs "
                             "(--replan-on-loss)")

@@ -23,9 +23,10 @@ class WorkerFailure(JobFailed):
     """A worker or its node failed. The one error type from a worker fault to the controller.
 
     `where` names the phase and the rank (pipeline, stage, GPU type, node); `kind` is
-    a `preemption.failures.FailureKind` value that the controller's policy reads.
+    a `preemption.failures.FailureKind` value that the controller's policy reads; `nodes`: the
+    plan's nodes found gone from the cluster when it was raised.
     """
 
-    def __init__(self, where: str, cause: str, kind: str = "error"):
+    def __init__(self, where: str, cause: str, kind: str = "error", nodes: list[str] | tuple = ()):
         super().__init__(f"{where}: {cause}")
-        self.where, self.cause, self.kind = where, cause, kind
+        self.where, self.cause, self.kind, self.nodes = where, cause, kind, list(nodes)

@@ -149,8 +149,8 @@ class PlanRun:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 slow = ", ".join(self._describe(index[f]) for f in pending[:4])
-                raise WorkerFailure(what, f"did not finish within {timeout_s:.0f} s; still waiting on {slow}",
-                                    self._lost_or(FailureKind.TIMEOUT))
+                raise self._failure(what, f"did not finish within {timeout_s:.0f} s; still waiting on {slow}",
+                                    FailureKind.TIMEOUT)
             f = ready[0]
             try:
                 results[index[f]] = ray.get(f)
@@ -158,24 +158,23 @@ class PlanRun:
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
                 kind = classify_error(getattr(cause, "cause_type", type(cause).__name__), str(cause))
-                raise WorkerFailure(f"{what} failed", str(cause), self._lost_or(kind)) from None
+                raise self._failure(f"{what} failed", str(cause), kind) from None
             except RayActorError as e:
                 if "creation task" in str(e):  # the worker's constructor raised: any plan would too
                     raise WorkerFailure(f"{what} failed", f"{self._describe(index[f])} could not start: "
                                         f"{_creation_error(e)}", FailureKind.DETERMINISTIC.value) from None
-                raise WorkerFailure(f"{what} failed", f"{self._describe(index[f])} died ({type(e).__name__})",
-                                    self._lost_or(FailureKind.ACTOR_DIED)) from None
+                raise self._failure(f"{what} failed", f"{self._describe(index[f])} died ({type(e).__name__})",
+                                    FailureKind.ACTOR_DIED) from None
         return results
 
-    def _lost_or(self, kind: FailureKind) -> str:
-        """NODE_LOST when a node of the plan is gone from the cluster, else `kind`."""
+    def _failure(self, where: str, cause: str, kind: FailureKind) -> WorkerFailure:
+        """The one failure event: NODE_LOST, naming the plan's nodes gone from the cluster, when there are any."""
         from orchestrator.cluster.discovery import node_ids
 
         if kind == FailureKind.DETERMINISTIC:
-            return kind.value
-        alive = set(node_ids())
-        gone = {st.node for p in self.plan.pipelines for st in p.stages} - alive
-        return FailureKind.NODE_LOST.value if gone else kind.value
+            return WorkerFailure(where, cause, kind.value)
+        gone = sorted({st.node for p in self.plan.pipelines for st in p.stages} - set(node_ids()))
+        return WorkerFailure(where, cause, (FailureKind.NODE_LOST if gone else kind).value, gone)
 
     def _describe(self, rank: int) -> str:
         r = self.ranks[rank]
