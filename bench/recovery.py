@@ -141,8 +141,10 @@ def scale_up_trial(ec: EmbeddedCluster) -> dict:
     before = statistics.median(c.progress.step_time_s[s] for s in range(1, 5))
     after = statistics.median(c.progress.step_time_s[s] for s in range(at + 1, at + 6))
     up = next(e for e in c.progress.events if e["kind"] == "scale-up")
+    chosen = min(up["finish_s"], key=up["finish_s"].get)
     return {"before": tokens / before, "after": tokens / after, "moved_s": moved_s, "lost": at - up["at_step"],
-            "predicted": up["predicted_tokens_per_s"]}
+            "predicted": {"running": up["predicted_tokens_per_s"]["running"],
+                          "new": up["predicted_tokens_per_s"][chosen]}, "candidates": len(up["finish_s"]) - 1}
 
 
 def main() -> None:
@@ -181,7 +183,8 @@ def main() -> None:
                   f"| {t['nearest_s']:.3f} ({tiers} MiB) | {t['s3_s']:.3f} | {t['s3_s'] / t['nearest_s']:.1f}x |")
         u = scale_up_trial(ec)
         print(f"scale-up: an H100 joins an L4 job: {u['before']:,.0f} -> {u['after']:,.0f} tokens/s (measured, "
-              f"emulated speeds; predicted {u['predicted']['running']:,} -> {u['predicted']['new']:,}), moved "
+              f"emulated speeds; predicted {u['predicted']['running']:,} -> {u['predicted']['new']:,}, chosen among "
+              f"{u['candidates']} candidate plans), moved "
               f"{u['moved_s']:.2f} s after the join, steps lost {u['lost']}")
         d = drain_trial(ec)
         print(f"AWS notice, deadline {d['deadline_s']:.1f} s: drained after {d['drained_s']:.2f} s, first step without "

@@ -101,3 +101,10 @@ def test_s3_bytes_are_exactly_what_no_memory_source_holds(cuts, lost, new_tp):
         got = sorted(t.region[0] for t in plan.transfers if t.need == n)
         assert got[0][0] == n.region[0][0] and got[-1][1] == n.region[0][1]
         assert all(x[1] == y[0] for x, y in zip(got, got[1:], strict=False))
+
+
+def test_on_one_node_a_survivors_live_state_is_taken_before_a_peer_copy():
+    """Same node, same cost class: the tie goes to the live tier (what the survivors kept), in any order."""
+    for holdings in ([peer("b", 9), live(5, "b", 9)], [live(5, "b", 9), peer("b", 9)]):
+        plan = plan_restore([need(0, "b")], holdings)
+        assert plan.bytes_by_tier() == {"live": UNIT_BYTES, "peer": 0, "s3": 0}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import ray
 import torch
@@ -136,6 +137,7 @@ class TrainWorker:
         (a shard it holds, or an S3 piece it reads for this node). Returns the bytes read per tier,
         or {"error": ...} when an S3 object fails its checksum.
         """
+        t0 = time.perf_counter()
         by_keeper: dict = {}
         for i, (_, _, keeper, request) in enumerate(transfers):
             by_keeper.setdefault(keeper, []).append((i, request))
@@ -149,12 +151,13 @@ class TrainWorker:
             for (i, _), a in zip(reqs, answers, strict=True):
                 got[i] = a["tensors"]
                 nbytes[a["tier"]] += a["bytes"]
+        t1 = time.perf_counter()
         pieces: dict[str, list] = {}
         for i, (unit, region, _, _) in enumerate(transfers):
             pieces.setdefault(unit, []).append((region, got[i]))
         import_pieces(self.engine, pieces, optimizer_steps)
         self.engine.committed_step = step
-        return {"bytes": nbytes}
+        return {"bytes": nbytes, "pull_s": t1 - t0, "import_s": time.perf_counter() - t1}
 
     def inject_fault(self, step_index: int, kind: str = "raise") -> None:
         """Fail this rank at `step_index` (workers/faults.py), for drills and tests."""

@@ -43,6 +43,7 @@ class Keeper:
         self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
         self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
         self.s3_lock = threading.Lock()
+        self.s3_store: tuple | None = None  # ((uri, endpoint), S3Checkpoints) of the last S3 read
 
     def ping(self) -> str:
         return self.node
@@ -99,7 +100,6 @@ class Keeper:
         from workers.state import cut
 
         out = []
-        store = S3Checkpoints(*s3) if s3 else None
         for req in requests:
             if req[0] == "s3":
                 entry, region = req[1], req[2]
@@ -107,7 +107,9 @@ class Keeper:
                 with self.s3_lock:  # one read per object per node, however many workers need it
                     if entry["key"] not in self.s3_read:
                         try:
-                            self.s3_read[entry["key"]], read = store.read_piece(step, entry)
+                            if self.s3_store is None or self.s3_store[0] != s3:  # a boto3 client: ~0.2 s to make
+                                self.s3_store = (s3, S3Checkpoints(*s3))
+                            self.s3_read[entry["key"]], read = self.s3_store[1].read_piece(step, entry)
                         except CheckpointError as e:
                             log.error("restore of step %d: %s", step, e)
                             return [{"error": str(e)}]

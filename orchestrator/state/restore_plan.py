@@ -111,7 +111,7 @@ def _cover(need: Need, pieces: list[Holding]) -> list[tuple[Holding, tuple[int, 
         here = [p for p in usable if p.region[d][0] <= at < p.region[d][1]]
         if not here:
             return None
-        p = min(here, key=lambda p: (cost_class(need, p), -p.region[d][1]))
+        p = min(here, key=lambda p: (cost_class(need, p), -p.region[d][1], p.tier != "live"))
         cheaper_starts = [q.region[d][0] for q in usable
                           if at < q.region[d][0] < p.region[d][1] and cost_class(need, q) < cost_class(need, p)]
         end = min([p.region[d][1], stop, *cheaper_starts])

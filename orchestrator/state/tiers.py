@@ -254,10 +254,8 @@ class TieredState:
         # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
         newest_upload = max((u["step"] for u in self.uploads if not u["error"]), default=-1)
         near = plan_restore(needs, kh) if self.restore_from != "s3" else None
-        if near is not None and near.step is not None and near.step >= newest_upload:
-            sh, ssrc, sopt = [], {}, {}
-        else:
-            sh, ssrc, sopt = self._s3_holdings()
+        skip_s3 = near is not None and near.step is not None and near.step >= newest_upload
+        sh, ssrc, sopt = ([], {}, {}) if skip_s3 else self._s3_holdings()
         holdings, sources, opt = kh + sh, ksrc | ssrc, sopt | kopt
         only = {"s3"} if self.restore_from == "s3" else None
         refused: set[int] = set()
@@ -281,6 +279,7 @@ class TieredState:
                     keeper, request = self._keepers_on([t.need.node], ids)[0], ("s3", rest[0], t.region)
                 per_rank[t.need.rank].append((t.need.unit, t.region, keeper, request))
             s3cfg = (self.s3.uri, self.s3.endpoint_url) if self.s3 is not None else None
+            t_load = time.perf_counter()
             results = group.load(per_rank, rp.step, opt[rp.step], s3cfg)
             self.received_bytes += payload_bytes(results)
             errors = [r["error"] for r in results if r.get("error")]
@@ -289,11 +288,12 @@ class TieredState:
             log.warning("refusing checkpoint step %d: %s; trying the previous complete step", rp.step, errors[0])
             refused.add(rp.step)
         by_tier = {t: sum(r["bytes"].get(t, 0) for r in results) for t in TIERS}
-        costliest = next((t for t in reversed(TIERS) if by_tier[t]), "live")
-        s3_units = sorted({t.need.unit for t in rp.transfers if t.source.tier == "s3"})
-        self.last_restore = {"step": rp.step, "tier": costliest, "bytes": sum(by_tier.values()),
-                             "bytes_by_tier": by_tier, "s3_units": s3_units, "refused_steps": sorted(refused),
-                             "restore_s": round(time.perf_counter() - t0, 3)}
+        self.last_restore = {  # times: planning (sources listed), the slowest rank's pull and load, in all
+            "step": rp.step, "tier": next((t for t in reversed(TIERS) if by_tier[t]), "live"),
+            "bytes": sum(by_tier.values()), "bytes_by_tier": by_tier, "refused_steps": sorted(refused),
+            "s3_units": sorted({t.need.unit for t in rp.transfers if t.source.tier == "s3"}),
+            "plan_s": round(t_load - t0, 3), "restore_s": round(time.perf_counter() - t0, 3)} | {
+            k: round(max(r.get(k, 0.0) for r in results), 3) for k in ("pull_s", "import_s")}
         group.holds_state = True
         self._call_keepers("clear", "live")  # the new workers hold it now; salvage refills it on a failure
         log.info("restored step %d: bytes by tier %s in %.2f s", rp.step, by_tier, self.last_restore["restore_s"])
