@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint bench clean venv deploy-configs
+.PHONY: demo test test-all lint bench clean venv deploy-configs gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,9 @@ test-all: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check planner workers orchestrator tests bench
+
+gpu-check: $(STAMP)  # the GPU checklist (docs/gpu.md): gpu tests, offload bench, MFU, profiling; needs CUDA
+	$(BIN)/python bench/gpu_check.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/planner.py

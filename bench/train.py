@@ -14,7 +14,8 @@ Contenders, same model (the `small` preset), same global batch, same data:
   symmetric   planner.baselines.megatron_symmetric (even split over all GPUs)
   ray-train   ray.train.torch.TorchTrainer with DDP, one worker per GPU, even batch split
   single      one process on the fastest GPU, whole batch
-Reported: median tokens/s over the steps after warm-up.
+Reported: median tokens/s over the steps after warm-up; hetspot's runtime (both plans) also with
+`runtime.overlap_grad_sync: false` (each layer's all-reduce after the whole backward, not during it).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _median_tok_s(step_times: list[float], warmup: int) -> float:
     return tokens_per_step(JOB.model_spec, JOB.train.global_batch) / statistics.median(step_times[warmup:])
 
 
-def run_plan(p, steps: int, warmup: int) -> float:
-    run = PlanRun(JOB, p)
+def run_plan(p, steps: int, warmup: int, overlap: bool = True) -> float:
+    job = JOB.model_copy(update={"runtime": JOB.runtime.model_copy(update={"overlap_grad_sync": overlap})})
+    run = PlanRun(job, p)
     try:
         run.start()
         return _median_tok_s(run.run(steps).step_time_s, warmup)
@@ -149,7 +151,9 @@ def main() -> None:
     try:
         ec.connect()
         rows["hetspot plan"] = run_plan(hp, args.steps, args.warmup)
+        rows["hetspot plan, gradient sync after backward"] = run_plan(hp, args.steps, args.warmup, overlap=False)
         rows["megatron-symmetric"] = run_plan(sym, args.steps, args.warmup)
+        rows["megatron-symmetric, gradient sync after backward"] = run_plan(sym, args.steps, args.warmup, overlap=False)
         rows["ray-train TorchTrainer DDP"] = run_ray_train(args.steps, args.warmup)
     finally:
         ec.shutdown()

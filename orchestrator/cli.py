@@ -271,12 +271,12 @@ def inventory(
 
 
 def _register_subcommands() -> None:
-    from orchestrator.cli_checkpoints import checkpoints_app, list_steps, rm, verify
+    from orchestrator.cli_checkpoints import checkpoints_app, export, list_steps, rm, verify
     from orchestrator.cli_deploy import deploy_app, render
 
     deploy_app.command(name="render")(_user_errors(render))
     app.add_typer(deploy_app, name="deploy")
-    for name, fn in (("list", list_steps), ("verify", verify), ("rm", rm)):
+    for name, fn in (("list", list_steps), ("verify", verify), ("rm", rm), ("export", export)):
         checkpoints_app.command(name=name)(_user_errors(fn))
     app.add_typer(checkpoints_app, name="checkpoints")
 

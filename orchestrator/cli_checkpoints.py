@@ -1,4 +1,4 @@
-"""`hetspot checkpoints list|verify|rm URI`: a job's S3 steps (registered as a sub-app by orchestrator/cli.py)."""
+"""`hetspot checkpoints list|verify|rm|export URI`: a job's S3 steps (registered as a sub-app by orchestrator/cli.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-checkpoints_app = typer.Typer(no_args_is_help=True, help="A job's checkpoints in S3: list, verify, delete.")
+checkpoints_app = typer.Typer(no_args_is_help=True, help="A job's checkpoints in S3: list, verify, delete, export.")
 URI_HELP = "the job's checkpoint.uri, s3://BUCKET/PREFIX"
 ENDPOINT_HELP = "S3 endpoint (default: AWS_ENDPOINT_URL, else AWS)"
 
@@ -81,3 +81,48 @@ def rm(
         raise ConfigError(f"no step {step} under {uri}; `hetspot checkpoints list {uri}` shows the steps")
     n = sum(store.delete_step(s) for s in steps)
     typer.echo(f"deleted {len(steps)} step(s), {n} object(s)")
+
+
+def export(
+    uri: str = typer.Argument(..., help=URI_HELP + " (a finished job's: its last step is its output)"),
+    out: str = typer.Option(..., "--out", help="directory to write (new or empty)"),
+    fmt: str = typer.Option("hf", "--format", help="hf: a Hugging Face transformers directory"),
+    step: int | None = typer.Option(None, "--step", help="the step to export (default: the newest complete one)"),
+    max_shard_gib: float = typer.Option(5.0, "--max-shard-gib", min=0.001, help="shard the weights above this size"),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print what was written as JSON"),
+) -> None:
+    """Write a step's weights as config.json + model.safetensors that transformers' LlamaForCausalLM or
+    GPT2LMHeadModel loads (every object read is checked against its SHA256 first)."""
+    from pathlib import Path
+
+    from orchestrator.errors import ConfigError
+    from planner.specs import ModelSpec
+
+    if fmt != "hf":
+        raise ConfigError(f"--format {fmt!r} is not known; the one format is 'hf' (Hugging Face transformers)")
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory; choose a new path (nothing was written)")
+    store = _store(uri, endpoint_url)
+    complete = store.complete_steps()
+    if not complete or (step is not None and step not in complete):
+        raise ConfigError(f"no complete step {'' if step is None else step} under {uri}; "
+                          f"`hetspot checkpoints list {uri}` shows its steps")
+    step = max(complete) if step is None else step
+    model_meta = store.manifest(step).get("meta", {}).get("model")
+    if not model_meta:
+        raise ConfigError(f"step {step} under {uri} does not record its model (written by an older hetspot); "
+                          "it cannot be exported")
+    from workers import hf_format
+
+    model = ModelSpec(**model_meta)
+    state, _, nbytes = store.load(step)
+    files = hf_format.write(target, model, {n: u["param"] for n, u in state.items()}, int(max_shard_gib * 2**30))
+    result = {"step": step, "format": "hf", "arch": model.arch, "out": str(target), "files": [f.name for f in files],
+              "read_bytes": nbytes}
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    else:
+        typer.echo(f"exported step {step} of {uri} ({model.arch}, {model.num_params / 1e6:.1f}M parameters) to "
+                   f"{target}: {', '.join(result['files'])}")

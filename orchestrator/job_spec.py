@@ -25,16 +25,29 @@ class ModelSection(_Section):
     """`preset:` picks a ModelSpec preset; any other field overrides it (or defines a custom model)."""
 
     preset: str | None = None
+    init_from: str | None = None  # a Hugging Face directory: its config.json is the base, its weights the start
     name: str | None = None
+    arch: Literal["gpt", "llama"] | None = None
     num_layers: int | None = None
     hidden_size: int | None = None
     num_heads: int | None = None
+    num_kv_heads: int | None = None
     ffn_size: int | None = None
     vocab_size: int | None = None
     seq_len: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
 
     def resolve(self) -> ModelSpec:
         fields = self.model_dump(exclude_none=True, exclude={"preset"})
+        if self.init_from is not None:
+            from workers.hf_config import read_config, spec_fields
+
+            if self.preset is not None:
+                raise ValueError("give model.preset or model.init_from, not both (init_from reads its config.json)")
+            path = str(Path(self.init_from).expanduser().resolve())
+            base = {"name": Path(path).name} | spec_fields(read_config(path), f"model.init_from {self.init_from}")
+            return ModelSpec(**(base | fields | {"init_from": path}))
         if self.preset is not None:
             if self.preset.lower() not in PRESETS:
                 raise ValueError(f"unknown model preset {self.preset!r}; known presets: {', '.join(PRESETS)}")
@@ -58,8 +71,9 @@ class DataSpec(_Section):
 
 
 class RuntimeSpec(_Section):
-    dtype: Literal["float32", "float64"] = Field(
-        default="float32", description="CPU training dtype; float64 for exact equivalence checks"
+    dtype: Literal["auto", "float32", "float64"] = Field(
+        default="auto", description="auto: train.precision decides (bf16 or fp16 mixed precision, fp32, fp64); "
+        "float32 or float64 force one dtype everywhere (float64 for exact equivalence checks)"
     )
     emulate_speed: bool = Field(
         default=True,
@@ -75,6 +89,8 @@ class RuntimeSpec(_Section):
                                                     "(skipped on fake GPUs)")
     tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX)")
     log_every: int = Field(default=10, ge=1, description="workers log a structured line every k steps")
+    overlap_grad_sync: bool = Field(default=True, description="launch each layer's gradient all-reduce during the "
+                                    "last micro-batch's backward (false: after backward; for comparison)")
     notices: Literal["none", "aws", "gcp", "azure"] = Field(
         default="none", description="poll each node's cloud metadata service for spot notices and drain before "
                                     "the deadline; Ray's own drain (`ray drain-node`, autoscaler) is heeded always")

@@ -97,7 +97,7 @@ class PlanRun:
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
                     ).remote(plan_json, len(self.workers), model_json, train_json, self.job.data.model_dump(),
                              self.job.runtime.dtype, slow[st.gpu_type], self.job.runtime.log_every,
-                             self.job.runtime.meter_memory))
+                             self.job.runtime.meter_memory, self.job.runtime.overlap_grad_sync))
         try:
             ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)
         except GetTimeoutError:

@@ -10,8 +10,9 @@ linear are split on output rows by whole heads, the attention output and the
 MLP's second linear on input columns. So a TP degree t needs `num_heads % t == 0`
 (whole heads per rank; `hidden_size % t` follows) and `ffn % t == 0`. The
 embedding and the LM head are replicated in a TP group, so `vocab_size` needs
-no divisibility, and the GPT has no separate KV heads. A degree that breaks
-these would silently drop rows of a weight: a different model.
+no divisibility. The Llama (workers/llama.py) splits k and v by whole
+key/value heads too, so it also needs `num_kv_heads % t == 0`. A degree that
+breaks these would silently drop rows of a weight: a different model.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def tp_problem(model: ModelSpec, tp: int) -> str | None:
         bad.append(f"num_heads={model.num_heads}")
     if model.ffn % tp:
         bad.append(f"ffn_size={model.ffn}")
+    if model.kv_heads % tp and model.arch == "llama":
+        bad.append(f"num_kv_heads={model.kv_heads}")
     if not bad:
         return None
     return f"TP degree {tp}, which does not divide {' and '.join(bad)} (a TP rank must hold whole heads and MLP rows)"

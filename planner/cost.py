@@ -105,9 +105,16 @@ def stage_links(slots: list[Slot]) -> list[tuple[float | None, float | None]]:
              link_bw(slots[i], slots[i - 1]) if i > 0 else None) for i in range(p)]
 
 
+def act_units(model: ModelSpec, tp: int) -> float:
+    """A block's stored activations per token, in units of h 16-bit values (Korthikanti et al.'s 10 + 24/t for
+    the GPT: 8/t of attention, and 2 bytes per element of each ffn-wide MLP tensor: 2 for GELU, 4 for SwiGLU)."""
+    ffn_tensors = 4 if model.arch == "llama" else 2
+    return 10 + (8 + 2 * ffn_tensors * model.ffn / model.hidden_size) / tp
+
+
 def layer_fwd_flops(model: ModelSpec, b: int) -> float:
     h, s = model.hidden_size, model.seq_len
-    return b * (2.0 * s * (4 * h * h + 2 * h * model.ffn) + 4.0 * s * s * h)
+    return b * (2.0 * s * model.matmul_params + 4.0 * s * s * h)
 
 
 def head_fwd_flops(model: ModelSpec, b: int) -> float:
@@ -195,9 +202,9 @@ def stage_memory(
     # it (workers/offload.py), so one tensor's gradient is on the device at a time.
     biggest = max(model.ffn * model.hidden_size / tp if n else 0.0,
                   model.vocab_size * model.hidden_size if shape.first or shape.last else 0.0)
-    grads = biggest * pb if policy.offload_optimizer else p_dev * pb
+    grads = biggest * train.grad_bytes if policy.offload_optimizer else p_dev * train.grad_bytes
     opt = 0.0 if policy.offload_optimizer else p_dev * train.optimizer_bytes_per_param
-    full = s * b * h * (10 + 24 / tp) * pb / 2
+    full = s * b * h * act_units(model, tp) * pb / 2
     ckpt = s * b * h * pb
     # Recomputed layers are the stage's first ones (policy.to_policy), which backward reaches
     # last: by the time one of them is recomputed, the stored layers above it are freed.
@@ -231,7 +238,7 @@ def optimizer_s(slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShap
 
 
 def sync_s(params_dev: float, train: TrainSpec, num_replicas: int, bw: float) -> float:
-    return _allreduce_s(params_dev * train.param_bytes, num_replicas, bw)
+    return _allreduce_s(params_dev * train.grad_bytes, num_replicas, bw)
 
 
 def pipeline_time(times_per_mb: list[list[float]]) -> float:

@@ -26,7 +26,7 @@ def _min_recompute(slot, model, train, shape, b, k, opt, params) -> int | None:
     mem0 = cost.stage_memory(slot, model, train, shape, b, k, cost.Knobs(0, opt, params))
     if mem0 <= slot.mem_cap_bytes:
         return 0
-    full = model.seq_len * b * model.hidden_size * (10 + 24 / slot.tp) * train.param_bytes / 2
+    full = model.seq_len * b * model.hidden_size * cost.act_units(model, slot.tp) * train.param_bytes / 2
     ckpt = model.seq_len * b * model.hidden_size * train.param_bytes
     saving = k * (full - ckpt)
     if n == 0 or saving <= 0:

@@ -104,15 +104,25 @@ class ClusterSpec(_Spec):
 
 
 class ModelSpec(_Spec):
-    """A GPT-style decoder: pre-norm blocks, GELU MLP, learned positions, untied head."""
+    """A pre-norm decoder with an untied head, of one of two architectures:
+
+    - "gpt" (nanoGPT): LayerNorm with biases, GELU MLP (default width 4h), learned positions;
+    - "llama": RMSNorm, SwiGLU MLP (three matrices; default width 8h/3 rounded up to 256),
+      rotary positions, grouped-query attention (`num_kv_heads`), no biases.
+    """
 
     name: str = "custom"
+    arch: Literal["gpt", "llama"] = "gpt"
     num_layers: int = Field(ge=1)
     hidden_size: int = Field(ge=8)
     num_heads: int = Field(ge=1)
-    ffn_size: int | None = Field(default=None, description="MLP width; default 4 * hidden_size")
+    num_kv_heads: int | None = Field(default=None, ge=1, description="llama: key/value heads (GQA); default num_heads")
+    ffn_size: int | None = Field(default=None, description="MLP width; default 4h (gpt) or 8h/3 to 256 (llama)")
     vocab_size: int = Field(ge=2)
     seq_len: int = Field(ge=2)
+    rope_theta: float = Field(default=10000.0, gt=0, description="llama: RoPE base")
+    norm_eps: float = Field(default=1e-5, gt=0, description="llama: RMSNorm epsilon")
+    init_from: str | None = Field(default=None, description="a Hugging Face directory whose weights start the run")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -120,25 +130,49 @@ class ModelSpec(_Spec):
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
             )
+        if self.num_kv_heads is not None and self.arch != "llama":
+            raise ValueError("num_kv_heads is a llama field; set arch: llama or remove it")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.kv_heads}")
         return self
 
     @cached_property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @cached_property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @cached_property
     def ffn(self) -> int:
-        return self.ffn_size or 4 * self.hidden_size
+        if self.ffn_size:
+            return self.ffn_size
+        return 4 * self.hidden_size if self.arch == "gpt" else -(-8 * self.hidden_size // 3 // 256) * 256
+
+    @cached_property
+    def matmul_params(self) -> int:
+        """Weights of one block's matrices (what a token's forward multiplies by, 2 FLOPs each)."""
+        h, f = self.hidden_size, self.ffn
+        if self.arch == "llama":
+            return 2 * h * h + 2 * h * self.kv_heads * self.head_dim + 3 * h * f
+        return 4 * h * h + 2 * h * f
 
     @cached_property
     def layer_params(self) -> int:
-        """Parameters of one block: q,k,v,proj (+biases), fc, proj (+biases), two LayerNorms."""
+        """Parameters of one block: its matrices, plus (gpt) biases and two LayerNorms, (llama) two RMSNorms."""
         h, f = self.hidden_size, self.ffn
-        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        if self.arch == "llama":
+            return self.matmul_params + 2 * h
+        return self.matmul_params + 4 * h + f + h + 4 * h
 
     @cached_property
     def embed_params(self) -> int:
-        return (self.vocab_size + self.seq_len) * self.hidden_size
+        return (self.vocab_size + (self.seq_len if self.arch == "gpt" else 0)) * self.hidden_size
 
     @cached_property
     def head_params(self) -> int:
-        return self.vocab_size * self.hidden_size + 2 * self.hidden_size
+        return self.vocab_size * self.hidden_size + (2 if self.arch == "gpt" else 1) * self.hidden_size
 
     @cached_property
     def num_params(self) -> int:
@@ -152,10 +186,10 @@ class ModelSpec(_Spec):
         return PRESETS[key]
 
 
-def _p(name, layers, hidden, heads, vocab, seq, ffn=None) -> ModelSpec:
+def _p(name, layers, hidden, heads, vocab, seq, ffn=None, **llama) -> ModelSpec:
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
-        ffn_size=ffn, vocab_size=vocab, seq_len=seq,
+        ffn_size=ffn, vocab_size=vocab, seq_len=seq, **({"arch": "llama"} | llama if llama else {}),
     )
 
 
@@ -169,6 +203,12 @@ PRESETS: dict[str, ModelSpec] = {
     "13b": _p("13b", 40, 5120, 40, 32000, 2048),
     "30b": _p("30b", 60, 6656, 52, 32000, 2048),
     "70b": _p("70b", 80, 8192, 64, 32000, 2048, ffn=36864),  # 4.5h GELU ~ a SwiGLU 28672 MLP
+    # Llama architecture (workers/llama.py): the published shapes of TinyLlama-1.1B, Llama 3 8B and 70B,
+    # trained at 2048 tokens (their configs allow 8192; raise seq_len in the job for longer contexts).
+    "llama-tiny": _p("llama-tiny", 4, 32, 4, 64, 16, ffn=64, num_kv_heads=2),  # CPU tests, GQA 2:1
+    "llama-1b": _p("llama-1b", 22, 2048, 32, 32000, 2048, ffn=5632, num_kv_heads=4),
+    "llama-8b": _p("llama-8b", 32, 4096, 32, 128256, 2048, ffn=14336, num_kv_heads=8, rope_theta=500000.0),
+    "llama-70b": _p("llama-70b", 80, 8192, 64, 128256, 2048, ffn=28672, num_kv_heads=8, rope_theta=500000.0),
 }
 
 def tokens_per_step(model: ModelSpec, global_batch: int) -> int:
@@ -197,6 +237,12 @@ class TrainSpec(_Spec):
     @cached_property
     def param_bytes(self) -> int:
         return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element: accumulated and reduced in fp32 under mixed precision (the runtime's
+        fp32 master gradients, as Megatron's main_grad), else in the parameters' dtype."""
+        return 4 if self.param_bytes < 4 else self.param_bytes
 
     @property
     def optimizer_bytes_per_param(self) -> int:

@@ -153,6 +153,17 @@ def test_equivalence_with_one_device(cluster, name):
     assert_equivalent(job(p.global_batch), p)
 
 
+@pytest.mark.parametrize("name", ["a-dp-5-and-3", "b-pp-1-and-3", "d-tp2-in-pipeline-beside-tp2",
+                                  "h-param-offload-tp-pipeline-beside-dp"])
+def test_llama_equivalence_with_one_device(cluster, name):
+    """Issue 17: the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA with 4 query heads on 2 key/value heads,
+    untied head) under uneven DP, uneven PP, and TP=2 (one key/value head per TP rank), and with offload."""
+    p = PLANS[name]
+    j = job(p.global_batch, "llama-tiny")
+    assert j.model_spec.arch == "llama" and j.model_spec.kv_heads == 2
+    assert_equivalent(j, p)
+
+
 def test_equivalence_planner_plan_mixed_cluster(cluster):
     j = job(64, "small", lr=0.003)
     # One A100 beside two L4s (a sub-cluster of the test cluster), as in examples/tiny-mixed.yaml.

@@ -10,6 +10,7 @@ import time
 import ray
 import torch
 
+from planner.catalog import gpu_info
 from planner.cost import device_budget_bytes
 from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
@@ -20,7 +21,17 @@ from workers.layout import ranks
 from workers.logs import structured_logger
 from workers.state import export_shards, import_full, import_pieces, needs, to_numpy
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(runtime_dtype: str, precision: str, gpu_type: str) -> str:
+    """The stage's compute dtype: runtime.dtype when forced, else train.precision's; bf16 becomes fp16 (with a
+    loss scale) on a GPU type without bf16 (T4, V100: the catalog's `bf16`)."""
+    if runtime_dtype != "auto":
+        return runtime_dtype
+    if precision == "bf16":
+        return "bfloat16" if gpu_info(gpu_type).bf16 else "float16"
+    return {"fp16": "float16", "fp32": "float32", "fp64": "float64"}[precision]
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1})
@@ -32,7 +43,8 @@ class TrainWorker:
     `state_lock` keeps a commit from changing the state while `hand_over` copies it."""
 
     def __init__(self, plan_json: str, rank: int, model_json: str, train_json: str, data: dict,
-                 dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False):
+                 dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False,
+                 overlap_sync: bool = True):
         torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
         model, train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
         dataset = make_dataset(data.get("kind", "synthetic"), model.seq_len, model.vocab_size, train.seed,
@@ -41,8 +53,9 @@ class TrainWorker:
         plan = Plan.model_validate_json(plan_json)
         r = ranks(plan)[rank]
         budget = device_budget_bytes(plan.pipelines[r.pipeline].stages[r.stage].gpu_type, train)
+        dtype = compute_dtype(dtype, train.precision, plan.pipelines[r.pipeline].stages[r.stage].gpu_type)
         self.engine = Engine(plan, rank, model, train, dataset, DTYPES[dtype], slowdown, device,
-                             device_budget_bytes=budget, meter_memory=meter_memory)
+                             device_budget_bytes=budget, meter_memory=meter_memory, overlap_sync=overlap_sync)
         info, st = self.engine.info, self.engine.stage_spec
         self.log = structured_logger("hetspot.worker", node=info.node, rank=rank, pipeline=info.pipeline,
                                      stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)

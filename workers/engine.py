@@ -74,12 +74,19 @@ class Engine:
     def __init__(self, plan: Plan, rank: int, model: ModelSpec, train: TrainSpec, dataset: Dataset,
                  dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu",
                  device_budget_bytes: float | None = None, meter_memory: bool = False,
-                 overlap_update: bool = True):
+                 overlap_update: bool = True, overlap_sync: bool = True):
         self.device_budget, self.meter_memory = device_budget_bytes, meter_memory
-        self.overlap_update = overlap_update
+        self.overlap_update, self.overlap_sync = overlap_update, overlap_sync
         check_runtime_plan(plan, model)  # the plan contract (planner/contract.py), checked on every rank
         self.plan, self.rank, self.model, self.train, self.data = plan, rank, model, train, dataset
         self.dtype, self.slowdown, self.device = dtype, slowdown, torch.device(device)
+        # Mixed precision (train.precision bf16 or fp16): the stage computes in `dtype`; fp32 masters,
+        # fp32 gradient accumulation and reduction, and AdamW on the masters (the planner's model:
+        # 2-byte weights, 4-byte gradients, 12 bytes of optimizer state per parameter). fp16, on GPUs
+        # without bf16 (T4, V100), adds a dynamic loss scale.
+        self.mixed = dtype in (torch.bfloat16, torch.float16)
+        self.loss_scale = 2.0 ** 16 if dtype == torch.float16 else 1.0
+        self._good_steps, self._skip = 0, False
         self.info = layout.ranks(plan)[rank]
         self.pipe = plan.pipelines[self.info.pipeline]
         self.stage_spec = self.pipe.stages[self.info.stage]
@@ -112,19 +119,25 @@ class Engine:
 
     def _build(self) -> None:
         st = self.stage_spec
+        master = torch.float32 if self.mixed else self.dtype
         self.module = Stage(self.model, st.layer_start, st.layer_end, self.first, self.last,
-                            self.info.tp_rank, st.tp, self.tp_group, self.train.seed, self.dtype,
+                            self.info.tp_rank, st.tp, self.tp_group, self.train.seed, master,
                             frozenset(st.offload.recompute_layers)).to(self.device)
         # Optimizer offload (AutoHete): master weights and AdamW state live in host memory
         # (pinned on CUDA); the device keeps working copies. The host copies are the
         # optimizer's parameters, so export/import and the update read them.
         self.offload_opt = st.offload.offload_optimizer or st.offload.offload_params
+        self.separate = self.offload_opt or self.mixed  # masters apart from the compute copies
         pin = self.device.type == "cuda"
         self.opt_params = {
             n: (torch.nn.Parameter(p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().to("cpu", copy=True))
-                if self.offload_opt else p)
+                if self.offload_opt else torch.nn.Parameter(p.detach().clone()) if self.mixed else p)
             for n, p in self.module.params.items()
         }
+        if self.mixed:  # the stage's working copies in the compute dtype, cast from the fp32 masters
+            with torch.no_grad():
+                for p in self.module.params.values():
+                    p.data = p.data.to(self.dtype)
         self.meter = DeviceMeter(self.device_budget, self.meter_memory, self.device)
         self.store = None
         if st.offload.offload_params:
@@ -135,15 +148,17 @@ class Engine:
                 self.module.register_parameter(n.replace(".", "__"), self.opt_params[n])
             self.store = ParamStore({n: self.opt_params[n] for n in blocks}, lambda n: self.module.specs[n].layer,
                                     list(range(st.layer_start, st.layer_end)), self.device,
-                                    st.offload.prefetch_depth, self.meter)
+                                    st.offload.prefetch_depth, self.meter, self.dtype)
             self.module.store = self.store
         self.resident = {n: p for n, p in self.module.params.items() if p.device == self.device and
                          (self.store is None or n not in self.store.host)}
         self.updater = None
-        if self.offload_opt:
-            # Gradients stream to the host as backward produces them and accumulate there.
+        if self.separate:
+            # Gradients go to the masters as backward produces them (to the host under offload) and
+            # accumulate there in fp32 over the micro-batches.
             for n, p in self.resident.items():
-                p.register_post_accumulate_grad_hook(self._grad_to_host(self.opt_params[n]))
+                p.register_post_accumulate_grad_hook(self._grad_to_master(self.opt_params[n]))
+        if self.offload_opt:
             # The host optimizer runs per layer on a thread, first layers first (LayerwiseUpdate).
             by_layer: dict[int, list] = {}
             self.resident_by_layer: dict[int, list[str]] = {}
@@ -160,7 +175,8 @@ class Engine:
         else:
             self.optimizer = self._adamw(list(self.opt_params.values()))
         self.peers = layout.p2p_peers(self.plan, self.info.pipeline, self.info.stage, self.info.tp_rank)
-        self.meter.set_static(list(self.resident.values()))
+        self._plan_sync()
+        self.meter.set_static(self._device_state())
         self._moments_counted = False  # AdamW's moments join the meter's static state after the first step
 
     def _adamw(self, params: list) -> torch.optim.AdamW:
@@ -175,13 +191,16 @@ class Engine:
             for n in self.resident_by_layer.get(layer, ()):
                 self.resident[n].copy_(self.opt_params[n], non_blocking=True)
 
-    def _grad_to_host(self, host: torch.nn.Parameter):
+    def _grad_to_master(self, master: torch.nn.Parameter):
+        pause = self.meter.paused if self.offload_opt else contextlib.nullcontext  # host bytes are not the device's
+
         def hook(p: torch.Tensor) -> None:
-            with self.meter.paused():
-                if host.grad is None:
-                    host.grad = p.grad.to("cpu", copy=True)
+            with pause():
+                g = p.grad if p.grad.device == master.device else p.grad.to(master.device)  # D2H in compute dtype
+                if master.grad is None:
+                    master.grad = g.to(master.dtype, copy=True)
                 else:
-                    host.grad.add_(p.grad.to("cpu"))
+                    master.grad.add_(g)
             p.grad = None
 
         return hook
@@ -189,7 +208,7 @@ class Engine:
     @property
     def grad_params(self) -> dict[str, torch.nn.Parameter]:
         """The parameters whose `.grad` holds the step's gradient: host masters under offload."""
-        return self.opt_params if self.offload_opt else self.module.params
+        return self.opt_params if self.separate else self.module.params
 
     def close(self) -> None:
         if getattr(self, "updater", None) is not None:
@@ -244,8 +263,12 @@ class Engine:
         pending: list = []
         loss_total = 0.0
         ops = op_order(self.info.stage, len(self.pipe.stages), len(sizes), self.pipe.schedule)
+        last_b = max(i for i, (kind, _) in enumerate(ops) if kind == "B")
+        self.sync_trace, self._final_bwd = [], False
+        self._count = dict(getattr(self, "_left", {}))
         with self.meter.tracking():  # device-side bytes as they live (CPU accounting)
-            for kind, j in ops:
+            for i, (kind, j) in enumerate(ops):
+                self._final_bwd = i == last_b
                 t_op = time.perf_counter()
                 if kind == "F":
                     tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device)
@@ -260,6 +283,8 @@ class Engine:
                     if self.last:
                         out = self.module.loss_sum(out, tokens[:, 1:]) / big_b
                         loss_total += out.item()
+                        if self.loss_scale != 1.0:  # fp16: gradients scaled up past fp16's underflow
+                            out = out * self.loss_scale
                     else:
                         act = out.detach().contiguous()
                         pending += [dist.isend(act, dst=d, tag=2 * j) for d in send_act]
@@ -283,12 +308,16 @@ class Engine:
                         self.store.end_backward()
                         self.store.phase = "fwd"
                 self._emulate_slowdown(time.perf_counter() - t_op)
+        self._final_bwd = False
         for w in pending:
             w.wait()
         if self.store is not None:
             self.store.drain()
         self._sync_grads()
-        self._clip()
+        if self.dtype == torch.float16:
+            self._unscale()
+        if not self._skip:
+            self._clip()
         self._pending = step_index
         report = self.last and self.info.tp_rank == 0
         return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
@@ -296,21 +325,36 @@ class Engine:
                           {"device_state_bytes": self.device_state_bytes(), "device_peak_bytes": self.meter.peak,
                            "device_budget_bytes": self.device_budget,
                            "h2d_fetches": self.store.fetches if self.store is not None else 0,
+                           "loss_scale": self.loss_scale, "skipped_update": self._skip,
                            "device": self.device.type})
 
     def _saved_hooks(self):
         return self.store.hooks() if self.store is not None else contextlib.nullcontext()
 
     def _update(self) -> None:
+        if self.updater is not None and self._skip:  # fp16 overflow: no update this step
+            for q in self.opt_params.values():
+                q.grad = None
+            return
         if self.updater is not None:  # host AdamW per layer on a thread; the next forward waits per layer
             self.updater.start()
             return
-        self.optimizer.step()
+        if not self._skip:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed:  # the compute copies take the new master weights
+            with torch.no_grad():
+                for n, p in self.module.params.items():
+                    p.copy_(self.opt_params[n])
         if self.meter.enabled and not self._moments_counted:
             self._moments_counted = True
-            self.meter.set_static(list(self.resident.values()) + [t for st in self.optimizer.state.values()
-                                                                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0])
+            self.meter.set_static(self._device_state() + [t for st in self.optimizer.state.values()
+                                                          for t in st.values() if torch.is_tensor(t) and t.dim() > 0])
+
+    def _device_state(self) -> list[torch.Tensor]:
+        """Tensors that stay on the device between steps: the compute copies, and fp32 masters when mixed."""
+        masters = list(self.opt_params.values()) if self.mixed and not self.offload_opt else []
+        return list(self.resident.values()) + masters
 
     def settle(self) -> None:
         """Wait for an overlapped host update to finish (before reading or replacing state)."""
@@ -323,25 +367,98 @@ class Engine:
         params = sum(p.numel() * p.element_size() for p in self.resident.values())
         if self.offload_opt:
             return params
-        return 3 * params  # weights and AdamW's two moments
+        masters = sum(p.numel() * 4 for p in self.opt_params.values()) if self.mixed else params
+        return params + 3 * masters if self.mixed else 3 * params  # (compute copies,) masters, AdamW's two moments
 
     def _emulate_slowdown(self, busy_s: float) -> None:
         # Fake GPUs of a slower type run the same math, then wait out the speed gap.
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * busy_s)
 
-    def _sync_grads(self) -> None:
-        """Layer-wise all-reduce per (segment, TP rank), one flat bucket per segment (AutoHet §4)."""
+    # -- gradient sync: one bucket per layer, launched as its gradients are ready -----
+    def _plan_sync(self) -> None:
+        """Buckets: per (segment, TP rank) group (AutoHet §4, layer-wise sync across asymmetric replicas),
+        one flat all-reduce per extended layer, last layer first, the order backward finishes them.
+
+        Every rank of a group holds the same layers, so every rank issues the same all-reduces in
+        the same order, whether it overlaps them with backward or not. With device gradients
+        (no optimizer offload) and `overlap_sync`, a layer's bucket is launched asynchronously as
+        soon as the last micro-batch's backward has accumulated its last gradient, so the
+        all-reduce of layer k runs while layer k-1 is back-propagated (the cost model's
+        assumption: the sync overlaps the last micro-batch's backward); `_finish_sync` waits
+        for them before clipping. Offloaded gradients stream to the host instead, and their
+        buckets are reduced after backward, in the same order."""
         n_layers = self.model.num_layers
+        self.buckets: list[tuple[int, object, list[str]]] = []  # (extended layer, group, parameter names)
         for gg, group in self.grad_groups:
-            params = [p for name, p in self.grad_params.items()
-                      if gg.start <= extended_layer(self.module.specs[name].layer, n_layers) < gg.end]
-            flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self.device)  # host grads: via the device
-            dist.all_reduce(flat, group=group)
+            by_layer: dict[int, list[str]] = {}
+            for name in self.grad_params:
+                layer = extended_layer(self.module.specs[name].layer, n_layers)
+                if gg.start <= layer < gg.end:
+                    by_layer.setdefault(layer, []).append(name)
+            self.buckets += [(layer, group, by_layer[layer]) for layer in sorted(by_layer, reverse=True)]
+        self._final_bwd = False  # counting gradients of the last micro-batch's backward
+        self._inflight: list = []
+        self.sync_trace: list[tuple[str, int, float]] = []  # ("ready" | "launch", layer, time) of the last step
+        if self.offload_opt:
+            return
+        self._left: dict[int, int] = {}
+        by_name = {name: b for b in self.buckets for name in b[2]}
+        for name, p in self.module.params.items():
+            layer = extended_layer(self.module.specs[name].layer, n_layers)
+            self._left[layer] = self._left.get(layer, 0) + 1
+            p.register_post_accumulate_grad_hook(self._on_grad(layer, by_name.get(name)))
+
+    def _on_grad(self, layer: int, bucket):
+        def hook(_p: torch.Tensor) -> None:
+            if not self._final_bwd:
+                return
+            self._count[layer] -= 1
+            if self._count[layer] == 0:
+                self.sync_trace.append(("ready", layer, time.perf_counter()))
+                if bucket is not None and self.overlap_sync:
+                    self._launch(bucket, async_op=True)
+
+        return hook
+
+    def _launch(self, bucket, async_op: bool) -> None:
+        layer, group, names = bucket
+        params = [self.grad_params[n] for n in names]
+        flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self.device)  # host grads: via the device
+        self.sync_trace.append(("launch", layer, time.perf_counter()))
+        work = dist.all_reduce(flat, group=group, async_op=async_op)
+        self._inflight.append((id(bucket), work, flat, params))
+
+    def _sync_grads(self) -> None:
+        """Every bucket reduced: those launched during backward are waited for, the others run now."""
+        launched = {b for b, _, _, _ in self._inflight}
+        for bucket in self.buckets:
+            if id(bucket) not in launched:
+                self._launch(bucket, async_op=False)
+        for _, work, flat, params in self._inflight:
+            if work is not None:
+                work.wait()
             at = 0
             for p in params:
                 p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
                 at += p.numel()
+        self._inflight = []
+
+    def _unscale(self) -> None:
+        """fp16: gradients back to their true scale; a non-finite one anywhere skips the update on every
+        rank and halves the scale; 2000 good steps in a row double it (torch.amp.GradScaler's rule)."""
+        bad = torch.zeros((), device=self.device)
+        for p in self.grad_params.values():
+            if p.grad is not None:
+                p.grad.mul_(1.0 / self.loss_scale)
+                bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float().to(self.device))
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self._skip = bool(bad.item())
+        self._good_steps = 0 if self._skip else self._good_steps + 1
+        if self._skip:
+            self.loss_scale /= 2
+        elif self._good_steps % 2000 == 0:
+            self.loss_scale *= 2
 
     def _clip(self) -> None:
         """Global-norm clip; each element counted once: replica 0 only, TP-replicated params on TP rank 0."""

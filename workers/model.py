@@ -1,4 +1,4 @@
-"""A GPT decoder in the spirit of nanoGPT, split into pipeline stages and TP shards.
+"""A GPT decoder in the spirit of nanoGPT (and the Llama of workers/llama.py), split into pipeline stages and TP shards.
 
 Read top to bottom: the canonical parameters (names and full shapes), how a TP
 rank slices them, the two Megatron collectives, a transformer block, and the
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from planner.specs import ModelSpec
+from workers import llama
 from workers.layout import EMBED, HEAD
 
 
@@ -47,6 +48,8 @@ class ParamSpec:
 
 
 def block_params(m: ModelSpec, i: int) -> list[ParamSpec]:
+    if m.arch == "llama":
+        return llama.block_params(m, i, ParamSpec)
     h, f = m.hidden_size, m.ffn
     p = f"h.{i}."
     specs = [ParamSpec(p + "ln_1.weight", (h,), None, i, "ones"), ParamSpec(p + "ln_1.bias", (h,), None, i, "zeros")]
@@ -67,11 +70,15 @@ def block_params(m: ModelSpec, i: int) -> list[ParamSpec]:
 
 
 def embed_params(m: ModelSpec) -> list[ParamSpec]:
+    if m.arch == "llama":
+        return llama.embed_params(m, ParamSpec, EMBED)
     return [ParamSpec("wte.weight", (m.vocab_size, m.hidden_size), None, EMBED, "normal"),
             ParamSpec("wpe.weight", (m.seq_len, m.hidden_size), None, EMBED, "normal")]
 
 
 def head_params(m: ModelSpec) -> list[ParamSpec]:
+    if m.arch == "llama":
+        return llama.head_params(m, ParamSpec, HEAD)
     return [ParamSpec("ln_f.weight", (m.hidden_size,), None, HEAD, "ones"),
             ParamSpec("ln_f.bias", (m.hidden_size,), None, HEAD, "zeros"),
             ParamSpec("lm_head.weight", (m.vocab_size, m.hidden_size), None, HEAD, "normal")]
@@ -142,8 +149,15 @@ class Stage(torch.nn.Module):
         specs += head_params(model) if last else []
         self.specs = {s.name: s for s in specs}
         self.params: dict[str, torch.nn.Parameter] = {}
+        self._rope: dict = {}  # (seq, dtype, device) -> the Llama's cos/sin tables
+        start = None
+        if model.init_from:  # fine-tuning: the weights of a Hugging Face directory (workers/hf_format.py)
+            from workers.hf_format import read_weights
+
+            start = read_weights(model.init_from, model, {s.name: s.shape for s in specs})  # this stage's
         for s in specs:
-            t = init_full(s, seed, dtype)[s.local_slice(tp_rank, tp_size)].clone()
+            full = start[s.name].to(dtype) if start is not None else init_full(s, seed, dtype)
+            t = full[s.local_slice(tp_rank, tp_size)].clone()
             self.params[s.name] = torch.nn.Parameter(t)
             self.register_parameter(s.name.replace(".", "__"), self.params[s.name])
 
@@ -151,6 +165,11 @@ class Stage(torch.nn.Module):
         P, g = self.params, self.tp_group
         if self.store is not None and i in self.store.names:
             P = self.store.weights(i)  # device copies of host-resident weights
+        if self.m.arch == "llama":
+            key = (x.shape[1], x.dtype, x.device)
+            if key not in self._rope:
+                self._rope[key] = llama.rope_tables(self.m, *key)
+            return llama.block(x, P, i, self.m, self.tp_size, g, _copy, _reduce, self._rope[key])
         pre = f"h.{i}."
         b, s, h = x.shape
         heads = self.m.num_heads // self.tp_size
@@ -166,7 +185,10 @@ class Stage(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, h] elsewhere."""
         wait = self.before_layer or (lambda layer: None)
-        if self.first:
+        if self.first and self.m.arch == "llama":
+            wait(-1)
+            x = F.embedding(x, self.params["model.embed_tokens.weight"])
+        elif self.first:
             wait(-1)
             pos = torch.arange(x.shape[1])
             x = F.embedding(x, self.params["wte.weight"]) + self.params["wpe.weight"][pos]
@@ -178,12 +200,16 @@ class Stage(torch.nn.Module):
                 x = self._block(x, i)
         if self.last:
             wait(self.m.num_layers)
-            x = F.layer_norm(x, (x.shape[-1],), self.params["ln_f.weight"], self.params["ln_f.bias"])
+            if self.m.arch == "llama":
+                x = llama.rms_norm(x, self.params["model.norm.weight"], self.m.norm_eps)
+            else:
+                x = F.layer_norm(x, (x.shape[-1],), self.params["ln_f.weight"], self.params["ln_f.bias"])
             x = F.linear(x, self.params["lm_head.weight"])
         return x
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over samples of each sample's mean token cross-entropy."""
-        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float() if logits.dtype == torch.float16 else
-                                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        flat = logits.reshape(-1, logits.shape[-1])  # in fp32 under mixed precision, as the planner counts it
+        per_token = F.cross_entropy(flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat,
+                                    targets.reshape(-1), reduction="none")
         return per_token.view(targets.shape).mean(dim=1).sum()

@@ -134,8 +134,8 @@ class DeviceMeter:
 class _Copier:
     """The host->device lane: copies run in the order they were requested, off the compute path."""
 
-    def __init__(self, device: torch.device, meter: DeviceMeter):
-        self.device, self.meter = device, meter
+    def __init__(self, device: torch.device, meter: DeviceMeter, dtype: torch.dtype | None = None):
+        self.device, self.meter, self.dtype = device, meter, dtype  # dtype: the compute copies' (mixed precision)
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -149,7 +149,7 @@ class _Copier:
         if self.cuda:
             before()
             with torch.cuda.stream(self.stream):
-                out = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
+                out = {n: t.to(self.device, self.dtype or t.dtype, non_blocking=True) for n, t in tensors.items()}
                 for t in out.values():  # device memory from the moment the copy is issued
                     self.meter.track(t)
                 ev = torch.cuda.Event()
@@ -185,7 +185,7 @@ class _Copier:
             tensors, box, done, before = job
             try:  # a separate buffer, as a GPU copy would be; the clone releases the GIL
                 before()
-                box["tensors"] = {n: t.detach().clone() for n, t in tensors.items()}
+                box["tensors"] = {n: t.detach().to(self.dtype or t.dtype, copy=True) for n, t in tensors.items()}
                 for t in box["tensors"].values():  # device memory from the moment the copy is issued
                     self.meter.track(t)
             except Exception as e:  # handed to the consumer, which raises it on its thread
@@ -210,7 +210,7 @@ class _Fetch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with ctx.meter.paused():
-            g = grad.to("cpu", copy=True)
+            g = grad.to("cpu", ctx.host.dtype, copy=True)  # the master's dtype (fp32 under mixed precision)
             if ctx.host.grad is None:
                 ctx.host.grad = g
             else:
@@ -222,12 +222,13 @@ class ParamStore:
     """Host-resident weights of some block layers, with prefetch `depth` layers ahead each way."""
 
     def __init__(self, host_params: dict[str, torch.nn.Parameter], layer_of: Callable[[str], int],
-                 layers: list[int], device: torch.device, depth: int, meter: DeviceMeter):
+                 layers: list[int], device: torch.device, depth: int, meter: DeviceMeter,
+                 dtype: torch.dtype | None = None):
         self.host = host_params
         self.layers = sorted(layers)
         self.names = {layer: [n for n in host_params if layer_of(n) == layer] for layer in self.layers}
         self.device, self.depth, self.meter = device, max(0, depth), meter  # depth 0: serial, no prefetch
-        self.copier = _Copier(device, meter)
+        self.copier = _Copier(device, meter, dtype)
         self.inflight: dict[tuple[str, int], object] = {}  # (direction, layer) -> ticket
         self.by_ptr: dict[int, tuple[int, str]] = {}  # storage of a live forward weight copy -> (layer, name)
         self.phase = "fwd"  # the engine sets "bwd" around backward (recompute fetches then)

@@ -22,14 +22,14 @@ def export_shards(engine: Engine) -> dict[str, dict]:
     engine.settle()
     out = {}
     steps = {float(st["step"]) for st in engine.optimizer_states() if "step" in st}
-    for name, p in engine.module.params.items():
+    for name in engine.module.params:
         spec = engine.module.specs[name]
         sl = spec.local_slice(engine.info.tp_rank, engine.stage_spec.tp)
         st = engine.optimizer_state(engine.opt_params[name])
         out[name] = {
             "shape": spec.shape, "shard_dim": spec.shard_dim,
             "slice": [(s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl)],
-            "param": p.detach().cpu().clone(),
+            "param": engine.opt_params[name].detach().cpu().clone(),  # the master (fp32 under mixed precision)
             "exp_avg": st["exp_avg"].cpu().clone() if "exp_avg" in st else None,
             "exp_avg_sq": st["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in st else None,
             "optimizer_steps": max(steps) if steps else 0.0,
@@ -55,12 +55,12 @@ def local_region(engine: Engine, name: str) -> tuple[tuple[int, int], ...]:
 def needs(engine: Engine) -> list[dict]:
     """What this rank must be given to resume: per unit, its region and bytes (param and both AdamW moments)."""
     out = []
-    for name, p in engine.module.params.items():
+    for name in engine.module.params:
         region = local_region(engine, name)
         numel = 1
         for a, b in region:
             numel *= b - a
-        out.append({"unit": name, "region": region, "nbytes": 3 * numel * p.element_size()})
+        out.append({"unit": name, "region": region, "nbytes": 3 * numel * engine.opt_params[name].element_size()})
     return out
 
 
@@ -126,7 +126,7 @@ def _set_local(engine: Engine, name: str, src: dict, optimizer_steps: float) -> 
         p = engine.module.params[name]
         p.copy_(src["param"])
         q = engine.opt_params[name]
-        if engine.offload_opt:
+        if q is not p:  # the master (host under offload, fp32 under mixed precision)
             q.copy_(src["param"])
         if src.get("exp_avg") is not None and optimizer_steps > 0:
             engine.set_optimizer_state(q, {
