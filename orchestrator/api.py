@@ -45,8 +45,8 @@ def plan_file(path: str | Path, objective: str = "throughput") -> dict[str, Any]
 
 def load_plan(path: str | Path) -> Plan:
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"plan file {str(p)!r} does not exist; write one with `hetspot plan JOB.yaml --json`")
+    if p.is_dir() or not p.is_file():
+        raise ConfigError(f"plan file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; write one with `hetspot plan JOB.yaml --json`")
     import json
 
     from pydantic import ValidationError
@@ -56,6 +56,8 @@ def load_plan(path: str | Path) -> Plan:
         plan = Plan.model_validate(data.get("plan", data) if isinstance(data, dict) else data)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    except (UnicodeDecodeError, RecursionError):
+        raise ConfigError(f"{p}: not a plan file (not UTF-8 JSON); write one with `hetspot plan JOB.yaml --json`") from None
     except ValidationError as e:
         raise ConfigError(format_validation(str(p), e, "plan")) from None
     return plan

@@ -8,7 +8,7 @@ message names the file, the field and the fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,7 +18,17 @@ from planner.specs import PRESETS, ClusterSpec, ModelSpec, TrainSpec
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, v, info):
+        """YAML's true/false is not a count or a size (pydantic would read true as 1)."""
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            if ann in (int, float) or set(get_args(ann)) & {int, float}:
+                raise ValueError(f"must be a number, not {str(v).lower()}")
+        return v
 
 
 class ModelSection(_Section):
@@ -171,6 +181,8 @@ def parse_job(data: object, source: str = "<job>") -> JobSpec:
 
 def load_job(path: str | Path) -> JobSpec:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"job file {str(p)!r} is a directory; pass the path of a YAML job file (see examples/)")
     if not p.is_file():
         raise ConfigError(f"job file {str(p)!r} does not exist; pass the path of a YAML job file (see examples/)")
     data = _read_yaml(p)
@@ -181,7 +193,11 @@ def load_job(path: str | Path) -> JobSpec:
 
 def _read_yaml(p: Path):
     try:
-        return yaml.safe_load(p.read_text())
+        return yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save the job file as UTF-8 YAML") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: YAML nested too deeply to read; a job file is a few flat sections") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

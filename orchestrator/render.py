@@ -23,9 +23,10 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
         f"{model['num_layers']} layers), global batch {plan['global_batch']}"
     )
     t = Table(title="Plan: pipelines (data-parallel replicas) and stages", show_lines=False)
-    for col in ("pipe", "samples", "micro-batches", "stage", "GPUs", "layers", "memory / capacity", "offload"):
-        t.add_column(col)
+    for col in ("pipe", "samples", "micro batches", "stage", "GPUs @ node", "layers", "GiB / cap", "offload"):
+        t.add_column(col, overflow="fold")  # a narrow terminal or a pipe folds a cell, never cuts it
     mem = est["memory_gib"]
+    reasons: list[str] = []  # offload reasons, as numbered notes under the table
     for r, p in enumerate(plan["pipelines"]):
         for i, st in enumerate(p["stages"]):
             cap = gpu_info(st["gpu_type"]).mem_gib
@@ -33,14 +34,16 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
             t.add_row(
                 str(r) if first else "",
                 str(p["num_samples"]) if first else "",
-                f"{p['num_micro_batches']} x {p['micro_batch_size']}" if first else "",
+                f"{p['num_micro_batches']} x {p['micro_batch_size']}" if first else "",  # count x size
                 str(i),
-                f"{len(st['devices'])}x {st['gpu_type']} @ {st['node']}",
+                f"{len(st['devices'])}x {st['gpu_type']}\n{st['node']}",
                 f"{st['layer_start']}-{st['layer_end'] - 1}",
-                f"{mem[st['devices'][0]]:.1f} / {cap:.0f} GiB",
-                _offload(st["offload"]),
+                f"{mem[st['devices'][0]]:.1f} / {cap:.0f}",
+                _offload(st["offload"], st["layer_end"] - st["layer_start"], reasons),
             )
     console.print(t)
+    for k, why in enumerate(reasons, 1):
+        console.print(f"[{k}] {why}", highlight=False)
     if plan["unused"]:
         console.print(f"[yellow]{len(plan['unused'])} device(s) unused[/]: " + "; ".join(
             f"{u['device']}: {u['reason']}" for u in plan["unused"][:6]) + (" ..." if len(plan["unused"]) > 6 else ""))
@@ -51,7 +54,7 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
     console.print(line)
     b = Table(title="Against baselines (same cost model)")
     for col in ("plan", "tokens/s", "step", "hetspot speedup"):
-        b.add_column(col)
+        b.add_column(col, overflow="fold")
     b.add_row("hetspot", f"{est['tokens_per_s']:,.0f}", _fmt_time(est["step_time_s"]), "1.00x")
     for name, bl in result["baselines"].items():
         if bl is None:
@@ -62,7 +65,16 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
     console.print(b)
 
 
-def _offload(pol: dict[str, Any]) -> str:
+def _offload(pol: dict[str, Any], layers: int, reasons: list[str]) -> str:
+    """Compact: `rc 13/24 · opt→host · params→host (pf 1) [2]`; the reason goes to note [2] under the table."""
     policy = OffloadPolicy.model_validate(pol)
-    desc = policy.describe()
-    return f"{desc} ({policy.reason})" if policy.reason and desc != "none" else desc
+    parts = [f"rc {len(policy.recompute_layers)}/{layers}"] if policy.recompute_layers else []
+    parts += ["opt→host"] if policy.offload_optimizer else []
+    parts += [f"params→host (pf {policy.prefetch_depth})"] if policy.offload_params else []
+    if not parts:
+        return "none"
+    if policy.reason:
+        if policy.reason not in reasons:
+            reasons.append(policy.reason)
+        parts.append(f"[{reasons.index(policy.reason) + 1}]")
+    return " · ".join(parts)

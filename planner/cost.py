@@ -202,7 +202,7 @@ def stage_memory(
     # it (workers/offload.py), so one tensor's gradient is on the device at a time.
     biggest = max(model.ffn * model.hidden_size / tp if n else 0.0,
                   model.vocab_size * model.hidden_size if shape.first or shape.last else 0.0)
-    grads = biggest * train.grad_bytes if policy.offload_optimizer else p_dev * train.grad_bytes
+    grads = biggest * pb if policy.offload_optimizer else p_dev * train.grad_bytes  # offloaded: fp32 on the host
     opt = 0.0 if policy.offload_optimizer else p_dev * train.optimizer_bytes_per_param
     full = s * b * h * act_units(model, tp) * pb / 2
     ckpt = s * b * h * pb

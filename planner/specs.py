@@ -8,7 +8,7 @@ Devices are named `"<node>/<gpu index>"` everywhere (see `device_id`).
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,7 +16,17 @@ from planner.catalog import canonical_gpu_type, gpu_info
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, v, info):
+        """YAML's true/false is not a count or a size (pydantic would read true as 1)."""
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            if ann in (int, float) or set(get_args(ann)) & {int, float}:
+                raise ValueError(f"must be a number, not {str(v).lower()}")
+        return v
 
 
 def device_id(node: str, index: int) -> str:
@@ -113,13 +123,13 @@ class ModelSpec(_Spec):
 
     name: str = "custom"
     arch: Literal["gpt", "llama"] = "gpt"
-    num_layers: int = Field(ge=1)
-    hidden_size: int = Field(ge=8)
-    num_heads: int = Field(ge=1)
+    num_layers: int = Field(ge=1, le=1024)
+    hidden_size: int = Field(ge=8, le=65536)
+    num_heads: int = Field(ge=1, le=1024)
     num_kv_heads: int | None = Field(default=None, ge=1, description="llama: key/value heads (GQA); default num_heads")
-    ffn_size: int | None = Field(default=None, description="MLP width; default 4h (gpt) or 8h/3 to 256 (llama)")
-    vocab_size: int = Field(ge=2)
-    seq_len: int = Field(ge=2)
+    ffn_size: int | None = Field(default=None, ge=1, le=2**20, description="MLP width; default 4h (gpt) or 8h/3 to 256 (llama)")
+    vocab_size: int = Field(ge=2, le=2**22)
+    seq_len: int = Field(ge=2, le=2**20)
     rope_theta: float = Field(default=10000.0, gt=0, description="llama: RoPE base")
     norm_eps: float = Field(default=1e-5, gt=0, description="llama: RMSNorm epsilon")
     init_from: str | None = Field(default=None, description="a Hugging Face directory whose weights start the run")
@@ -220,7 +230,7 @@ BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
 class TrainSpec(_Spec):
-    global_batch: int = Field(ge=1, description="samples per optimizer step, over all replicas")
+    global_batch: int = Field(ge=1, le=65536, description="samples per optimizer step, over all replicas")
     precision: Literal["bf16", "fp16", "fp32", "fp64"] = "bf16"
     optimizer: Literal["adamw"] = "adamw"
     lr: float = Field(default=3e-4, gt=0)
@@ -231,7 +241,7 @@ class TrainSpec(_Spec):
     memory_reserve_gib: float = Field(
         default=2.0, ge=0, description="per-device memory kept free (allocator, CUDA context)"
     )
-    max_micro_batch_size: int = Field(default=64, ge=1)
+    max_micro_batch_size: int = Field(default=64, ge=1, le=65536)
     seed: int = 0
 
     @cached_property

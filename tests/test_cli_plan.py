@@ -82,3 +82,19 @@ def test_objective_cost_needs_prices(tmp_path):
     job = {**JOB, "cluster": {"nodes": [{"name": "a", "gpu_type": "A100-80GB", "num_gpus": 2}]}}
     res = runner.invoke(app, ["plan", _write(tmp_path, job), "--objective", "cost"])
     assert res.exit_code == 2 and "price_per_hour" in res.output
+
+
+@pytest.mark.parametrize("columns", ["80", None])
+def test_mixed_cluster_plan_is_never_cut_when_piped_or_narrow(columns):
+    """Issue 15: piped (no terminal) or at COLUMNS=80, no cell is cut with an ellipsis; offload cells are compact
+    and their reasons are numbered notes under the table."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
+    r = subprocess.run([str(Path(sys.executable).parent / "hetspot"), "plan", str(ROOT / "examples/mixed-cluster.yaml")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout
+    assert "opt→host" in r.stdout or "rc " in r.stdout or "none" in r.stdout
+    if "[1]" in r.stdout:  # a reason cited in a cell is printed once below the table
+        assert "\n[1] " in r.stdout

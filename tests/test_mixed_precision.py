@@ -85,6 +85,9 @@ def test_bf16_trains_like_fp32_within_bf16_tolerance(fp32, offload):
     ("recompute", {"recompute_layers": [0, 2, 4]}),
     ("optimizer", {"offload_optimizer": True}),
     ("param+optimizer", {"offload_optimizer": True, "offload_params": True}),
+    ("all", {"offload_optimizer": True, "offload_params": True, "recompute_layers": [0, 1, 2, 3, 4]}),
+    ("all-prefetch-2", {"offload_optimizer": True, "offload_params": True, "prefetch_depth": 2,
+                        "recompute_layers": [0, 1, 2, 3, 4, 5]}),
 ])
 def test_bf16_device_bytes_within_10_percent_of_the_planner(name, offload):
     train = TrainSpec(global_batch=B, lr=0.003, precision="bf16")
