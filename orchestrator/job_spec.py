@@ -8,27 +8,17 @@ message names the file, the field and the fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import ConfigError
-from planner.specs import PRESETS, ClusterSpec, ModelSpec, TrainSpec
+from planner.specs import PRESETS, ClusterSpec, ModelSpec, StrictModel, TrainSpec
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, v, info):
-        """YAML's true/false is not a count or a size (pydantic would read true as 1)."""
-        if isinstance(v, bool):
-            ann = cls.model_fields[info.field_name].annotation
-            if ann in (int, float) or set(get_args(ann)) & {int, float}:
-                raise ValueError(f"must be a number, not {str(v).lower()}")
-        return v
+class _Section(StrictModel):
+    """Every section: unknown fields are errors, no inf/nan, no true/false where a number goes (planner/specs.py)."""
 
 
 class ModelSection(_Section):

@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from planner.catalog import canonical_gpu_type, gpu_info
 
 
-class _Spec(BaseModel):
+class StrictModel(BaseModel):
+    """Specs and job-file sections: unknown fields are errors, floats are finite, numbers are not booleans."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
@@ -33,7 +35,7 @@ def device_id(node: str, index: int) -> str:
     return f"{node}/{index}"
 
 
-class NodeSpec(_Spec):
+class NodeSpec(StrictModel):
     name: str = Field(description="unique node name; also the Ray node label hetspot/node")
     gpu_type: str = Field(description="catalog GPU type, e.g. A100-80GB, L4, T4")
     num_gpus: int = Field(ge=1, le=64, description="GPUs on this node, all of gpu_type")
@@ -72,7 +74,7 @@ class NodeSpec(_Spec):
         return [device_id(self.name, i) for i in range(self.num_gpus)]
 
 
-class ClusterSpec(_Spec):
+class ClusterSpec(StrictModel):
     nodes: list[NodeSpec] = Field(min_length=1)
     calibration: dict[str, float] = Field(
         default_factory=dict,
@@ -113,7 +115,7 @@ class ClusterSpec(_Spec):
         return self.model_copy(update={"nodes": [n for n in self.nodes if n.name not in names]})
 
 
-class ModelSpec(_Spec):
+class ModelSpec(StrictModel):
     """A pre-norm decoder with an untied head, of one of two architectures:
 
     - "gpt" (nanoGPT): LayerNorm with biases, GELU MLP (default width 4h), learned positions;
@@ -229,7 +231,7 @@ def tokens_per_step(model: ModelSpec, global_batch: int) -> int:
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
-class TrainSpec(_Spec):
+class TrainSpec(StrictModel):
     global_batch: int = Field(ge=1, le=65536, description="samples per optimizer step, over all replicas")
     precision: Literal["bf16", "fp16", "fp32", "fp64"] = "bf16"
     optimizer: Literal["adamw"] = "adamw"
