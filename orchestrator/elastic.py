@@ -98,6 +98,7 @@ def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, 
         return None
     cands = _candidates(plans, running, model, train, startup_s)
     left = steps_left * tokens_per_step(model, train.global_batch)
-    d = scale_policy(Candidate("running", now, {}, 0.0), cands, left, bandwidths(cluster))
+    stay = Candidate("running", now, {}, 0.0)
+    d = scale_policy(stay, cands, left, bandwidths(cluster))
     chosen = plans[[c.name for c in cands].index(d.chosen)] if d.move else running
-    return chosen, d, _numbers(d, [Candidate("running", now, {}, 0.0), *cands], steps_left)
+    return chosen, d, _numbers(d, [stay, *cands], steps_left)

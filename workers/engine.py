@@ -265,7 +265,7 @@ class Engine:
         ops = op_order(self.info.stage, len(self.pipe.stages), len(sizes), self.pipe.schedule)
         last_b = max(i for i, (kind, _) in enumerate(ops) if kind == "B")
         self.sync_trace, self._final_bwd = [], False
-        self._count = dict(getattr(self, "_left", {}))
+        self._count = dict(self._left)
         with self.meter.tracking():  # device-side bytes as they live (CPU accounting)
             for i, (kind, j) in enumerate(ops):
                 self._final_bwd = i == last_b
@@ -385,7 +385,7 @@ class Engine:
         (no optimizer offload) and `overlap_sync`, a layer's bucket is launched asynchronously as
         soon as the last micro-batch's backward has accumulated its last gradient, so the
         all-reduce of layer k runs while layer k-1 is back-propagated (the cost model's
-        assumption: the sync overlaps the last micro-batch's backward); `_finish_sync` waits
+        assumption: the sync overlaps the last micro-batch's backward); `_sync_grads` waits
         for them before clipping. Offloaded gradients stream to the host instead, and their
         buckets are reduced after backward, in the same order."""
         n_layers = self.model.num_layers
@@ -400,9 +400,9 @@ class Engine:
         self._final_bwd = False  # counting gradients of the last micro-batch's backward
         self._inflight: list = []
         self.sync_trace: list[tuple[str, int, float]] = []  # ("ready" | "launch", layer, time) of the last step
+        self._left: dict[int, int] = {}  # gradients per layer, counted down in the last backward
         if self.offload_opt:
             return
-        self._left: dict[int, int] = {}
         by_name = {name: b for b in self.buckets for name in b[2]}
         for name, p in self.module.params.items():
             layer = extended_layer(self.module.specs[name].layer, n_layers)
