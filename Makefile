@@ -17,6 +17,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hetspot plan examples/mixed-cluster.yaml
 	$(BIN)/hetspot submit examples/tiny-mixed.yaml
+	$(BIN)/hetspot drill drills/preempt.yaml --plot drill-preempt.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -273,6 +273,10 @@ def inventory(
 def _register_subcommands() -> None:
     from orchestrator.cli_checkpoints import checkpoints_app, export, list_steps, rm, verify
     from orchestrator.cli_deploy import deploy_app, render
+    from orchestrator.cli_drill import drill, simulate
+
+    app.command(name="drill")(_user_errors(drill))
+    app.command(name="simulate")(_user_errors(simulate))
 
     deploy_app.command(name="render")(_user_errors(render))
     app.add_typer(deploy_app, name="deploy")

@@ -63,6 +63,7 @@ class Progress:
     phase: str = "discovering"  # what the job is doing now, for people
     history: list[str] = field(default_factory=list)  # transitions, for status and tests
     events: list[dict] = field(default_factory=list)  # re-plans and drains with their cause
+    samples: dict[int, list] = field(default_factory=dict)  # per committed step: (first sample, count) trained
 
 
 class Controller:
@@ -104,6 +105,10 @@ class Controller:
             self.state = handler()
             self.progress.history.append(f"{before.value}->{self.state.value}")
         return self.state
+
+    def finish_after(self, step: int) -> None:
+        """End the job once `step` is committed (a trace replay stops when its trace does)."""
+        self.steps = max(step, self.progress.committed) + 1
 
     def run(self) -> State:
         while self.state not in (State.DONE, State.FAILED):
@@ -177,6 +182,7 @@ class Controller:
             loss = self.group.step(s)
             self.progress.step_time_s[s] = self.clock.now() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
+            self.progress.samples[s] = list(getattr(self.group, "last_samples", []))
             self._mark("first_step_s")
             if self.store.after_step(self.group, s, self.doomed):
                 self.progress.snapshot_step = s
@@ -258,6 +264,7 @@ class Controller:
         self.progress.committed = step
         self.progress.losses = {k: v for k, v in self.progress.losses.items() if k <= step}
         self.progress.step_time_s = {k: v for k, v in self.progress.step_time_s.items() if k <= step}
+        self.progress.samples = {k: v for k, v in self.progress.samples.items() if k <= step}
 
     # -- the executor of decisions -------------------------------------------------
     def _decide(self, failure: WorkerFailure) -> State:

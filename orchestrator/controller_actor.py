@@ -38,7 +38,8 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
                       interruptions=RayNotices(None if job.runtime.notices == "none" else job.runtime.notices,
                                                job.runtime.notice_poll_s),
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
-                      on_phase=on_phase, scale_check_every=job.runtime.scale_check_every)
+                      on_phase=on_phase, scale_check_every=job.runtime.scale_check_every,
+                      max_restarts=job.runtime.max_restarts)
 
 
 def make_store(job: JobSpec, restore_from: str | None = None):

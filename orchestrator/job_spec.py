@@ -85,6 +85,8 @@ class RuntimeSpec(_Section):
                                 "committed steps (checkpoint.peer_every overrides it)")
     scale_check_every: int = Field(default=10, ge=0, description="every k steps, look for nodes that joined and move "
                                    "onto a plan that uses them when that pays for the migration (0: never)")
+    max_restarts: int = Field(default=100, ge=0, description="re-plans after failures before the job gives up (a "
+                              "spot job sees many; a deterministic error stops it at once whatever this is)")
     profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "
                                                     "(skipped on fake GPUs)")
     tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX)")

@@ -45,12 +45,18 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
     for k, why in enumerate(reasons, 1):
         console.print(f"[{k}] {why}", highlight=False)
     if plan["unused"]:
+        by_reason: dict[str, list[str]] = {}
+        for u in plan["unused"]:
+            by_reason.setdefault(u["reason"], []).append(u["device"])
         console.print(f"[yellow]{len(plan['unused'])} device(s) unused[/]: " + "; ".join(
-            f"{u['device']}: {u['reason']}" for u in plan["unused"][:6]) + (" ..." if len(plan["unused"]) > 6 else ""))
+            ", ".join(devs[:6]) + (f" and {len(devs) - 6} more" if len(devs) > 6 else "") + f": {why}"
+            for why, devs in by_reason.items()))
     line = (f"[bold]Estimate[/]: step {_fmt_time(est['step_time_s'])}, {est['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {est['mfu'] * 100:.1f}%, bottleneck: {est['bottleneck']}")
     if est.get("cost_per_mtok") is not None:
-        line += f", ${est['cost_per_mtok']:.3f} per M tokens"
+        line += f", ${est['cost_per_mtok']:.4f} per M tokens"
+    if est.get("preemption_loss"):
+        line += f" (expected preemptions cost {est['preemption_loss'] * 100:.1f}% of the time)"
     console.print(line)
     b = Table(title="Against baselines (same cost model)")
     for col in ("plan", "tokens/s", "step", "hetspot speedup"):

@@ -44,6 +44,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
     peak_mem_bytes: list[int] = field(default_factory=list)  # per step, the largest over workers
+    samples: list[list[tuple[int, int]]] = field(default_factory=list)  # per step: (first sample, count) trained
     tokens_per_s: float = 0.0  # from step times, start-up excluded
     wall_s: float = 0.0
     real_gpus: bool = False  # every worker computed on CUDA (else fake GPUs: no MFU)
@@ -121,6 +122,7 @@ class PlanRun:
             dt = time.perf_counter() - t0
             loss = sum(o.loss for o in outs if o.loss is not None)
             result.losses.append(loss)
+            result.samples.append(sorted(tuple(r) for o in outs for r in o.extra.get("samples", [])))
             result.step_time_s.append(dt)
             # the meter's device bytes when on, else the allocator's peak (CUDA) or RSS (CPU)
             result.peak_mem_bytes.append(max(o.extra.get("device_peak_bytes") if self.job.runtime.meter_memory
@@ -207,6 +209,7 @@ class RayWorkerGroup:
         self.plan = plan
         self.on_step = on_step
         self.last_peak_mem = 0
+        self.last_samples: list[tuple[int, int]] = []  # (first sample, count) per micro-batch of the last step
         self.real_gpus = False
         self.holds_state = False  # the workers hold the job's state (restored, or trained from step 0)
         self.keepers: list = []  # each rank's peer keeper, as last set
@@ -217,6 +220,7 @@ class RayWorkerGroup:
     def step(self, step_index: int) -> float:
         r = self.run.run(1, first_step=step_index, on_step=self.on_step)
         self.last_peak_mem, self.real_gpus = r.peak_mem_bytes[0], r.real_gpus
+        self.last_samples = r.samples[0]
         return r.losses[0]
 
     def export_state(self) -> tuple[dict, float]:

@@ -1,8 +1,9 @@
 """Baseline plans, scored with the same cost model as the planner.
 
 - `megatron_symmetric`: uniform DP x PP x TP over the GPUs in node order, even
-  layer split, even batch split, one micro-batch size (what a Megatron-LM user
-  sets by hand, blind to GPU types).
+  layer split (the depth divides the layer count, as Megatron-LM requires),
+  even batch split, one micro-batch size (what a Megatron-LM user sets by hand,
+  blind to GPU types).
 - `data_parallel_offload`: every GPU a full replica, even batch split, with
   ZeRO-Offload-style optimizer/parameter offload where the model does not fit.
 - `best_homogeneous`: the planner itself restricted to the nodes of one GPU type,
@@ -78,12 +79,17 @@ def megatron_symmetric(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec)
     plans = []
     for tp in tp_candidates(cluster, model):
         groups, _ = make_groups(cluster, train, tp)
-        for pp in range(1, min(len(groups), model.num_layers) + 1):
+        # Megatron-LM's own rule: the pipeline depth divides the layer count (no uneven first or last stage)
+        for pp in (d for d in range(1, min(len(groups), model.num_layers) + 1) if model.num_layers % d == 0):
             dp = len(groups) // pp
             if dp == 0:
                 continue
             pset = [groups[r * pp:(r + 1) * pp] for r in range(dp)]
-            plans += [_uniform_plan(pset, cluster, model, train, b) for b in _micro_batches(train)]
+            for b in _micro_batches(train):
+                got = _uniform_plan(pset, cluster, model, train, b)
+                if got is None:
+                    break  # activations grow with the micro-batch: a larger one does not fit either
+                plans.append(got)
     return _best(plans)
 
 

@@ -27,6 +27,7 @@ from planner.plan_types import OffloadPolicy, Plan
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 GIB = float(1 << 30)
+RECOVERY_S = 60.0  # a preemption's cost beyond the redone work: detection, new workers, restore (a GPU fleet's order)
 _UTIL_HALF_TOKENS = 256.0  # micro-batch tokens at which a GEMM reaches half its peak efficiency
 
 

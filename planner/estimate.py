@@ -9,6 +9,7 @@ replays the same per-stage times event by event to check the closed form.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from planner import cost
@@ -134,17 +135,29 @@ def estimate_from_profiles(
         pipeline_time_s=pipe_times,
         sync_time_s=max(sp.sync_s for prof in profiles for sp in prof),
         cost_per_mtok=_cost_per_mtok(plan, cluster, step, tokens),
+        preemption_loss=preemption_loss(plan, cluster, step),
     )
 
 
+def preemption_loss(plan: Plan, cluster: ClusterSpec, step_s: float) -> float:
+    """Expected share of wall time lost to preemptions (AutoHet's observation: on spot GPUs the cheapest
+    plan per hour can be the dearest per token once recoveries are paid): every preemption of a node the
+    plan uses costs cost.RECOVERY_S plus half a step of redone work. Capped at 1."""
+    used = {st.node for p in plan.pipelines for st in p.stages}
+    per_hour = sum(cluster.node(n).preemptions_per_hour for n in used)
+    return min(1.0, per_hour * (cost.RECOVERY_S + step_s / 2) / 3600.0)
+
+
 def _cost_per_mtok(plan: Plan, cluster: ClusterSpec, step_s: float, tokens: int) -> float | None:
-    """Hourly price of every node the plan touches, per million tokens (idle GPUs still bill)."""
+    """Hourly price of every node the plan touches, per million tokens trained (idle GPUs still bill, and the
+    time lost to expected preemptions trains nothing)."""
     used = {st.node for p in plan.pipelines for st in p.stages}
     prices = [cluster.node(n).price_per_hour for n in used]
     if any(p is None for p in prices):
         return None
     dollars_per_s = sum(prices) / 3600.0
-    return dollars_per_s * step_s / tokens * 1e6
+    kept = 1.0 - preemption_loss(plan, cluster, step_s)
+    return math.inf if kept <= 0 else dollars_per_s * step_s / tokens * 1e6 / kept
 
 
 def evaluate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Estimate:

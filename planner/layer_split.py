@@ -297,15 +297,26 @@ def _rebalance(fin, counts: list[int]) -> list[int]:
     k = len(counts)
     cur = [fin(i, counts[i]) for i in range(k)]
     nxt = [fin(i, counts[i] + 1) for i in range(k)]
+    # Heaps with lazy deletion: the slowest (largest cur, lowest index first) and the fastest to take one more
+    # (smallest nxt, lowest index first); O(k log k) where a scan per move was O(k^2) on a thousand GPUs.
+    slow_h = [(-cur[i], i) for i in range(k)]
+    fast_h = [(nxt[i], i) for i in range(k)]
+    heapq.heapify(slow_h)
+    heapq.heapify(fast_h)
     for _ in range(4 * k):
-        slow = max(range(k), key=lambda i: (cur[i], -i))
-        fast = min(range(k), key=lambda i: (nxt[i], i))
+        while -slow_h[0][0] != cur[slow_h[0][1]]:
+            heapq.heappop(slow_h)
+        while fast_h[0][0] != nxt[fast_h[0][1]]:
+            heapq.heappop(fast_h)
+        slow, fast = slow_h[0][1], fast_h[0][1]
         if counts[slow] == 1 or fast == slow or nxt[fast] >= cur[slow]:
             break
         counts[slow] -= 1
         counts[fast] += 1
         for i in (slow, fast):
             cur[i], nxt[i] = fin(i, counts[i]), fin(i, counts[i] + 1)
+            heapq.heappush(slow_h, (-cur[i], i))
+            heapq.heappush(fast_h, (nxt[i], i))
     return counts
 
 

@@ -99,7 +99,10 @@ class Estimate(_Model):
     bottleneck: str
     pipeline_time_s: list[float] = Field(default_factory=list, description="per replica, 1F1B")
     sync_time_s: float = 0.0
-    cost_per_mtok: float | None = Field(default=None, description="$ per million tokens, if priced")
+    cost_per_mtok: float | None = Field(default=None, description="$ per million tokens, if priced; with the "
+                                       "expected preemption loss counted where nodes give preemptions_per_hour")
+    preemption_loss: float = Field(default=0.0, description="expected share of wall time lost to preemptions of the "
+                                   "plan's nodes (their preemptions_per_hour x RECOVERY_S and half a step)")
 
 
 class Plan(_Model):

@@ -314,7 +314,8 @@ class Planner:
     def plan(self, cluster: ClusterSpec, objective: str = "throughput") -> Plan:
         return self.candidates(cluster, objective, 1)[0]
 
-    def candidates(self, cluster: ClusterSpec, objective: str = "throughput", k: int = FINALISTS) -> list[Plan]:
+    def candidates(self, cluster: ClusterSpec, objective: str = "throughput", k: int = FINALISTS,
+                   _kinds: bool = True) -> list[Plan]:
         """The best `k` distinct plans the search scored exactly (`evaluate`), best first.
 
         The controller weighs these on a re-plan by throughput minus the cost of
@@ -326,6 +327,8 @@ class Planner:
         if objective == "cost" and any(n.price_per_hour is None for n in cluster.nodes):
             missing = [n.name for n in cluster.nodes if n.price_per_hour is None]
             raise PlanningError(f"objective 'cost' needs price_per_hour on every node; missing on {', '.join(missing)}")
+        if objective == "cost" and _kinds:
+            return self._cheapest_kinds(cluster, k)
         search = _Search(cluster, model, train, self._pm_cache, self._stage_cache)
         finalists = []
         for tp in tp_candidates(cluster, model):
@@ -365,6 +368,34 @@ class Planner:
             problems = plan_problems(p, model, train, cluster)
             assert not problems, f"the search built a plan that breaks the plan contract: {problems}"
         return out
+
+
+    def _cheapest_kinds(self, cluster: ClusterSpec, k: int) -> list[Plan]:
+        """$ per token: a kind of node (a GPU type on one market) may be dearer than it is worth, by its price
+        or by its expected preemptions (`preemptions_per_hour`); the search also runs without each kind and
+        the cheapest plans per token win. The left-out nodes are listed as unused, with the reason."""
+        kinds = sorted({(n.gpu_type, n.market) for n in cluster.nodes})
+        subsets = [cluster] + ([cluster.without_nodes({n.name for n in cluster.nodes if (n.gpu_type, n.market) == kd})
+                                for kd in kinds] if len(kinds) > 1 else [])
+        ranked: list[Plan] = []
+        for sub in subsets:
+            try:
+                plans = self.candidates(sub, "cost", k, _kinds=False)
+            except PlanningError:
+                continue
+            gone = [n for n in cluster.nodes if n not in sub.nodes]
+            for p in plans:
+                if gone:
+                    why = (f"left out: cheaper per token without {gone[0].gpu_type} ({gone[0].market}) nodes, "
+                           "by price and expected preemptions")
+                    p.unused = sorted(p.unused + [UnusedDevice(device=d, reason=why) for n in gone for d in n.device_ids()],
+                                      key=lambda u: u.device)
+                if all(q.pipelines != p.pipelines for q in ranked):
+                    ranked.append(p)
+        if not ranked:
+            raise PlanningError(_no_fit_message(cluster, self.model, self.train))
+        ranked.sort(key=lambda p: (p.estimate.cost_per_mtok, p.estimate.step_time_s))
+        return ranked[:k]
 
 
 def plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, objective: str = "throughput") -> Plan:

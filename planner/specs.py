@@ -41,6 +41,9 @@ class NodeSpec(StrictModel):
     num_gpus: int = Field(ge=1, le=64, description="GPUs on this node, all of gpu_type")
     market: Literal["spot", "on-demand"] = "spot"
     price_per_hour: float | None = Field(default=None, ge=0, description="node $/h, if known")
+    preemptions_per_hour: float = Field(default=0.0, ge=0, le=60, description="expected preemptions of this node "
+                                        "per hour (from a spot trace or the provider's advisor); the cost "
+                                        "objective charges each one's recovery")
     zone: str = ""
     intra_node_bw_gb_s: float | None = Field(
         default=None, gt=0, description="GPU-GPU bandwidth on the node; default from the catalog"

@@ -326,7 +326,9 @@ class Engine:
                            "device_budget_bytes": self.device_budget,
                            "h2d_fetches": self.store.fetches if self.store is not None else 0,
                            "loss_scale": self.loss_scale, "skipped_update": self._skip,
-                           "device": self.device.type})
+                           "device": self.device.type,
+                           # the sample ranges whose loss this rank computed: drills check each is seen once
+                           "samples": [[a, n] for a, n in zip(starts, sizes, strict=True)] if report else []})
 
     def _saved_hooks(self):
         return self.store.hooks() if self.store is not None else contextlib.nullcontext()

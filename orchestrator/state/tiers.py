@@ -47,7 +47,7 @@ class TieredState:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetspot-s3") if s3 is not None else None
         self._queued: list[Future] = []
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
-        self._placed: tuple | None = None  # (group, avoided nodes, target nodes, keeper handles)
+        self._placed: tuple | None = None  # (group, (avoided, alive nodes), target nodes, keeper handles)
         self._starting: dict[str, ray.ObjectRef] = {}  # keepers started and not yet seen running
 
     # -- keepers ------------------------------------------------------------------------
@@ -112,11 +112,11 @@ class TieredState:
 
     def _targets(self, group, avoid: frozenset) -> list | None:
         """Each rank's peer keeper, placed once per group (and again after a copy failed or a keeper was lost)."""
-        if self._placed is not None and self._placed[0] is group and self._placed[1] == avoid \
+        ids = self._alive_nodes()  # a node that joined gets copies too: it holds nothing live, the best peer
+        candidates = sorted(set(ids) - avoid)
+        if self._placed is not None and self._placed[0] is group and self._placed[1] == (avoid, tuple(candidates)) \
                 and all(n in self.keepers for n in self._placed[2]):
             return self._placed[3]
-        ids = self._alive_nodes()
-        candidates = sorted(set(ids) - avoid)
         if not candidates:
             return None
         plan = group.plan
@@ -127,7 +127,7 @@ class TieredState:
                           st.layer_end + (st.layer_end == plan.num_layers)))
         targets = peer_placement(spans, candidates, [b - a for _, a, b in spans])  # bytes ~ layers held
         self._keepers_on([n for n, _, _ in spans if n in ids], ids, wait=False)  # for a salvage, later
-        self._placed = (group, avoid, targets, self._keepers_on(targets, ids))
+        self._placed = (group, (avoid, tuple(candidates)), targets, self._keepers_on(targets, ids))
         return self._placed[3]
 
     def _check_receipts(self, step: int, refs: list) -> None:

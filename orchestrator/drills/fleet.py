@@ -1,0 +1,368 @@
+"""Goodput of a training job over a spot trace at fleet scale, without Ray (pure: planner and cost model).
+
+The trace's nodes map onto the fleet's (orchestrator/drills/trace.py `fleet_slots`).
+At every event four strategies act on the same cluster, and between events each
+trains at its plan's predicted tokens/s (planner.evaluate):
+
+- `hetspot`: on a preemption that hits its plan, re-plan among the planner's top
+  candidates with the migration-aware policy (orchestrator/elastic.py); the
+  recovery costs detection + start-up + the restore (the bytes each new stage
+  pulls, by tier, over that tier's bandwidth: live from its own node, peer from
+  a surviving holder, S3 only for layers no survivor or peer copy holds) + the
+  work since the newest step every layer is held at (the step in flight; a peer
+  snapshot interval when a layer's only copies were peers; an S3 interval when
+  S3 is needed). On a join it moves only when that finishes the trace's
+  remaining work sooner (`consider_joined`).
+- `oracle`: the planner's best plan at every event, for free (an upper bound).
+- `s3-only`: checkpoint-restart as Ray Train and SkyPilot run it: a checkpoint
+  to S3 every `ckpt_every_s` (training waits for the write), and on a
+  preemption that hits the plan, detection + start-up + every node reading its
+  state from S3 + the work since the last checkpoint; joins are used at the next
+  restart only. It plans with hetspot's planner, so the difference is recovery.
+- `symmetric`: the Megatron-style symmetric plan (planner/baselines.py), with
+  hetspot's recovery, so the difference is planning.
+
+Detection and start-up default to bench/recovery.py's medians on the test
+cluster; every assumption is returned with the result and printed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.drills.trace import Trace, fleet_slots
+from orchestrator.elastic import bandwidths, choose_replan, consider_joined
+from planner import ClusterSpec, Plan, PlanningError, evaluate
+from planner.baselines import megatron_symmetric
+from planner.search import Planner
+from planner.specs import ModelSpec, TrainSpec, tokens_per_step
+
+STRATEGIES = ("hetspot", "oracle", "s3-only", "symmetric")
+
+
+@dataclass
+class Assumptions:
+    detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
+    startup_s: float = 4.3  # bench/recovery.py: detection to restored minus the restore itself, median
+    snapshot_every: int = 1  # peer snapshots every k steps (runtime.snapshot_every)
+    s3_every: int = 10  # of those, every k-th goes to S3 (checkpoint.s3_every)
+    ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
+    s3_gb_s: float = 1.0  # per node, S3 read and write
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Run:
+    name: str
+    plan: Plan | None = None
+    tokens: float = 0.0
+    useful_s: float = 0.0
+    down_s: float = 0.0  # recovering, restarting or writing checkpoints
+    lost_s: float = 0.0  # training redone
+    recoveries: int = 0
+    busy_until: float = 0.0  # no training before this (a recovery in progress)
+    last_ckpt: float = 0.0
+    pending: bool = False  # s3-only: joined nodes wait for the next restart
+    timeline: list[tuple[float, float, float]] = field(default_factory=list)  # (t, tokens/s, tokens so far)
+
+    @property
+    def tps(self) -> float:
+        return self.plan.estimate.tokens_per_s if self.plan is not None else 0.0
+
+
+def _nodes_of(plan: Plan | None) -> set[str]:
+    return {st.node for p in plan.pipelines for st in p.stages} if plan is not None else set()
+
+
+def _layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
+    params = model.embed_params if layer < 0 else model.head_params if layer >= model.num_layers else model.layer_params
+    return params * (train.param_bytes + train.optimizer_bytes_per_param)
+
+
+def _stage_layers(plan: Plan, model: ModelSpec):
+    """(node, extended layers) per stage: a pipeline's first stage holds the embedding (-1), its last the head (L)."""
+    for pipe in plan.pipelines:
+        for i, st in enumerate(pipe.stages):
+            lo = -1 if i == 0 else st.layer_start
+            hi = model.num_layers + 1 if i == len(pipe.stages) - 1 else st.layer_end
+            yield st.node, range(lo, hi)
+
+
+def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
+                 a: Assumptions) -> tuple[float, float, dict[str, float]]:
+    """(restore seconds, seconds of work redone, bytes by tier) for moving from `old` to `new` after `gone` left.
+
+    Each layer's source: a surviving live holder (the stage's own node: live tier, another: peer), else the
+    peer copy of a lost holder (kept on the next node of the old plan in name order, a stand-in for
+    peer_placement) when that node survived, else S3. Nodes pull at once; the slowest node sets the time.
+    """
+    bw = bandwidths(cluster) | {"s3": a.s3_gb_s * 1e9}
+    ring = sorted(_nodes_of(old))
+    peer_of = {n: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
+    held: dict[int, list[str]] = {}
+    for node, layers in _stage_layers(old, model):
+        for layer in layers:
+            held.setdefault(layer, []).append(node)
+    per_node: dict[str, float] = {}
+    by_tier = {"live": 0.0, "peer": 0.0, "s3": 0.0}
+    redo_steps = 0.5 if gone else 0.0  # a preemption loses the step in flight, on average half done
+    for node, layers in _stage_layers(new, model):
+        for layer in layers:
+            live = [h for h in held.get(layer, []) if h not in gone]
+            if node in live:
+                tier = "live"
+            elif live:
+                tier = "peer"
+            elif any(peer_of[h] not in gone for h in held.get(layer, [])):
+                tier = "peer"  # only a snapshot survived: back to the newest peer snapshot
+                redo_steps = max(redo_steps, 0.5 + (a.snapshot_every - 1) / 2)
+            else:
+                tier = "s3"
+                redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
+            nbytes = _layer_bytes(model, train, layer)
+            by_tier[tier] += nbytes
+            per_node[node] = per_node.get(node, 0.0) + nbytes / bw[tier]
+    return max(per_node.values(), default=0.0), redo_steps * old.estimate.step_time_s, by_tier
+
+
+def _state_io_s(plan: Plan, model: ModelSpec, train: TrainSpec, a: Assumptions) -> float:
+    """Every node reads (or writes) its stages' state from S3 at once; the slowest node's time."""
+    per_node: dict[str, float] = {}
+    for node, layers in _stage_layers(plan, model):
+        per_node[node] = per_node.get(node, 0.0) + sum(_layer_bytes(model, train, x) for x in layers)
+    return max(per_node.values(), default=0.0) / (a.s3_gb_s * 1e9)
+
+
+class FleetSim:
+    def __init__(self, trace: Trace, fleet: ClusterSpec, model: ModelSpec, train: TrainSpec,
+                 assumptions: Assumptions | None = None):
+        self.trace, self.fleet, self.model, self.train = trace, fleet, model, train
+        self.a = assumptions or Assumptions()
+        self.planner = Planner(model, train)
+        self._cands: dict[tuple, list[Plan] | PlanningError] = {}
+        self._sym: dict[frozenset, Plan | None] = {}
+        self._layout: Plan | None | bool = None
+
+    def _cluster(self, up_slots: set[int]) -> ClusterSpec | None:
+        n0 = max(1, self.trace.first_nodes)
+        nodes = [n for j, n in enumerate(self.fleet.nodes) if j % n0 in up_slots]
+        return self.fleet.model_copy(update={"nodes": nodes}) if nodes else None
+
+    def candidates(self, cluster: ClusterSpec, objective: str = "throughput", k: int = 4) -> list[Plan]:
+        """The planner's top plans for these nodes, searched once per node set: the oracle, s3-only and
+        hetspot's re-plan and join policies (handed this object as their planner) share one search."""
+        key = (frozenset(n.name for n in cluster.nodes), objective, k)
+        if key not in self._cands:
+            try:
+                self._cands[key] = self.planner.candidates(cluster, objective, k)
+            except PlanningError as e:
+                self._cands[key] = e
+        got = self._cands[key]
+        if isinstance(got, PlanningError):
+            raise got
+        return got
+
+    def _best(self, cluster: ClusterSpec) -> Plan | None:
+        try:
+            return self.candidates(cluster)[0]
+        except PlanningError:
+            return None
+
+    def symmetric(self, cluster: ClusterSpec) -> Plan | None:
+        """The fleet's Megatron-style layout, elastic in data parallelism only: the replicas whose nodes are all
+        up, the global batch split evenly over them (None: no replica whole)."""
+        if self._layout is None:
+            self._layout = megatron_symmetric(self.fleet, self.model, self.train) or False
+        if not self._layout:
+            return None
+        key = frozenset(n.name for n in cluster.nodes)
+        if key not in self._sym:
+            whole = [p for p in self._layout.pipelines if all(st.node in key for st in p.stages)]
+            self._sym[key] = None
+            if whole and len(whole) <= self.train.global_batch:
+                q, r = divmod(self.train.global_batch, len(whole))
+                pipes = []
+                for i, p in enumerate(whole):
+                    n = q + (i < r)
+                    b = min(p.micro_batch_size, n)
+                    pipes.append(p.model_copy(update={"num_samples": n, "micro_batch_size": b,
+                                                      "num_micro_batches": -(-n // b)}))
+                plan = self._layout.model_copy(update={"pipelines": pipes, "unused": []})
+                try:
+                    plan.estimate = evaluate(plan, cluster, self.model, self.train)
+                    self._sym[key] = plan
+                except (PlanningError, ValueError):
+                    pass  # the larger per-replica batch does not fit: no symmetric plan on these nodes
+        return self._sym[key]
+
+    def run(self) -> dict:
+        t_start = time.perf_counter()
+        changes = fleet_slots(self.trace)
+        end = max(self.trace.end_s, changes[-1][0] if changes else 0.0)
+        runs = {name: Run(name) for name in STRATEGIES}
+        up: set[int] = set()
+        now = 0.0
+        tok = tokens_per_step(self.model, self.train.global_batch)
+        for t, kind, slots in changes:
+            for r in runs.values():
+                self._advance(r, now, t)
+            now = t
+            gone_slots = slots if kind == "remove" else set()
+            up = up - slots if kind == "remove" else up | slots
+            cluster = self._cluster(up)
+            gone = {n.name for j, n in enumerate(self.fleet.nodes) if j % max(1, self.trace.first_nodes) in gone_slots}
+            left_s = max(0.0, end - t)
+            for r in runs.values():
+                self._act(r, t, kind, cluster, gone, left_s, tok)
+                r.timeline.append((t, r.tps if r.busy_until <= t else 0.0, r.tokens))
+        for r in runs.values():
+            self._advance(r, now, end)
+            r.timeline.append((end, r.tps, r.tokens))
+        hours = end / 3600
+        return {
+            "hours": hours, "events": len(changes), "sim_s": time.perf_counter() - t_start,
+            "event_times": [(t, k) for t, k, _ in changes[1:]],
+            "assumptions": self.a.as_dict(),
+            "strategies": {r.name: {"tokens": r.tokens, "goodput": r.useful_s / end if end else 0.0,
+                                    "recoveries": r.recoveries, "down_s": r.down_s, "lost_s": r.lost_s,
+                                    "final_tokens_per_s": r.tps, "timeline": r.timeline} for r in runs.values()},
+        }
+
+    def _advance(self, r: Run, t0: float, t1: float) -> None:
+        """Train from t0 to t1 at the plan's rate, after any recovery; s3-only writes its checkpoints."""
+        if r.plan is None:
+            return
+        start = max(t0, r.busy_until)
+        if start >= t1:
+            return
+        span = t1 - start
+        if r.name == "s3-only":
+            write = _state_io_s(r.plan, self.model, self.train, self.a)
+            n = int((t1 - r.last_ckpt) // self.a.ckpt_every_s)
+            if n:
+                r.last_ckpt += n * self.a.ckpt_every_s
+                span = max(0.0, span - n * write)
+                r.down_s += n * write
+        r.useful_s += span
+        r.tokens += span * r.tps
+
+    def _act(self, r: Run, now: float, kind: str, cluster: ClusterSpec | None, gone: set[str], left_s: float,
+             tok: int) -> None:
+        if cluster is None:
+            r.plan = None
+            return
+        if r.plan is None:  # the first add: start
+            r.plan = self._first(r, cluster)
+            r.busy_until = self.a.startup_s if r.name != "oracle" else 0.0
+            r.down_s += r.busy_until
+            return
+        if r.name == "oracle":
+            r.plan = self._best(cluster) or r.plan
+            return
+        if kind == "add":
+            self._join(r, now, cluster, left_s, tok)
+            return
+        if not gone & _nodes_of(r.plan):
+            return  # the plan's nodes all survived
+        old = r.plan
+        if r.name == "s3-only":
+            new = self._best(cluster)
+            if new is None:
+                r.plan = None
+                return
+            cost = self.a.detect_s + self.a.startup_s + _state_io_s(new, self.model, self.train, self.a)
+            self._charge(r, now, max(0.0, now - r.last_ckpt), cost, new)
+            r.last_ckpt = r.busy_until  # the restart's state is the checkpoint's
+            return
+        if r.name == "symmetric":
+            new = self.symmetric(cluster)
+        else:
+            steps_left = int(left_s * old.estimate.tokens_per_s / tok)
+            try:
+                new, _ = choose_replan(self, self.model, self.train, old, cluster, steps_left,
+                                       self.a.startup_s)
+            except PlanningError:
+                new = None
+        if new is None:
+            r.plan = None
+            return
+        restore_s, redo_s, _ = restore_cost(old, new, gone, cluster, self.model, self.train, self.a)
+        self._charge(r, now, redo_s, self.a.detect_s + self.a.startup_s + restore_s, new)
+
+    def _charge(self, r: Run, now: float, redo_s: float, down_s: float, new: Plan) -> None:
+        """A recovery at `now`: `redo_s` of training at the old rate is lost, then `down_s` without training."""
+        redo_s = min(redo_s, r.useful_s)
+        r.tokens -= redo_s * r.tps
+        r.useful_s -= redo_s
+        r.lost_s += redo_s
+        r.down_s += down_s
+        r.busy_until = max(r.busy_until, now) + down_s
+        r.recoveries += 1
+        r.plan = new
+
+    def _join(self, r: Run, now: float, cluster: ClusterSpec, left_s: float, tok: int) -> None:
+        """hetspot: move when it finishes the rest sooner (consider_joined); symmetric: when its plan is faster
+        and the move pays for itself; s3-only: at its next restart."""
+        if r.name == "s3-only":
+            return
+        if r.name == "symmetric":
+            new = self.symmetric(cluster)
+            if new is None:
+                return
+            move_s = self.a.startup_s + restore_cost(r.plan, new, set(), cluster, self.model, self.train, self.a)[0]
+            if left_s * r.tps < (left_s - move_s) * new.estimate.tokens_per_s:
+                self._charge(r, now, 0.0, move_s, new)
+            return
+        steps_left = int(left_s * r.tps / tok)
+        got = consider_joined(self, self.model, self.train, r.plan, cluster, steps_left, self.a.startup_s)
+        if got is not None and got[1].move:
+            move_s = self.a.startup_s + restore_cost(r.plan, got[0], set(), cluster, self.model, self.train, self.a)[0]
+            self._charge(r, now, 0.0, move_s, got[0])
+
+    def _first(self, r: Run, cluster: ClusterSpec) -> Plan | None:
+        if r.name == "symmetric":
+            return self.symmetric(cluster)
+        return self._best(cluster)
+
+
+def load_fleet(path) -> ClusterSpec:
+    """A fleet file: `nodes:` as in a job's cluster, or `fleet:` groups of identical nodes
+    ({gpu_type, nodes: count, num_gpus, inter_node_bw_gb_s, market, price_per_hour}) named <type>-<i>."""
+    from pathlib import Path
+
+    import yaml
+    from pydantic import ValidationError
+
+    from orchestrator.errors import ConfigError
+    from orchestrator.job_spec import format_validation
+
+    p = Path(path)
+    if p.is_dir() or not p.is_file():
+        raise ConfigError(f"fleet file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; see "
+                          "examples/fleets/")
+    try:
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+        raise ConfigError(f"{p}: not a readable YAML fleet file ({type(e).__name__}); see examples/fleets/") from None
+    if not isinstance(data, dict) or not ({"nodes", "fleet"} & set(data)):
+        raise ConfigError(f"{p}: a fleet file has nodes: (a job's cluster) or fleet: (groups with a count)")
+    if "fleet" in data:
+        groups = data.pop("fleet")
+        if not isinstance(groups, list):
+            raise ConfigError(f"{p}: field 'fleet': a list of groups such as {{gpu_type: L4, nodes: 16, num_gpus: 8}}")
+        nodes = []
+        for i, g in enumerate(groups):
+            if not isinstance(g, dict) or not isinstance(g.get("nodes"), int) or isinstance(g.get("nodes"), bool) \
+                    or not 1 <= g["nodes"] <= 4096:
+                raise ConfigError(f"{p}: field 'fleet.{i}.nodes': a count of nodes from 1 to 4096")
+            spec = {k: v for k, v in g.items() if k != "nodes"}
+            tag = str(spec.get("gpu_type", "gpu")).lower()
+            nodes += [spec | {"name": f"{tag}-{i}-{j:03d}"} for j in range(g["nodes"])]
+        data["nodes"] = nodes
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation(str(p), e, "fleet file")) from None
