@@ -7,18 +7,15 @@ code (2 for configuration), never a traceback.
 from __future__ import annotations
 
 import functools
-import json
 import sys
-from typing import Any
 
 import typer
-from rich.console import Console
 
+from orchestrator.cli_common import console, err_console
+from orchestrator.cli_common import print_json as _print_json
 from orchestrator.errors import HetspotError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic training on mixed spot GPUs.")
-console = Console()
-err_console = Console(stderr=True)
 
 
 @app.callback()
@@ -36,10 +33,6 @@ def _user_errors(fn):
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 @app.command()

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from orchestrator.cli_common import console, err_console
+from orchestrator.cli_common import print_json as _print_json
 from orchestrator.errors import ConfigError
 
 
@@ -24,7 +26,6 @@ def drill(
     """
     import logging
 
-    from orchestrator.cli import _print_json, console, err_console
     from orchestrator.drills.report import _pyplot, drill_plot, drill_tables
     from orchestrator.drills.runner import Drill
 
@@ -80,7 +81,6 @@ def simulate(
 ) -> None:
     """Replay a spot trace against the planner and cost model at fleet scale (no Ray): hetspot's recovery
     against a free re-plan oracle, S3-only checkpoint-restart and a symmetric plan."""
-    from orchestrator.cli import _print_json, console
     from orchestrator.drills.fleet import Assumptions, FleetSim, load_fleet
     from orchestrator.drills.report import _pyplot, simulate_plot, simulate_tables
     from orchestrator.drills.trace import load_trace

@@ -6,17 +6,14 @@ States (one job):
        |                         |            |    v  spot notice for a node of the plan
        |                     RECOVERING <-----+  DRAINING: snapshot now, drop the node
        +--------------------------------------------+
-  A worker failure goes to the failure policy (orchestrator/policies.py): re-plan
-  (RECOVERING) or abort (FAILED). A job started with a user's plan begins at LAUNCHING.
-
-Every side effect sits behind a protocol (orchestrator/protocols.py): unit tests drive `step()` with orchestrator/fakes.py.
-
-Step s is committed when every worker finished its gradient sync for s and was
-told to apply the update (two-phase; the worker group does it). The state plane
-(`StatePlane`: state/tiers.TieredState on Ray, state/snapshots.MemorySnapshots
-for fakes) snapshots after steps, salvages survivors' state after a failure and
-restores the newest step it can; the job resumes after it: no sample lost or repeated.
-Joined nodes are weighed every `scale_check_every` steps (orchestrator/elastic.py).
+  A worker failure goes to the failure policy (orchestrator/policies.py): re-plan (RECOVERING) or abort
+  (FAILED). A job started with a user's plan begins at LAUNCHING. Every side effect sits behind a protocol
+  (orchestrator/protocols.py): unit tests drive `step()` with orchestrator/fakes.py.
+Step s is committed when every worker finished its gradient sync for s and was told to apply the update
+(two-phase; the worker group does it). The state plane (`StatePlane`: state/tiers.TieredState on Ray,
+state/snapshots.MemorySnapshots for fakes) snapshots after steps, salvages survivors' state after a failure
+and restores the newest step it can; the job resumes after it: no sample lost or repeated. Joined nodes are
+weighed every `scale_check_every` steps (orchestrator/elastic.py).
 """
 
 from __future__ import annotations
@@ -45,8 +42,6 @@ from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec
 
 log = logging.getLogger("hetspot.controller")
-
-
 State = enum.Enum("State", {s.upper(): s for s in (
     "discovering", "planning", "launching", "training", "recovering", "draining", "done", "failed")})
 
@@ -106,8 +101,7 @@ class Controller:
             self.progress.history.append(f"{before.value}->{self.state.value}")
         return self.state
 
-    def finish_after(self, step: int) -> None:
-        """End the job once `step` is committed (a trace replay stops when its trace does)."""
+    def finish_after(self, step: int) -> None:  # end once `step` is committed (a trace replay ends with its trace)
         self.steps = max(step, self.progress.committed) + 1
 
     def run(self) -> State:
@@ -262,9 +256,8 @@ class Controller:
             log.warning("rolling back from step %d to step %d: the steps after it are redone",
                         self.progress.committed, step)
         self.progress.committed = step
-        self.progress.losses = {k: v for k, v in self.progress.losses.items() if k <= step}
-        self.progress.step_time_s = {k: v for k, v in self.progress.step_time_s.items() if k <= step}
-        self.progress.samples = {k: v for k, v in self.progress.samples.items() if k <= step}
+        for per_step in ("losses", "step_time_s", "samples"):
+            setattr(self.progress, per_step, {k: v for k, v in getattr(self.progress, per_step).items() if k <= step})
 
     # -- the executor of decisions -------------------------------------------------
     def _decide(self, failure: WorkerFailure) -> State:

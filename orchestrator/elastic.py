@@ -29,13 +29,13 @@ def joined_nodes(known: set[str] | None, cluster: ClusterSpec) -> tuple[set[str]
     return names, ", ".join(sorted(names - known))
 
 
-def _layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
+def layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
     """State of one extended layer (-1 embedding, L head): weights plus AdamW's state."""
     params = model.embed_params if layer < 0 else model.head_params if layer >= model.num_layers else model.layer_params
     return params * (train.param_bytes + train.optimizer_bytes_per_param)
 
 
-def _stage_layers(p: Plan, model: ModelSpec):
+def stage_layers(p: Plan, model: ModelSpec):
     """(node, extended layers) per stage of plan `p`: a pipeline's first stage holds the embedding, its last the head."""
     for pipe in p.pipelines:
         for i, st in enumerate(pipe.stages):
@@ -48,12 +48,12 @@ def migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainS
     """Bytes the new plan's stages pull, by tier: "live" where the old plan held the layer on the
     stage's node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
     held: dict[str, set[int]] = {}
-    for node, layers in _stage_layers(old, model) if old is not None else ():
+    for node, layers in stage_layers(old, model) if old is not None else ():
         held.setdefault(node, set()).update(layers)
     out = {"live": 0.0, "peer": 0.0}
-    for node, layers in _stage_layers(new, model):
+    for node, layers in stage_layers(new, model):
         for layer in layers:
-            out["live" if layer in held.get(node, ()) else "peer"] += _layer_bytes(model, train, layer)
+            out["live" if layer in held.get(node, ()) else "peer"] += layer_bytes(model, train, layer)
     return out
 
 

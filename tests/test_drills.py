@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.drills.runner import check_samples
+from orchestrator.drills.results import check_samples
 from orchestrator.drills.scenario import load_scenario
 from orchestrator.drills.trace import drill_events, fleet_slots, parse_trace
 
@@ -49,7 +49,8 @@ def shared():
     import os
 
     from orchestrator.cluster.embedded import EmbeddedCluster
-    from orchestrator.drills.runner import CREDS, S3Server
+    from orchestrator.drills.inject import S3Server
+    from orchestrator.drills.runner import CREDS
     from planner import ClusterSpec
 
     for k, v in CREDS.items():

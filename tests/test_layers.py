@@ -20,7 +20,8 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "workers", "orchestrator")
 PURE_ORCHESTRATOR = ["errors", "job_spec", "protocols", "policies", "fakes", "progress_lines",
-                     "preemption.failures", "state.snapshots", "controller"]
+                     "preemption.failures", "state.snapshots", "controller", "elastic", "drills.scenario",
+                     "drills.trace", "drills.fleet"]
 SIDE_EFFECT_LIBS = {"ray", "boto3", "botocore", "torch"}
 
 

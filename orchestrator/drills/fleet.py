@@ -31,27 +31,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from orchestrator.drills.recovery_model import Assumptions, nodes_of, restore_cost, state_io_s
 from orchestrator.drills.trace import Trace, fleet_slots
-from orchestrator.elastic import bandwidths, choose_replan, consider_joined
+from orchestrator.elastic import choose_replan, consider_joined
 from planner import ClusterSpec, Plan, PlanningError, evaluate
 from planner.baselines import megatron_symmetric
 from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 STRATEGIES = ("hetspot", "oracle", "s3-only", "symmetric")
-
-
-@dataclass
-class Assumptions:
-    detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
-    startup_s: float = 4.3  # bench/recovery.py: detection to restored minus the restore itself, median
-    snapshot_every: int = 1  # peer snapshots every k steps (runtime.snapshot_every)
-    s3_every: int = 10  # of those, every k-th goes to S3 (checkpoint.s3_every)
-    ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
-    s3_gb_s: float = 1.0  # per node, S3 read and write
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -71,69 +59,6 @@ class Run:
     @property
     def tps(self) -> float:
         return self.plan.estimate.tokens_per_s if self.plan is not None else 0.0
-
-
-def _nodes_of(plan: Plan | None) -> set[str]:
-    return {st.node for p in plan.pipelines for st in p.stages} if plan is not None else set()
-
-
-def _layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
-    params = model.embed_params if layer < 0 else model.head_params if layer >= model.num_layers else model.layer_params
-    return params * (train.param_bytes + train.optimizer_bytes_per_param)
-
-
-def _stage_layers(plan: Plan, model: ModelSpec):
-    """(node, extended layers) per stage: a pipeline's first stage holds the embedding (-1), its last the head (L)."""
-    for pipe in plan.pipelines:
-        for i, st in enumerate(pipe.stages):
-            lo = -1 if i == 0 else st.layer_start
-            hi = model.num_layers + 1 if i == len(pipe.stages) - 1 else st.layer_end
-            yield st.node, range(lo, hi)
-
-
-def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
-                 a: Assumptions) -> tuple[float, float, dict[str, float]]:
-    """(restore seconds, seconds of work redone, bytes by tier) for moving from `old` to `new` after `gone` left.
-
-    Each layer's source: a surviving live holder (the stage's own node: live tier, another: peer), else the
-    peer copy of a lost holder (kept on the next node of the old plan in name order, a stand-in for
-    peer_placement) when that node survived, else S3. Nodes pull at once; the slowest node sets the time.
-    """
-    bw = bandwidths(cluster) | {"s3": a.s3_gb_s * 1e9}
-    ring = sorted(_nodes_of(old))
-    peer_of = {n: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
-    held: dict[int, list[str]] = {}
-    for node, layers in _stage_layers(old, model):
-        for layer in layers:
-            held.setdefault(layer, []).append(node)
-    per_node: dict[str, float] = {}
-    by_tier = {"live": 0.0, "peer": 0.0, "s3": 0.0}
-    redo_steps = 0.5 if gone else 0.0  # a preemption loses the step in flight, on average half done
-    for node, layers in _stage_layers(new, model):
-        for layer in layers:
-            live = [h for h in held.get(layer, []) if h not in gone]
-            if node in live:
-                tier = "live"
-            elif live:
-                tier = "peer"
-            elif any(peer_of[h] not in gone for h in held.get(layer, [])):
-                tier = "peer"  # only a snapshot survived: back to the newest peer snapshot
-                redo_steps = max(redo_steps, 0.5 + (a.snapshot_every - 1) / 2)
-            else:
-                tier = "s3"
-                redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
-            nbytes = _layer_bytes(model, train, layer)
-            by_tier[tier] += nbytes
-            per_node[node] = per_node.get(node, 0.0) + nbytes / bw[tier]
-    return max(per_node.values(), default=0.0), redo_steps * old.estimate.step_time_s, by_tier
-
-
-def _state_io_s(plan: Plan, model: ModelSpec, train: TrainSpec, a: Assumptions) -> float:
-    """Every node reads (or writes) its stages' state from S3 at once; the slowest node's time."""
-    per_node: dict[str, float] = {}
-    for node, layers in _stage_layers(plan, model):
-        per_node[node] = per_node.get(node, 0.0) + sum(_layer_bytes(model, train, x) for x in layers)
-    return max(per_node.values(), default=0.0) / (a.s3_gb_s * 1e9)
 
 
 class FleetSim:
@@ -240,7 +165,7 @@ class FleetSim:
             return
         span = t1 - start
         if r.name == "s3-only":
-            write = _state_io_s(r.plan, self.model, self.train, self.a)
+            write = state_io_s(r.plan, self.model, self.train, self.a)
             n = int((t1 - r.last_ckpt) // self.a.ckpt_every_s)
             if n:
                 r.last_ckpt += n * self.a.ckpt_every_s
@@ -265,7 +190,7 @@ class FleetSim:
         if kind == "add":
             self._join(r, now, cluster, left_s, tok)
             return
-        if not gone & _nodes_of(r.plan):
+        if not gone & nodes_of(r.plan):
             return  # the plan's nodes all survived
         old = r.plan
         if r.name == "s3-only":
@@ -273,7 +198,7 @@ class FleetSim:
             if new is None:
                 r.plan = None
                 return
-            cost = self.a.detect_s + self.a.startup_s + _state_io_s(new, self.model, self.train, self.a)
+            cost = self.a.detect_s + self.a.startup_s + state_io_s(new, self.model, self.train, self.a)
             self._charge(r, now, max(0.0, now - r.last_ckpt), cost, new)
             r.last_ckpt = r.busy_until  # the restart's state is the checkpoint's
             return

@@ -1,0 +1,77 @@
+"""The recovery cost model of `hetspot simulate` (pure): what a re-plan after a preemption costs.
+
+Detection and start-up default to bench/recovery.py's medians on the test cluster;
+bytes move by tier (elastic.bandwidths, S3 per node at `s3_gb_s`), nodes pull at
+once and the slowest sets the time; work is redone back to the newest step every
+layer is held at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.elastic import bandwidths, layer_bytes, stage_layers
+from planner import ClusterSpec, Plan
+from planner.specs import ModelSpec, TrainSpec
+
+
+@dataclass
+class Assumptions:
+    detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
+    startup_s: float = 4.3  # bench/recovery.py: detection to restored minus the restore itself, median
+    snapshot_every: int = 1  # peer snapshots every k steps (runtime.snapshot_every)
+    s3_every: int = 10  # of those, every k-th goes to S3 (checkpoint.s3_every)
+    ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
+    s3_gb_s: float = 1.0  # per node, S3 read and write
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def nodes_of(plan: Plan | None) -> set[str]:
+    return {st.node for p in plan.pipelines for st in p.stages} if plan is not None else set()
+
+
+def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
+                 a: Assumptions) -> tuple[float, float, dict[str, float]]:
+    """(restore seconds, seconds of work redone, bytes by tier) for moving from `old` to `new` after `gone` left.
+
+    Each layer's source: a surviving live holder (the stage's own node: live tier, another: peer), else the
+    peer copy of a lost holder (kept on the next node of the old plan in name order, a stand-in for
+    peer_placement) when that node survived, else S3. Nodes pull at once; the slowest node sets the time.
+    """
+    bw = bandwidths(cluster) | {"s3": a.s3_gb_s * 1e9}
+    ring = sorted(nodes_of(old))
+    peer_of = {n: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
+    held: dict[int, list[str]] = {}
+    for node, layers in stage_layers(old, model):
+        for layer in layers:
+            held.setdefault(layer, []).append(node)
+    per_node: dict[str, float] = {}
+    by_tier = {"live": 0.0, "peer": 0.0, "s3": 0.0}
+    redo_steps = 0.5 if gone else 0.0  # a preemption loses the step in flight, on average half done
+    for node, layers in stage_layers(new, model):
+        for layer in layers:
+            live = [h for h in held.get(layer, []) if h not in gone]
+            if node in live:
+                tier = "live"
+            elif live:
+                tier = "peer"
+            elif any(peer_of[h] not in gone for h in held.get(layer, [])):
+                tier = "peer"  # only a snapshot survived: back to the newest peer snapshot
+                redo_steps = max(redo_steps, 0.5 + (a.snapshot_every - 1) / 2)
+            else:
+                tier = "s3"
+                redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
+            nbytes = layer_bytes(model, train, layer)
+            by_tier[tier] += nbytes
+            per_node[node] = per_node.get(node, 0.0) + nbytes / bw[tier]
+    return max(per_node.values(), default=0.0), redo_steps * old.estimate.step_time_s, by_tier
+
+
+def state_io_s(plan: Plan, model: ModelSpec, train: TrainSpec, a: Assumptions) -> float:
+    """Every node reads (or writes) its stages' state from S3 at once; the slowest node's time."""
+    per_node: dict[str, float] = {}
+    for node, layers in stage_layers(plan, model):
+        per_node[node] = per_node.get(node, 0.0) + sum(layer_bytes(model, train, x) for x in layers)
+    return max(per_node.values(), default=0.0) / (a.s3_gb_s * 1e9)
