@@ -15,19 +15,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.drills.fleet import Assumptions, FleetSim, load_fleet  # noqa: E402
-from orchestrator.drills.trace import load_trace  # noqa: E402
+from orchestrator.drills.fleet import Assumptions, FleetSim  # noqa: E402
+from orchestrator.drills.trace import (
+    load_fleet,  # noqa: E402
+    load_trace,  # noqa: E402
+)
 from planner.specs import ModelSpec, TrainSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-FLEETS = ["a100-l4-t4-256", "mixed-1024"]
+FLEETS = ["a100-l4-t4-320", "mixed-1024"]
 MODELS = ["7b", "70b"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--traces", default=str(ROOT.parent / "shared" / "data" / "spot-traces"))
-    ap.add_argument("--quick", action="store_true", help="the 256-GPU fleet and the 7B model only")
+    ap.add_argument("--quick", action="store_true", help="the 320-GPU fleet and the 7B model only")
     args = ap.parse_args()
     traces = sorted(Path(args.traces).glob("*.jsonl"))
     if not traces:

@@ -15,7 +15,7 @@ def drill(
     scenario: Path = typer.Argument(None, help="a drill file (see drills/); omit with --trace"),
     trace: Path = typer.Option(None, "--trace", help="replay a spot trace (Parcae JSON lines) instead"),
     time_scale: float = typer.Option(20.0, "--time-scale", help="trace seconds per drill second (20: 1 h in 3 min)"),
-    nodes: int = typer.Option(6, "--nodes", help="test nodes a trace maps onto (GPU types cycle A100, L4, T4)"),
+    nodes: int = typer.Option(6, "--nodes", help="test nodes a trace maps onto (GPU types cycle L4, T4, T4)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     plot: Path = typer.Option(None, "--plot", help="write a PNG: both loss curves, faults, tokens/s over time"),
 ) -> None:
@@ -81,9 +81,9 @@ def simulate(
 ) -> None:
     """Replay a spot trace against the planner and cost model at fleet scale (no Ray): hetspot's recovery
     against a free re-plan oracle, S3-only checkpoint-restart and a symmetric plan."""
-    from orchestrator.drills.fleet import Assumptions, FleetSim, load_fleet
+    from orchestrator.drills.fleet import Assumptions, FleetSim
     from orchestrator.drills.report import _pyplot, simulate_plot, simulate_tables
-    from orchestrator.drills.trace import load_trace
+    from orchestrator.drills.trace import load_fleet, load_trace
     from planner.specs import PRESETS, ModelSpec, TrainSpec
 
     if model.lower() not in PRESETS:

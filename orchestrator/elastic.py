@@ -4,9 +4,10 @@ Pure (the planner and its cost model, no Ray). On every re-plan the controller
 asks the planner for its best few plans and `policies` picks by throughput minus
 amortized migration cost: after a loss (`choose_replan`, nothing to stay on) and
 when nodes join (`consider_joined`, at a step boundary, staying is a candidate).
-Migration is start-up (as last measured) plus the state each new stage pulls:
-from its own node when the running plan held those layers there ("live"), else
-from another node ("peer"), over `bandwidths`.
+Migration is start-up (as last measured) plus the longest pull of one node: each
+new stage pulls its state from its own node when the running plan held those
+layers there ("live"), else from another node ("peer"), over `bandwidths`; nodes
+pull at once.
 """
 
 from __future__ import annotations
@@ -44,17 +45,34 @@ def stage_layers(p: Plan, model: ModelSpec):
             yield st.node, range(lo, hi)
 
 
-def migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
-    """Bytes the new plan's stages pull, by tier: "live" where the old plan held the layer on the
-    stage's node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
+def node_migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, dict]:
+    """Per node of the new plan, the bytes its stages pull, by tier: "live" where the old plan held the layer
+    on that node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
     held: dict[str, set[int]] = {}
     for node, layers in stage_layers(old, model) if old is not None else ():
         held.setdefault(node, set()).update(layers)
-    out = {"live": 0.0, "peer": 0.0}
+    out: dict[str, dict] = {}
     for node, layers in stage_layers(new, model):
+        got = out.setdefault(node, {"live": 0.0, "peer": 0.0})
         for layer in layers:
-            out["live" if layer in held.get(node, ()) else "peer"] += layer_bytes(model, train, layer)
+            got["live" if layer in held.get(node, ()) else "peer"] += layer_bytes(model, train, layer)
     return out
+
+
+def migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
+    """The bytes every node of the new plan pulls together, by tier."""
+    out = {"live": 0.0, "peer": 0.0}
+    for got in node_migration_bytes(old, new, model, train).values():
+        for tier, n in got.items():
+            out[tier] += n
+    return out
+
+
+def slowest_pull(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec, bw: dict[str, float]) -> dict:
+    """The bytes by tier of the node that pulls longest: nodes pull at once, each over its own link, so
+    the migration lasts as long as its slowest node's pull (not the sum over nodes)."""
+    per_node = node_migration_bytes(old, new, model, train)
+    return max(per_node.values(), key=lambda b: sum(n / bw[t] for t, n in b.items()), default={})
 
 
 def bandwidths(cluster: ClusterSpec) -> dict[str, float]:
@@ -64,8 +82,8 @@ def bandwidths(cluster: ClusterSpec) -> dict[str, float]:
 
 
 def _candidates(plans: list[Plan], old: Plan | None, model: ModelSpec, train: TrainSpec,
-                startup_s: float) -> list[Candidate]:
-    return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s, migration_bytes(old, p, model, train), startup_s)
+                startup_s: float, bw: dict[str, float]) -> list[Candidate]:
+    return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s, slowest_pull(old, p, model, train, bw), startup_s)
             for i, p in enumerate(plans)]
 
 
@@ -81,8 +99,9 @@ def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None,
     plans = planner.candidates(cluster, k=TOP_K)
     if old is None or len(plans) == 1:
         return plans[0], {}
-    cands = _candidates(plans, old, model, train, startup_s)
-    d = replan_policy(cands, steps_left * tokens_per_step(model, train.global_batch), bandwidths(cluster))
+    bw = bandwidths(cluster)
+    cands = _candidates(plans, old, model, train, startup_s, bw)
+    d = replan_policy(cands, steps_left * tokens_per_step(model, train.global_batch), bw)
     log.info("re-plan: %s", d.reason)
     return plans[[c.name for c in cands].index(d.chosen)], {"choice": d.reason} | _numbers(d, cands, steps_left)
 
@@ -96,9 +115,10 @@ def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, 
     except PlanningError as e:
         log.info("nodes joined but no plan uses them: %s", e)
         return None
-    cands = _candidates(plans, running, model, train, startup_s)
+    bw = bandwidths(cluster)
+    cands = _candidates(plans, running, model, train, startup_s, bw)
     left = steps_left * tokens_per_step(model, train.global_batch)
     stay = Candidate("running", now, {}, 0.0)
-    d = scale_policy(stay, cands, left, bandwidths(cluster))
+    d = scale_policy(stay, cands, left, bw)
     chosen = plans[[c.name for c in cands].index(d.chosen)] if d.move else running
     return chosen, d, _numbers(d, [stay, *cands], steps_left)

@@ -53,7 +53,7 @@ class Candidate:
 
     name: str
     tokens_per_s: float  # the planner's prediction
-    migration_bytes: dict[str, int]  # state the new workers must pull, by tier ("live", "peer", "s3")
+    migration_bytes: dict[str, int]  # by tier ("live", "peer", "s3"): what the slowest node pulls (nodes pull at once)
     startup_s: float  # placing workers and joining their process group (0 for the plan running now)
 
 

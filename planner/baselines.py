@@ -85,11 +85,18 @@ def megatron_symmetric(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec)
             if dp == 0:
                 continue
             pset = [groups[r * pp:(r + 1) * pp] for r in range(dp)]
+            best, worse = None, 0
             for b in _micro_batches(train):
                 got = _uniform_plan(pset, cluster, model, train, b)
                 if got is None:
                     break  # activations grow with the micro-batch: a larger one does not fit either
                 plans.append(got)
+                if best is None or got.estimate.step_time_s < best:
+                    best, worse = got.estimate.step_time_s, 0
+                else:
+                    worse += 1
+                    if worse == 2:  # past the sweet spot between GEMM efficiency and bubble (as the planner)
+                        break
     return _best(plans)
 
 

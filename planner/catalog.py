@@ -98,3 +98,17 @@ def canonical_gpu_type(name: str) -> str:
 
 def gpu_info(name: str) -> GPUInfo:
     return CATALOG[canonical_gpu_type(name)]
+
+
+# Host memory per GPU when a node does not say (NodeSpec.host_mem_gib): the GPU's usual cloud instance,
+# its memory over its GPUs (AWS instance-type pages): p5.48xlarge 2048 GiB / 8 H100, p4de/p4d 1152 / 8 A100,
+# g5.12xlarge 192 / 4 A10G, g6.12xlarge 192 / 4 L4, g6e.12xlarge 384 / 4 L40S, g4dn.12xlarge 192 / 4 T4,
+# p3.8xlarge 244 / 4 V100. Other types: 64 GiB per GPU.
+HOST_MEM_GIB_PER_GPU = {"H100-SXM": 256.0, "H100-PCIe": 256.0, "H200": 256.0, "A100-40GB": 144.0,
+                        "A100-80GB": 144.0, "A10G": 48.0, "L4": 48.0, "L40S": 96.0, "T4": 48.0,
+                        "V100-16GB": 61.0, "V100-32GB": 61.0}
+
+
+def default_host_mem_gib(gpu_type: str, num_gpus: int) -> float:
+    return HOST_MEM_GIB_PER_GPU.get(gpu_type, 64.0) * num_gpus
+

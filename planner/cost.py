@@ -19,6 +19,7 @@ Sources for the formulas:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -59,6 +60,7 @@ class Slot:
     intra_bw: float
     inter_bw: float
     cpu_adam_per_gpu: float  # params/s of host AdamW available to one GPU
+    host_cap_bytes: float = math.inf  # one GPU's share of its node's host RAM, for offloaded state
 
 
 def device_budget_bytes(gpu_type: str, train: TrainSpec) -> float:
@@ -92,6 +94,7 @@ def make_slot(cluster: ClusterSpec, train: TrainSpec, node_name: str, tp: int) -
         intra_bw=node.intra_bw_gb_s * 1e9,
         inter_bw=node.inter_node_bw_gb_s * 1e9,
         cpu_adam_per_gpu=node.cpu_adam_params_per_s / node.num_gpus,
+        host_cap_bytes=node.host_mem * GIB / node.num_gpus,
     )
 
 
@@ -213,6 +216,17 @@ def stage_memory(
     acts = (inflight - 1) * per_mb + max(per_mb, r * ckpt + full if r else 0.0)
     logits = 2 * s * b * model.vocab_size * 4 if shape.last else 0.0
     return weights + grads + opt + acts + logits
+
+
+def host_bytes(model: ModelSpec, train: TrainSpec, shape: StageShape, tp: int, policy: Knobs) -> float:
+    """Host bytes one device's offloaded state takes (workers/engine.py's layout): with the optimizer or the
+    parameters offloaded, the masters (fp32 under mixed precision: inside AdamW's bytes), AdamW's moments and
+    the gradients accumulated there; pinned on CUDA. 0 without offload."""
+    if not (policy.offload_optimizer or policy.offload_params):
+        return 0.0
+    p = shape.params_per_device(model, tp)
+    masters = 0 if train.param_bytes < 4 else train.param_bytes  # mixed: the fp32 master is in the optimizer bytes
+    return p * (train.optimizer_bytes_per_param + train.grad_bytes + masters)
 
 
 def optimizer_s(slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShape,

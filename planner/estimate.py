@@ -104,6 +104,7 @@ def estimate_from_profiles(
 ) -> Estimate:
     step, worst = 0.0, ("", 0.0, None, 0)
     memory: dict[str, float] = {}
+    host: dict[str, float] = {}  # GiB of offloaded state per node (its GPUs' workers share the node's RAM)
     oom = []
     for r, (pipe, prof, t_pipe) in enumerate(zip(plan.pipelines, profiles, pipe_times, strict=True)):
         for i, (st, sp) in enumerate(zip(pipe.stages, prof, strict=True)):
@@ -113,6 +114,9 @@ def estimate_from_profiles(
             mem = max(t.mem_bytes for t in sp.times)
             for d in st.devices:
                 memory[d] = round(mem / cost.GIB + train.memory_reserve_gib, 3)
+            shape = cost.StageShape(st.num_layers, i == 0, i == len(pipe.stages) - 1)
+            host[st.node] = host.get(st.node, 0.0) + len(st.devices) * cost.host_bytes(
+                model, train, shape, st.tp, cost.knobs(st.offload)) / cost.GIB
             if mem > sp.slot.mem_cap_bytes:
                 oom.append(st.devices[0])
     where, t_pipe, sp, r = worst
@@ -136,6 +140,7 @@ def estimate_from_profiles(
         sync_time_s=max(sp.sync_s for prof in profiles for sp in prof),
         cost_per_mtok=_cost_per_mtok(plan, cluster, step, tokens),
         preemption_loss=preemption_loss(plan, cluster, step),
+        host_gib={n: round(g, 3) for n, g in host.items() if g},
     )
 
 

@@ -47,6 +47,8 @@ def fitting_policies(
     """Each offload mode with its fewest recomputed layers that fit, and its micro-batch times."""
     out = []
     for opt, params in _MODES:
+        if opt and cost.host_bytes(model, train, shape, slot.tp, cost.Knobs(0, opt, params)) > slot.host_cap_bytes:
+            continue  # the offloaded state does not fit this GPU's share of its node's host memory
         r = _min_recompute(slot, model, train, shape, b, inflight, opt, params)
         if r is not None:
             kn = cost.Knobs(r, opt, params)

@@ -101,6 +101,8 @@ class Estimate(_Model):
     sync_time_s: float = 0.0
     cost_per_mtok: float | None = Field(default=None, description="$ per million tokens, if priced; with the "
                                        "expected preemption loss counted where nodes give preemptions_per_hour")
+    host_gib: dict[str, float] = Field(default_factory=dict, description="offloaded state per node, GiB of host "
+                                       "RAM (nodes without offload left out)")
     preemption_loss: float = Field(default=0.0, description="expected share of wall time lost to preemptions of the "
                                    "plan's nodes (their preemptions_per_hour x RECOVERY_S and half a step)")
 

@@ -405,6 +405,21 @@ def plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, objective: st
 
 def _no_fit_message(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> str:
     mem = sum(cluster.node(n.name).num_gpus * (cost.make_slot(cluster, train, n.name, 1).mem_cap_bytes / cost.GIB) for n in cluster.nodes)
+    # Offloaded state spread over every GPU: the node whose host memory falls shortest names the limit.
+    per_param = cost.host_bytes(model, train, cost.StageShape(1, False, False), 1, cost.Knobs(0, True, True)) / \
+        max(1.0, model.layer_params)
+    short = []
+    for n in cluster.nodes:
+        need = model.num_params * per_param * n.num_gpus / cluster.num_gpus / cost.GIB
+        if need > n.host_mem:
+            short.append((need / n.host_mem, n, need))
+    if short:
+        _, n, need = max(short, key=lambda x: x[0])
+        given = "as given" if n.host_mem_gib is not None else f"the {n.gpu_type} default of {n.host_mem / n.num_gpus:.0f} GiB per GPU"
+        return (f"model {model.name!r} ({model.num_params / 1e9:.2f}B params) does not fit: the GPUs cannot hold it "
+                f"even with recompute, and offloading its state needs host memory: node {n.name!r} would need about "
+                f"{need:,.0f} GiB of host memory for its share and has {n.host_mem:,.0f} GiB (host_mem_gib, {given}). "
+                "Fix: set host_mem_gib on the node if it has more RAM, add GPUs or nodes, or use a smaller model.")
     return (
         f"model {model.name!r} ({model.num_params / 1e9:.2f}B params, seq_len {model.seq_len}) does not fit on "
         f"this cluster ({cluster.num_gpus} GPUs, {mem:.0f} GiB usable after a {train.memory_reserve_gib} GiB "

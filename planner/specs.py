@@ -51,6 +51,10 @@ class NodeSpec(StrictModel):
     inter_node_bw_gb_s: float = Field(
         default=12.5, gt=0, description="node network bandwidth, GB/s (12.5 = 100 Gbit/s)"
     )
+    host_mem_gib: float | None = Field(
+        default=None, gt=0, le=65536, description="host RAM of the node for offloaded state, shared by its GPUs' "
+        "workers; default per GPU type (planner/catalog.py HOST_MEM_GIB_PER_GPU) times num_gpus"
+    )
     cpu_adam_params_per_s: float = Field(
         default=1.0e9, gt=0, description="host AdamW throughput for offloaded optimizer state"
     )
@@ -68,6 +72,13 @@ class NodeSpec(StrictModel):
         if not v or "/" in v or v.strip() != v:
             raise ValueError(f"node name {v!r} must be non-empty, without '/' or spaces at the ends")
         return v
+
+    @property
+    def host_mem(self) -> float:
+        """Host RAM in GiB: as given, else the catalog's default for the GPU type."""
+        from planner.catalog import default_host_mem_gib
+
+        return self.host_mem_gib if self.host_mem_gib is not None else default_host_mem_gib(self.gpu_type, self.num_gpus)
 
     @property
     def intra_bw_gb_s(self) -> float:

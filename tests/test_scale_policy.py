@@ -97,3 +97,18 @@ def test_controller_replan_records_the_weighed_candidates():
     assert len(choice["predicted_tokens_per_s"]) >= 2 and set(choice["finish_s"]) == set(choice["predicted_tokens_per_s"])
     assert min(choice["finish_s"], key=choice["finish_s"].get) in choice["choice"]
     assert c.plan.pipelines == first.pipelines  # same nodes survive: the plan whose state is all local wins
+
+
+def test_nodes_pull_at_once_so_migration_lasts_as_long_as_the_slowest_node():
+    """Two replicas on two nodes each pull a whole copy: the migration takes one node's pull, not two."""
+    from orchestrator.elastic import slowest_pull
+
+    full = MODEL.num_params * (TRAIN.param_bytes + TRAIN.optimizer_bytes_per_param)
+    two_nodes = Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[
+        _one_stage("a").pipelines[0].model_copy(update={"num_samples": 4, "micro_batch_size": 4}),
+        _one_stage("l").pipelines[0].model_copy(update={"num_samples": 4, "micro_batch_size": 4})])
+    assert migration_bytes(None, two_nodes, MODEL, TRAIN)["peer"] == 2 * full  # in all
+    bw = {"live": 4e9, "peer": 1e9, "s3": 1e9}
+    assert slowest_pull(None, two_nodes, MODEL, TRAIN, bw) == {"live": 0.0, "peer": full}  # per node, at once
+    kept = slowest_pull(_one_stage("a"), two_nodes, MODEL, TRAIN, bw)
+    assert kept == {"live": 0.0, "peer": full}  # node a reads its own layers live; node l pulls over the network

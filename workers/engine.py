@@ -323,6 +323,7 @@ class Engine:
         return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
                           time.perf_counter() - t0, self._peak_mem(),
                           {"device_state_bytes": self.device_state_bytes(), "device_peak_bytes": self.meter.peak,
+                           "host_state_bytes": self.host_state_bytes(),
                            "device_budget_bytes": self.device_budget,
                            "h2d_fetches": self.store.fetches if self.store is not None else 0,
                            "loss_scale": self.loss_scale, "skipped_update": self._skip,
@@ -362,6 +363,17 @@ class Engine:
         """Wait for an overlapped host update to finish (before reading or replacing state)."""
         if self.updater is not None:
             self.updater.join()
+
+    def host_state_bytes(self) -> int:
+        """Bytes of offloaded state in host memory at the step's peak: the host masters, their gradients
+        (accumulated there during backward, in the masters' dtype) and AdamW's moments; 0 without offload."""
+        if not self.offload_opt:
+            return 0
+        masters = sum(p.numel() * p.element_size() for p in self.opt_params.values())
+        states = self.updater.states() if self.updater is not None else self.optimizer.state.values()
+        moments = sum(t.numel() * t.element_size() for st in states for t in st.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+        return 2 * masters + moments
 
     def device_state_bytes(self) -> int:
         """Bytes of parameters and optimizer state that stay on the device. Gradients, activations

@@ -40,6 +40,7 @@ from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 STRATEGIES = ("hetspot", "oracle", "s3-only", "symmetric")
+DRAIN_MARGIN_S = 1.0  # the controller's drain margin (Controller.drain_margin_s)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class FleetSim:
             gone = {n.name for j, n in enumerate(self.fleet.nodes) if j % max(1, self.trace.first_nodes) in gone_slots}
             left_s = max(0.0, end - t)
             for r in runs.values():
+                r.timeline.append((t, r.tps if r.busy_until <= t else 0.0, r.tokens))  # before: lost work shows
                 self._act(r, t, kind, cluster, gone, left_s, tok)
                 r.timeline.append((t, r.tps if r.busy_until <= t else 0.0, r.tokens))
         for r in runs.values():
@@ -163,6 +165,8 @@ class FleetSim:
         start = max(t0, r.busy_until)
         if start >= t1:
             return
+        if start > t0:  # a recovery ended between events: training resumes here
+            r.timeline.append((start, r.tps, r.tokens))
         span = t1 - start
         if r.name == "s3-only":
             write = state_io_s(r.plan, self.model, self.train, self.a)
@@ -214,6 +218,12 @@ class FleetSim:
         if new is None:
             r.plan = None
             return
+        if self.a.notice_s >= DRAIN_MARGIN_S + 2 * old.estimate.step_time_s:
+            # a spot notice leaves time to drain (controller._heed): the old plan trains on to a step boundary,
+            # copies the doomed nodes' committed state off them, and nothing is redone or read from S3
+            restore_s = restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
+            self._charge(r, now, 0.0, self.a.startup_s + restore_s, new)
+            return
         restore_s, redo_s, _ = restore_cost(old, new, gone, cluster, self.model, self.train, self.a)
         self._charge(r, now, redo_s, self.a.detect_s + self.a.startup_s + restore_s, new)
 
@@ -251,43 +261,3 @@ class FleetSim:
         if r.name == "symmetric":
             return self.symmetric(cluster)
         return self._best(cluster)
-
-
-def load_fleet(path) -> ClusterSpec:
-    """A fleet file: `nodes:` as in a job's cluster, or `fleet:` groups of identical nodes
-    ({gpu_type, nodes: count, num_gpus, inter_node_bw_gb_s, market, price_per_hour}) named <type>-<i>."""
-    from pathlib import Path
-
-    import yaml
-    from pydantic import ValidationError
-
-    from orchestrator.errors import ConfigError
-    from orchestrator.job_spec import format_validation
-
-    p = Path(path)
-    if p.is_dir() or not p.is_file():
-        raise ConfigError(f"fleet file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; see "
-                          "examples/fleets/")
-    try:
-        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-        raise ConfigError(f"{p}: not a readable YAML fleet file ({type(e).__name__}); see examples/fleets/") from None
-    if not isinstance(data, dict) or not ({"nodes", "fleet"} & set(data)):
-        raise ConfigError(f"{p}: a fleet file has nodes: (a job's cluster) or fleet: (groups with a count)")
-    if "fleet" in data:
-        groups = data.pop("fleet")
-        if not isinstance(groups, list):
-            raise ConfigError(f"{p}: field 'fleet': a list of groups such as {{gpu_type: L4, nodes: 16, num_gpus: 8}}")
-        nodes = []
-        for i, g in enumerate(groups):
-            if not isinstance(g, dict) or not isinstance(g.get("nodes"), int) or isinstance(g.get("nodes"), bool) \
-                    or not 1 <= g["nodes"] <= 4096:
-                raise ConfigError(f"{p}: field 'fleet.{i}.nodes': a count of nodes from 1 to 4096")
-            spec = {k: v for k, v in g.items() if k != "nodes"}
-            tag = str(spec.get("gpu_type", "gpu")).lower()
-            nodes += [spec | {"name": f"{tag}-{i}-{j:03d}"} for j in range(g["nodes"])]
-        data["nodes"] = nodes
-    try:
-        return ClusterSpec.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation(str(p), e, "fleet file")) from None

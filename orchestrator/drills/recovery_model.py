@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.elastic import bandwidths, layer_bytes, stage_layers
+from orchestrator.elastic import layer_bytes, stage_layers
 from planner import ClusterSpec, Plan
 from planner.specs import ModelSpec, TrainSpec
 
@@ -23,6 +23,8 @@ class Assumptions:
     s3_every: int = 10  # of those, every k-th goes to S3 (checkpoint.s3_every)
     ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
     s3_gb_s: float = 1.0  # per node, S3 read and write
+    notice_s: float = 120.0  # spot notice before a preemption (AWS's two minutes; 0: none): hetspot drains when
+    # it leaves a step boundary and a copy (policies.notice_decision); s3-only and symmetric restart regardless
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -32,15 +34,23 @@ def nodes_of(plan: Plan | None) -> set[str]:
     return {st.node for p in plan.pipelines for st in p.stages} if plan is not None else set()
 
 
+def _node_bw(cluster: ClusterSpec, node: str, a: Assumptions) -> dict[str, float]:
+    """Bytes/s one node pulls at, by tier: its own keeper's memory (4x its link, as elastic.bandwidths), another
+    node over its link, S3 at `s3_gb_s`."""
+    link = cluster.node(node).inter_node_bw_gb_s * 1e9
+    return {"live": 4 * link, "peer": link, "s3": a.s3_gb_s * 1e9}
+
+
 def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
                  a: Assumptions) -> tuple[float, float, dict[str, float]]:
     """(restore seconds, seconds of work redone, bytes by tier) for moving from `old` to `new` after `gone` left.
 
     Each layer's source: a surviving live holder (the stage's own node: live tier, another: peer), else the
     peer copy of a lost holder (kept on the next node of the old plan in name order, a stand-in for
-    peer_placement) when that node survived, else S3. Nodes pull at once; the slowest node sets the time.
+    peer_placement) when that node survived, else S3. Nodes pull at once, each over its own link (the
+    controller's policy assumes the cluster's slowest link for all; elastic.bandwidths); the slowest node
+    sets the time.
     """
-    bw = bandwidths(cluster) | {"s3": a.s3_gb_s * 1e9}
     ring = sorted(nodes_of(old))
     peer_of = {n: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
     held: dict[int, list[str]] = {}
@@ -65,7 +75,7 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
                 redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
             nbytes = layer_bytes(model, train, layer)
             by_tier[tier] += nbytes
-            per_node[node] = per_node.get(node, 0.0) + nbytes / bw[tier]
+            per_node[node] = per_node.get(node, 0.0) + nbytes / _node_bw(cluster, node, a)[tier]
     return max(per_node.values(), default=0.0), redo_steps * old.estimate.step_time_s, by_tier
 
 

@@ -5,7 +5,7 @@ remove, no-op, migration; other keys are ignored. Times must not go back, a
 removed node must be up, an added one down.
 
 Mapping onto a drill's test cluster (`drill_events`), the documented rule:
-  - the test cluster has K slots (default 6), slot k of GPU type MIX[k mod len(MIX)];
+  - the test cluster has K slots (default 6), slot k of GPU type MIX[k mod 3] (L4, T4, T4);
   - trace node `node-i` maps to slot i mod K;
   - every `remove` preempts ceil(len(nodes) * K / N0) up slots (N0: the nodes of
     the trace's first add), at least one: the mapped slots first, then the next
@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import ConfigError
+from planner import ClusterSpec
 
 EVENTS = ("add", "remove", "no-op", "migration")
-MIX = ("A100-80GB", "L4", "T4")
+MIX = ("L4", "T4", "T4")  # with the trace job, every slot gets a share (asymmetric: L4 58, T4 35 samples)
 
 
 @dataclass(frozen=True)
@@ -175,12 +176,13 @@ def fleet_slots(trace: Trace) -> list[tuple[float, str, set[int]]]:
 
 TRACE_JOB = {
     "name": "trace-replay",
-    "model": {"name": "gpt-trace", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "vocab_size": 64,
-              "seq_len": 16},
-    "train": {"global_batch": 8, "lr": 0.01, "precision": "fp32"},
-    "runtime": {"dtype": "float64", "emulate_speed": True, "collective_timeout_s": 10, "snapshot_every": 1,
-                "scale_check_every": 5},
-    "checkpoint": {"uri": "s3://hetspot-drill/trace", "s3_every": 10, "keep": 2},
+    "model": {"name": "gpt-trace", "num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 64,
+              "seq_len": 64},
+    "train": {"global_batch": 256, "lr": 0.01, "precision": "fp32"},
+    "runtime": {"dtype": "float32", "emulate_speed": False, "collective_timeout_s": 30, "snapshot_every": 1,
+                "scale_check_every": 2},
+    # S3 every 20 steps: uploads of every few steps would queue up faster than the test machine sends them
+    "checkpoint": {"uri": "s3://hetspot-drill/trace", "s3_every": 20, "keep": 2},
     "steps": 1,
 }
 
@@ -216,3 +218,42 @@ def trace_scenario(trace: Trace, k: int = 6, time_scale: float = 20.0, job: dict
     spec = dict(job or TRACE_JOB) | {"cluster": {"nodes": nodes}}
     j = parse_job(spec, "trace job")
     return Scenario(name=f"trace {Path(trace.source).name}", job=j, faults=faults), events
+
+
+def load_fleet(path) -> ClusterSpec:
+    """A fleet file: `nodes:` as in a job's cluster, or `fleet:` groups of identical nodes
+    ({gpu_type, nodes: count, num_gpus, inter_node_bw_gb_s, market, price_per_hour}) named <type>-<i>."""
+    from pathlib import Path
+
+    import yaml
+    from pydantic import ValidationError
+
+    from orchestrator.job_spec import format_validation
+
+    p = Path(path)
+    if p.is_dir() or not p.is_file():
+        raise ConfigError(f"fleet file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; see "
+                          "examples/fleets/")
+    try:
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+        raise ConfigError(f"{p}: not a readable YAML fleet file ({type(e).__name__}); see examples/fleets/") from None
+    if not isinstance(data, dict) or not ({"nodes", "fleet"} & set(data)):
+        raise ConfigError(f"{p}: a fleet file has nodes: (a job's cluster) or fleet: (groups with a count)")
+    if "fleet" in data:
+        groups = data.pop("fleet")
+        if not isinstance(groups, list):
+            raise ConfigError(f"{p}: field 'fleet': a list of groups such as {{gpu_type: L4, nodes: 16, num_gpus: 8}}")
+        nodes = []
+        for i, g in enumerate(groups):
+            if not isinstance(g, dict) or not isinstance(g.get("nodes"), int) or isinstance(g.get("nodes"), bool) \
+                    or not 1 <= g["nodes"] <= 4096:
+                raise ConfigError(f"{p}: field 'fleet.{i}.nodes': a count of nodes from 1 to 4096")
+            spec = {k: v for k, v in g.items() if k != "nodes"}
+            tag = str(spec.get("gpu_type", "gpu")).lower()
+            nodes += [spec | {"name": f"{tag}-{i}-{j:03d}"} for j in range(g["nodes"])]
+        data["nodes"] = nodes
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation(str(p), e, "fleet file")) from None
