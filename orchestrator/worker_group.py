@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -99,16 +99,28 @@ class PlanRun:
                     ).remote(plan_json, len(self.workers), model_json, train_json, self.job.data.model_dump(),
                              self.job.runtime.dtype, slow[st.gpu_type], self.job.runtime.log_every,
                              self.job.runtime.meter_memory, self.job.runtime.overlap_grad_sync))
-        try:
-            ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)
-        except GetTimeoutError:
-            raise WorkerFailure("start-up", f"could not place the plan's {len(self.workers)} workers within "
-                                f"{timeout_s:.0f} s; are the plan's nodes and GPUs in the cluster?",
-                                FailureKind.TIMEOUT.value) from None
+        self._await_placement(timeout_s, node_ids)
         # Inside _gather, so an error in a worker's constructor names the rank and is classified.
         init = self._gather([self.workers[0].rendezvous_address.remote()], "start-up", timeout_s)[0]
         self._gather([w.connect.remote(init, self.job.runtime.collective_timeout_s) for w in self.workers],
                      "start-up", timeout_s)
+
+    def _await_placement(self, timeout_s: float, node_ids) -> None:
+        """Wait for the placement groups; a plan node that dies meanwhile fails the start-up at once (a node
+        lost), not after `timeout_s`: its bundles could never be placed."""
+        pending = [pg.ready() for pg in self.pgs]
+        until = time.monotonic() + timeout_s
+        used = {st.node for p in self.plan.pipelines for st in p.stages}
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            gone = sorted(used - set(node_ids())) if pending else []
+            if gone:
+                raise WorkerFailure("start-up", f"node(s) {', '.join(gone)} went while the plan's workers were "
+                                    "being placed", FailureKind.NODE_LOST.value, nodes=gone)
+            if pending and time.monotonic() > until:
+                raise WorkerFailure("start-up", f"could not place the plan's {len(self.workers)} workers within "
+                                    f"{timeout_s:.0f} s; are the plan's nodes and GPUs in the cluster?",
+                                    FailureKind.TIMEOUT.value)
 
     def run(self, steps: int, first_step: int = 0,
             on_step: Callable[[int, float, float], None] | None = None) -> TrainResult:

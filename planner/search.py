@@ -324,6 +324,8 @@ class Planner:
         model, train = self.model, self.train
         if objective not in ("throughput", "cost"):
             raise ValueError(f"objective {objective!r} must be 'throughput' or 'cost'")
+        if not cluster.nodes:
+            raise PlanningError("no GPU node is left in the cluster")
         if objective == "cost" and any(n.price_per_hour is None for n in cluster.nodes):
             missing = [n.name for n in cluster.nodes if n.price_per_hour is None]
             raise PlanningError(f"objective 'cost' needs price_per_hour on every node; missing on {', '.join(missing)}")

@@ -107,6 +107,9 @@ class FaultInjection:
             self.threads.append(self.s3.outage(f.for_s))
             self._record(f, for_s=f.for_s)
         elif f.kind == "add-node":
+            if threading.current_thread() is not threading.main_thread():
+                self.main_queue.append(f)  # Ray starts a node only from the main thread: the drill loop does it
+                return None
             for n in self.job.cluster.nodes:
                 if n.name in f.nodes:
                     self._add(n)

@@ -68,6 +68,7 @@ class Drill(FaultInjection):
         self.imds: dict[str, object] = {}
         self.timers: list[threading.Timer] = []
         self.fired: list[dict] = []
+        self.main_queue: list[Fault] = []
         self.threads: list[threading.Thread] = []
         self.c = None
         self.t0 = 0.0
@@ -157,6 +158,8 @@ class Drill(FaultInjection):
             commits: list[tuple[int, float, float]] = []
             last = -1
             while c.state not in (State.DONE, State.FAILED):
+                while self.main_queue:  # timed faults that must run on the main thread (a node joining)
+                    self._fire(self.main_queue.pop(0))
                 if c.state == State.TRAINING:
                     while by_step and by_step[0].at_step <= c.progress.committed + 1:
                         after_commit += self._fire(by_step.pop(0)) or []

@@ -179,7 +179,7 @@ TRACE_JOB = {
     "model": {"name": "gpt-trace", "num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 64,
               "seq_len": 64},
     "train": {"global_batch": 256, "lr": 0.01, "precision": "fp32"},
-    "runtime": {"dtype": "float32", "emulate_speed": False, "collective_timeout_s": 30, "snapshot_every": 1,
+    "runtime": {"dtype": "float64", "emulate_speed": False, "collective_timeout_s": 30, "snapshot_every": 1,
                 "scale_check_every": 2},
     # S3 every 20 steps: uploads of every few steps would queue up faster than the test machine sends them
     "checkpoint": {"uri": "s3://hetspot-drill/trace", "s3_every": 20, "keep": 2},

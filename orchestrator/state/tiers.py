@@ -1,19 +1,15 @@
 """`TieredState`: the controller's state plane on Ray. It moves metadata only.
 
-Three tiers hold the committed training state (ARCHITECTURE.md, "State and where it lives"):
-  1. live: survivors' shards, handed to their own node's keeper after a failure (`salvage`);
-  2. peer: every `peer_every` steps each worker copies its shards to a keeper on
-     another node (`after_step`; placement by `restore_plan.peer_placement`);
-  3. S3: every `s3_every`-th snapshot, the keepers upload one object per unit
-     slice (a cover of the units chosen by the restore planner, so replicas are not
-     uploaded twice), then the controller writes the manifest, last and once.
-After a (re)start, `restore` asks the new workers what they need, asks the
-keepers and the S3 manifests what they hold, runs the pure restore planner
-(orchestrator/state/restore_plan.py) and hands each worker its transfers; the
-workers pull the bytes themselves (keeper -> worker through Ray's object store,
-S3 -> worker through boto3). The controller sees unit names, regions, sizes and
-checksums, never tensors: `received_bytes` counts what it took in.
-A piece whose checksum fails refuses that S3 step (a log line names the object); the restore plans again.
+Three tiers hold the committed training state (ARCHITECTURE.md, "State and where it lives"): 1. live: survivors'
+shards, handed to their own node's keeper after a failure (`salvage`); 2. peer: every `peer_every` steps each worker
+copies its shards to a keeper on another node (`after_step`; placement by `restore_plan.peer_placement`, again when
+nodes join or go); 3. S3: every `s3_every`-th snapshot, the keepers upload one object per unit slice (a cover chosen
+by the restore planner, so replicas are not uploaded twice), then the controller writes the manifest, last and once.
+After a (re)start, `restore` asks the new workers what they need and the keepers and S3 manifests what they hold,
+runs the pure restore planner (orchestrator/state/restore_plan.py) and hands each worker its transfers; the workers
+pull the bytes themselves (keeper -> worker through Ray's object store, S3 -> worker through boto3). The controller
+sees unit names, regions, sizes and checksums, never tensors (`received_bytes`). A piece whose checksum fails
+refuses that S3 step (a log line names the object); the restore plans again.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.cluster.discovery import node_ids
 from orchestrator.metrics import payload_bytes
 from orchestrator.state.keeper import Keeper
 from orchestrator.state.restore_plan import TIERS, Holding, Need, peer_placement, plan_restore
@@ -50,9 +47,7 @@ class TieredState:
         self._placed: tuple | None = None  # (group, (avoided, alive nodes), target nodes, keeper handles)
         self._starting: dict[str, ray.ObjectRef] = {}  # keepers started and not yet seen running
 
-    # -- keepers ------------------------------------------------------------------------
     def _alive_nodes(self) -> dict[str, str]:
-        from orchestrator.cluster.discovery import node_ids
         return node_ids()
 
     def _keepers_on(self, nodes: list[str], ids: dict[str, str], wait: bool = True) -> list:
@@ -90,12 +85,17 @@ class TieredState:
         self.snapshot(group, step, avoid)
         return True
 
-    def drain(self, group, step: int, avoid: set[str]) -> None:
-        """A notice: copy the committed step to keepers off the doomed nodes, and wait until it is there."""
-        self.snapshot(group, step, avoid, wait=True)
+    def drain(self, group, step: int, avoid: set[str]) -> None:  # a notice: copy the step off the doomed nodes
+        self.snapshot(group, step, avoid, wait=True)  # and wait until it is there
 
     def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
-        keepers = self._targets(group, frozenset(avoid))
+        try:
+            keepers = self._targets(group, frozenset(avoid))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:  # a keeper's node went while
+            self._call_keepers("ping")  # this copy was placed: skip it (other tiers hold the step), forget the dead
+            self._placed = None  # keepers, and place the next snapshot afresh
+            log.warning("peer snapshot of step %d skipped: a keeper's node went (%s)", step, type(e).__name__)
+            return
         if keepers is None:
             log.warning("no node outside %s to keep a snapshot of step %d on", sorted(avoid), step)
             return
