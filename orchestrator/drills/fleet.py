@@ -13,7 +13,8 @@ trains at its plan's predicted tokens/s (planner.evaluate):
   snapshot interval when a layer's only copies were peers; an S3 interval when
   S3 is needed). On a join it moves only when that finishes the trace's
   remaining work sooner (`consider_joined`).
-- `oracle`: the planner's best plan at every event, for free (an upper bound).
+- `oracle`: at every event, for free, the faster of the planner's best plan and the running plan where its
+  nodes survived (the planner's search is not exact on large fleets, so its best is not always the bound).
 - `s3-only`: checkpoint-restart as Ray Train and SkyPilot run it: a checkpoint
   to S3 every `ckpt_every_s` (training waits for the write), and on a
   preemption that hits the plan, detection + start-up + every node reading its
@@ -188,8 +189,10 @@ class FleetSim:
             r.busy_until = self.a.startup_s if r.name != "oracle" else 0.0
             r.down_s += r.busy_until
             return
-        if r.name == "oracle":
-            r.plan = self._best(cluster) or r.plan
+        if r.name == "oracle":  # the faster of the planner's best and the running plan where it survived, free
+            best, alive = self._best(cluster), {n.name for n in cluster.nodes}
+            keep = r.plan if nodes_of(r.plan) <= alive else None
+            r.plan = max((p for p in (best, keep) if p is not None), key=lambda p: p.estimate.tokens_per_s, default=None)
             return
         if kind == "add":
             self._join(r, now, cluster, left_s, tok)
