@@ -11,6 +11,18 @@ from orchestrator.cli_common import print_json as _print_json
 from orchestrator.errors import ConfigError
 
 
+def _emit(out: dict, as_json: bool, plot: Path | None, tables, draw) -> None:
+    """The result as one JSON object or as tables, and the PNG when asked."""
+    if plot is not None:
+        draw(out, plot)
+    if as_json:
+        _print_json(out)
+    else:
+        tables(out, console)
+        if plot is not None:
+            console.print(f"plot: {plot}")
+
+
 def drill(
     scenario: Path = typer.Argument(None, help="a drill file (see drills/); omit with --trace"),
     trace: Path = typer.Option(None, "--trace", help="replay a spot trace (Parcae JSON lines) instead"),
@@ -57,14 +69,7 @@ def drill(
     if trace is not None:
         out["trace"] = {"file": str(trace), "time_scale": time_scale, "nodes": nodes,
                         "events": [e.__dict__ for e in events]}
-    if plot is not None:
-        drill_plot(out, plot)
-    if as_json:
-        _print_json(out)
-    else:
-        drill_tables(out, console)
-        if plot is not None:
-            console.print(f"plot: {plot}")
+    _emit(out, as_json, plot, drill_tables, drill_plot)
     raise typer.Exit(0 if result.oracle_holds else 1)
 
 
@@ -110,11 +115,4 @@ def simulate(
     result |= {"trace": str(trace), "model": spec.name, "global_batch": global_batch,
                "fleet": {"file": str(cluster), "gpus": fleet.num_gpus, "nodes": len(fleet.nodes),
                          "mix": ", ".join(f"{c}x {g}" for g, c in by_type.items())}}
-    if plot is not None:
-        simulate_plot(result, plot)
-    if as_json:
-        _print_json(result)
-    else:
-        simulate_tables(result, console)
-        if plot is not None:
-            console.print(f"plot: {plot}")
+    _emit(result, as_json, plot, simulate_tables, simulate_plot)

@@ -183,13 +183,14 @@ def load_job(path: str | Path) -> JobSpec:
     return parse_job(data, str(p))
 
 
-def _read_yaml(p: Path):
+def _read_yaml(p: Path, what: str = "job file", loader=yaml.SafeLoader):
+    """A YAML file as data; any unreadable file is one ConfigError naming it (`loader`: a SafeLoader or subclass)."""
     try:
-        return yaml.safe_load(p.read_bytes().decode("utf-8"))
+        return yaml.load(p.read_bytes().decode("utf-8"), Loader=loader)  # noqa: S506 - SafeLoader or a subclass
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save the job file as UTF-8 YAML") from None
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save the {what} as UTF-8 YAML") from None
     except RecursionError:
-        raise ConfigError(f"{p}: YAML nested too deeply to read; a job file is a few flat sections") from None
+        raise ConfigError(f"{p}: YAML nested too deeply to read; a {what} is a few flat sections") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator.errors import ConfigError
-from orchestrator.job_spec import JobSpec, _cluster_file, format_validation, parse_job
+from orchestrator.job_spec import JobSpec, _cluster_file, _read_yaml, format_validation, parse_job
 
 KINDS = ("preempt", "notice", "preempt-during-upload", "preempt-during-recovery", "corrupt-s3", "s3-outage",
          "add-node")
@@ -126,16 +126,7 @@ def load_scenario(path: str | Path) -> Scenario:
     if p.is_dir() or not p.is_file():
         raise ConfigError(f"scenario {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; pass a "
                           "drill file (see drills/)")
-    try:
-        data = yaml.load(p.read_bytes().decode("utf-8"), Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save the scenario as UTF-8 YAML") from None
-    except RecursionError:
-        raise ConfigError(f"{p}: YAML nested too deeply to read") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    data = _read_yaml(p, "scenario", _LineLoader)
     return parse_scenario(data, str(p), p.parent)
 
 
