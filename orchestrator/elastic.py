@@ -75,9 +75,10 @@ def slowest_pull(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec
     return max(per_node.values(), key=lambda b: sum(n / bw[t] for t, n in b.items()), default={})
 
 
-def bandwidths(cluster: ClusterSpec) -> dict[str, float]:
-    """Bytes/s per tier: a node's own keeper, another node over the slowest link, S3 at most 1 GB/s."""
-    link = min(n.inter_node_bw_gb_s for n in cluster.nodes) * 1e9
+def bandwidths(cluster: ClusterSpec, node: str | None = None) -> dict[str, float]:
+    """Bytes/s per tier: a node's own keeper, another node over the link (the slowest of the cluster, or
+    `node`'s own), S3 at most 1 GB/s."""
+    link = (cluster.node(node).inter_node_bw_gb_s if node else min(n.inter_node_bw_gb_s for n in cluster.nodes)) * 1e9
     return {"live": 4 * link, "peer": link, "s3": min(link, 1e9)}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.elastic import layer_bytes, stage_layers
+from orchestrator.elastic import bandwidths, layer_bytes, stage_layers
 from planner import ClusterSpec, Plan
 from planner.specs import ModelSpec, TrainSpec
 
@@ -32,13 +32,6 @@ class Assumptions:
 
 def nodes_of(plan: Plan | None) -> set[str]:
     return {st.node for p in plan.pipelines for st in p.stages} if plan is not None else set()
-
-
-def _node_bw(cluster: ClusterSpec, node: str, a: Assumptions) -> dict[str, float]:
-    """Bytes/s one node pulls at, by tier: its own keeper's memory (4x its link, as elastic.bandwidths), another
-    node over its link, S3 at `s3_gb_s`."""
-    link = cluster.node(node).inter_node_bw_gb_s * 1e9
-    return {"live": 4 * link, "peer": link, "s3": a.s3_gb_s * 1e9}
 
 
 def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
@@ -75,7 +68,8 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
                 redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
             nbytes = layer_bytes(model, train, layer)
             by_tier[tier] += nbytes
-            per_node[node] = per_node.get(node, 0.0) + nbytes / _node_bw(cluster, node, a)[tier]
+            bw = bandwidths(cluster, node) | {"s3": a.s3_gb_s * 1e9}  # each node over its own link
+            per_node[node] = per_node.get(node, 0.0) + nbytes / bw[tier]
     return max(per_node.values(), default=0.0), redo_steps * old.estimate.step_time_s, by_tier
 
 
