@@ -20,7 +20,7 @@ Sources for the formulas:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from planner.catalog import gpu_info
@@ -61,6 +61,11 @@ class Slot:
     inter_bw: float
     cpu_adam_per_gpu: float  # params/s of host AdamW available to one GPU
     host_cap_bytes: float = math.inf  # one GPU's share of its node's host RAM, for offloaded state
+
+
+def hardware(slot: Slot) -> Slot:
+    """The slot without its node's name: what every cost depends on (links come separately)."""
+    return replace(slot, node="")
 
 
 def device_budget_bytes(gpu_type: str, train: TrainSpec) -> float:

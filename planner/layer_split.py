@@ -46,21 +46,43 @@ class PipelineModel:
         self.slots, self.model, self.train, self.exact, self.schedule = slots, model, train, exact, schedule
         self.homogeneous = len({(s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu) for s in slots}) == 1
         self.p2p = cost.stage_links(slots)
+        self._hw = [cost.hardware(s) for s in slots]  # cache keys: the same hardware on any node costs the same
         # Shared across pipelines of one search: the same hardware at the same position costs the same.
         self._stage_cache = {} if stage_cache is None else stage_cache
         self._splits: dict[tuple[int, int], tuple[StageChoice, ...] | None] = {}
         self._finish: dict[tuple, Finish | None] = {}
         self._times: dict[tuple[int, int, int], cost.StageTimes] = {}
+        self._consts: dict[int, list[tuple]] = {}
 
     def _shape(self, i: int, n: int) -> cost.StageShape:
         return cost.StageShape(n, i == 0, i == len(self.slots) - 1)
 
     def _candidates(self, i: int, n: int, b: int, k: int):
         slot, shape = self.slots[i], self._shape(i, n)
-        key = (slot, shape, k, self.p2p[i], b)
+        key = (self._hw[i], shape, k, self.p2p[i], b)
         if key not in self._stage_cache:
             self._stage_cache[key] = fitting_policies(slot, self.model, self.train, shape, b, k, *self.p2p[i])
         return self._stage_cache[key]
+
+    def _stage_vector(self, i: int, hi: int, b: int, m: int):
+        """Stage i's cheapest choice and its per-step cost for 1..hi layers (shared by every pipeline of the
+        search with the same hardware and links at a position of the same kind)."""
+        p = len(self.slots)
+        k = cost.inflight(i, p, m, self.schedule)
+        key = ("vector", self._hw[i], i == 0, i == p - 1, k, self.p2p[i], b, m, hi)
+        got = self._stage_cache.get(key)
+        if got is None:
+            num_layers = self.model.num_layers
+            choices: list[StageChoice | None] = [None] * (num_layers + 1)
+            c_val = np.full(num_layers + 1, np.inf)
+            c_t = np.zeros(num_layers + 1)
+            for n in range(1, hi + 1):
+                best = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train, self._shape(i, n), m)
+                if best is not None:
+                    choices[n] = StageChoice(n, best[0], best[1])
+                    c_val[n], c_t[n] = best[2], best[1].fwd_s + best[1].bwd_s
+            got = self._stage_cache[key] = (choices, c_val, c_t)
+        return got
 
     def split(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
         """Best contiguous layer split for micro-batches of b, m per step (None if nothing fits)."""
@@ -90,18 +112,10 @@ class PipelineModel:
         sec = np.zeros(num_layers + 1)
         backs, choices_by_stage = [], []
         for i in range(p):
-            choices: list[StageChoice | None] = [None] * (num_layers + 1)
-            c_val = np.full(num_layers + 1, big)
-            c_t = np.zeros(num_layers + 1)
             hi = num_layers - (p - 1 - i) - i  # most layers stage i can take
             if self.homogeneous and not self.exact:
                 hi = min(hi, 2 * math.ceil(num_layers / p) + 1)  # a balanced split never goes past 2x
-            for n in range(1, hi + 1):
-                k = cost.inflight(i, p, m, self.schedule)
-                got = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train, self._shape(i, n), m)
-                if got is not None:
-                    choices[n] = StageChoice(n, got[0], got[1])
-                    c_val[n], c_t[n] = got[2], got[1].fwd_s + got[1].bwd_s
+            choices, c_val, c_t = self._stage_vector(i, hi, b, m)
             cand_p = np.where(valid, np.maximum(prim[:, None], c_val[n_clip]), big)
             cand_s = np.where(valid, sec[:, None] + c_t[n_clip], big)
             if i == p - 1:  # the last stage must end at the last layer
@@ -224,21 +238,46 @@ class PipelineModel:
             self._times[key] = cost.stage_times(self.slots[i], self.model, self.train, self._shape(i, ch.num_layers), b, k, ch.policy, *self.p2p[i])
         return self._times[key]
 
+    def _stage_consts(self, stages) -> list[tuple]:
+        """Per stage, what `_time` needs that does not depend on n: (optimizer offloaded?, resident optimizer
+        time or (d2h, h2d, cpu, tail), gradient bytes to sync). cost.optimizer_s and cost.sync_s, unrolled
+        for the search's hot loop (tests/test_planner.py checks they agree)."""
+        got = self._consts.get(id(stages))
+        if got is None:
+            out = []
+            for i, ch in enumerate(stages):
+                slot, kn = self.slots[i], ch.policy
+                p = self._shape(i, ch.num_layers).params_per_device(self.model, slot.tp)
+                pb = self.train.param_bytes
+                if kn.offload_optimizer:
+                    d2h = p * pb / slot.host_link
+                    h2d = 0.0 if kn.offload_params else p * pb / slot.host_link
+                    cpu = p / slot.cpu_adam_per_gpu
+                    opt = (d2h, max(h2d, cpu), (d2h + cpu + h2d) / max(ch.num_layers, 1))
+                else:
+                    opt = p * 2 * (2 * pb + self.train.optimizer_bytes_per_param) / slot.mem_bw
+                out.append((kn.offload_optimizer, opt, p * self.train.grad_bytes))
+            got = self._consts[id(stages)] = out  # stages live in self._splits as long as this model
+        return got
+
     def _time(self, stages, n: int, b: int, m: int, num_replicas: int, sync_bw: float) -> float:
         last_b = n - (m - 1) * b
-        full = [ch.times.fwd_s + ch.times.bwd_s for ch in stages]
         last_t = [ch.times if last_b == b else self._last_times(i, ch, last_b, m) for i, ch in enumerate(stages)]
+        full = [ch.times.fwd_s + ch.times.bwd_s for ch in stages]
         last = [t.fwd_s + t.bwd_s for t in last_t]
         t_pipe = sum(last) if m == 1 else sum(full) + (m - 2) * max(full) + max(last)
-        finish = 0.0
-        for i, ch in enumerate(stages):
-            shape = self._shape(i, ch.num_layers)
-            busy = (m - 1) * full[i] + last[i]
-            fwd = (m - 1) * ch.times.fwd_s + last_t[i].fwd_s
-            opt = cost.optimizer_s(self.slots[i], self.model, self.train, shape, ch.policy, busy, fwd)
-            sync = cost.sync_s(shape.params_per_device(self.model, self.slots[i].tp), self.train, num_replicas, sync_bw)
-            finish = max(finish, t_pipe + max(0.0, sync - last_t[i].bwd_s) + opt)
-        return finish
+        per_byte = 0.0 if num_replicas <= 1 else 2.0 * (num_replicas - 1) / num_replicas / sync_bw
+        clip = self.train.grad_clip is not None
+        extra = 0.0
+        for (offloaded, opt, sync_bytes), ch, lt, f, la in zip(self._stage_consts(stages), stages, last_t, full, last,
+                                                              strict=True):
+            if offloaded:
+                busy = (m - 1) * f + la
+                fwd = (m - 1) * ch.times.fwd_s + lt.fwd_s
+                d2h, h2d_cpu, tail = opt
+                opt = max(0.0, d2h - (busy - fwd), h2d_cpu - (fwd if clip else busy)) + tail
+            extra = max(extra, max(0.0, sync_bytes * per_byte - lt.bwd_s) + opt)
+        return t_pipe + extra
 
 
 def _pareto(items: list) -> list:

@@ -20,6 +20,7 @@ search is deterministic: every loop runs over sorted inputs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -48,10 +49,11 @@ class Group:
     devices: tuple[str, ...]
     slot: cost.Slot
 
-    @property
-    def kind(self) -> tuple:
-        s = self.slot
-        return (s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu, s.inter_bw, s.intra_bw, s.cpu_adam_per_gpu)
+    @functools.cached_property
+    def kind(self) -> cost.Slot:
+        """Every hardware field but the node's name (host memory included): groups of one kind are
+        interchangeable."""
+        return cost.hardware(self.slot)
 
 
 def tp_candidates(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
