@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.elastic import choose_replan, consider_joined, joined_nodes
+from orchestrator.elastic import choose_replan, consider_joined, drain_copy_s, joined_nodes
 from orchestrator.errors import WorkerFailure
 from orchestrator.policies import Abort, Replan, failure_policy, notice_decision
 from orchestrator.protocols import (
@@ -208,8 +208,8 @@ class Controller:
         """Start a drain for notices on the plan's nodes when the deadline leaves time (policies.notice_decision)."""
         now = self.clock.now()
         used = {st.node for p in self.plan.pipelines for st in p.stages}
-        got = notice_decision(notices, used, now, self.progress.step_time_s.get(self.progress.committed, 0.0),
-                              self.drain_margin_s)
+        got = notice_decision(notices, used, now, self.drain_margin_s,
+                              lambda nodes: drain_copy_s(self.plan, nodes, self.model, self.train, self.cluster or self.nodes.discover()))
         if got is None:
             return False
         drain, mine, left = got

@@ -45,6 +45,22 @@ def stage_layers(p: Plan, model: ModelSpec):
             yield st.node, range(lo, hi)
 
 
+def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
+    """Per node of plan `p`, the state its stages hold (weights and AdamW's state)."""
+    out: dict[str, float] = {}
+    for node, layers in stage_layers(p, model):
+        out[node] = out.get(node, 0.0) + sum(layer_bytes(model, train, x) for x in layers)
+    return out
+
+
+def drain_copy_s(p: Plan, nodes: set[str], model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> float:
+    """Seconds a drain takes to copy the committed state of `nodes` off them: each sends what its stages hold
+    over its own link, at once (policies.notice_decision)."""
+    held, known = node_bytes(p, model, train), {n.name for n in cluster.nodes}
+    return max((held[n] / bandwidths(cluster, n if n in known else None)["peer"] for n in nodes if n in held),
+               default=0.0)
+
+
 def node_migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, dict]:
     """Per node of the new plan, the bytes its stages pull, by tier: "live" where the old plan held the layer
     on that node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""

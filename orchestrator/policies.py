@@ -6,6 +6,8 @@ dataclass, the controller applies it and logs the cause. No Ray, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 from orchestrator.errors import WorkerFailure
@@ -110,16 +112,18 @@ def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: di
     return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s, migration included ({why})", finish)
 
 
-def notice_decision(notices: list, used: set[str], now: float, last_step_s: float,
-                    margin_s: float) -> tuple[bool, list, float] | None:
+def notice_decision(notices: list, used: set[str], now: float, margin_s: float,
+                    copy_s: Callable[[set[str]], float]) -> tuple[bool, list, float] | None:
     """None when no notice concerns the plan's nodes; else (drain?, those notices, seconds left).
 
-    A drain needs one copy of the committed step at this boundary: with less time
-    left than `margin_s` plus twice the last step, the job keeps training and the
-    loss is handled as a failure (recovery) instead.
+    The controller looks at notices at step boundaries, so a drain starts with the
+    step in flight already committed and needs only to copy that step's state off the
+    doomed nodes (`copy_s(nodes)`: orchestrator/elastic.py `drain_copy_s`, bytes over
+    each node's link). With less time left than that copy plus `margin_s`, the job
+    keeps training and the loss is handled as a failure (recovery) instead.
     """
     mine = [n for n in notices if n.node in used]
     if not mine:
         return None
     left = min(n.deadline_s for n in mine) - now
-    return left >= margin_s + 2 * last_step_s, mine, left
+    return left >= margin_s + copy_s({n.node for n in mine}), mine, left

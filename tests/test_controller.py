@@ -145,3 +145,31 @@ def test_notice_too_close_to_the_deadline_falls_back_to_recovery():
     assert c.progress.drains == 0 and c.progress.restarts == 1  # the node's loss was recovered, not drained
     assert [e["kind"] for e in c.progress.events] == ["notice-too-close", "re-plan", "restore"]
     assert c.progress.losses == {s: 10.0 - s for s in range(5)}  # the uncommitted step was redone, nothing lost
+
+
+def test_notice_drains_when_the_copy_fits_not_by_step_time():
+    """At a step boundary the step in flight is committed: the time left must cover copying the doomed nodes'
+    state off them (bytes over their links) plus the margin, however long a step takes."""
+    from orchestrator.policies import notice_decision
+    from orchestrator.protocols import Notice
+
+    notice = Notice(node="a", deadline_s=150.0, source="aws")
+    assert notice_decision([notice], {"b"}, 100.0, 1.0, lambda nodes: 0.0) is None  # not the plan's node
+    drain, mine, left = notice_decision([notice], {"a", "b"}, 100.0, 1.0, lambda nodes: 40.0)
+    assert drain and mine == [notice] and left == 50.0  # 100 s steps would not matter: the copy fits
+    assert notice_decision([notice], {"a"}, 100.0, 1.0, lambda nodes: 49.5)[0] is False  # copy + margin > left
+
+
+def test_notice_with_a_copy_longer_than_the_deadline_falls_back_to_recovery():
+    from orchestrator.fakes import FakeClock, FakeInterruptions
+    from orchestrator.protocols import Notice
+
+    slow = ClusterSpec(nodes=[n.model_copy(update={"inter_node_bw_gb_s": 1e-6}) for n in BIG.nodes])  # 1 kB/s
+    survivors = ClusterSpec(nodes=[n for n in slow.nodes if n.name == "l"])
+    notice = Notice(node="a", deadline_s=120.0, source="aws")
+    c, log, groups = make(FakeNodes(slow, survivors), failures=[[3]], snapshot_every=1, steps=5,
+                          interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
+    assert c.run() == State.DONE
+    assert c.progress.drains == 0 and c.progress.restarts == 1
+    assert c.progress.events[0]["kind"] == "notice-too-close"
+    assert c.progress.losses == {s: 10.0 - s for s in range(5)}

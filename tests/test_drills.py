@@ -201,6 +201,27 @@ def test_simulate_ranks_the_strategies_and_holds_hetspot_near_the_oracle(tmp_pat
     assert out["assumptions"]["ckpt_every_s"] == 120
 
 
+def test_simulate_charges_a_drain_when_the_notice_covers_the_copy():
+    """With a notice that leaves time to copy the doomed nodes' state off at the next step boundary, hetspot
+    redoes no work; without a notice, or when the copy takes longer than the notice, preemptions redo the
+    step in flight."""
+    from orchestrator.drills.fleet import Assumptions, FleetSim
+    from planner import ClusterSpec, NodeSpec
+    from planner.specs import ModelSpec, TrainSpec
+
+    def lost(link_gb_s: float, notice_s: float) -> float:
+        fleet = ClusterSpec(nodes=[NodeSpec(name=f"n{i}", gpu_type=("A100-80GB", "L4", "T4")[i % 3], num_gpus=2,
+                                            inter_node_bw_gb_s=link_gb_s) for i in range(8)])
+        out = FleetSim(parse_trace(TRACE), fleet, ModelSpec.preset("gpt-350m"), TrainSpec(global_batch=64),
+                       Assumptions(notice_s=notice_s)).run()
+        assert out["strategies"]["hetspot"]["recoveries"] >= 1
+        return out["strategies"]["hetspot"]["lost_s"]
+
+    assert lost(10, 120) == 0.0  # gpt-350m's state crosses a 10 GB/s link in well under the notice
+    assert lost(10, 0) > 0.0
+    assert lost(0.01, 120) > 0.0  # 10 MB/s: a node's ~2 GB take minutes, longer than the notice
+
+
 def test_simulate_cli_json_and_bad_fleet(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(TRACE)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.drills.recovery_model import Assumptions, nodes_of, restore_cost, state_io_s
 from orchestrator.drills.trace import Trace, fleet_slots
-from orchestrator.elastic import choose_replan, consider_joined
+from orchestrator.elastic import choose_replan, consider_joined, drain_copy_s
 from planner import ClusterSpec, Plan, PlanningError, evaluate
 from planner.baselines import megatron_symmetric
 from planner.search import Planner
@@ -221,14 +221,17 @@ class FleetSim:
         if new is None:
             r.plan = None
             return
-        if self.a.notice_s >= DRAIN_MARGIN_S + 2 * old.estimate.step_time_s:
-            # a spot notice leaves time to drain (controller._heed): the old plan trains on to a step boundary,
-            # copies the doomed nodes' committed state off them, and nothing is redone or read from S3
-            restore_s = restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
-            self._charge(r, now, 0.0, self.a.startup_s + restore_s, new)
-            return
+        # A spot notice arrives at a random point of the step in flight; the controller sees it at the next
+        # boundary and drains when the time left covers copying the doomed nodes' state off them
+        # (policies.notice_decision): the share q of the step's phases where that holds is charged a drain,
+        # the rest a failure. A drain redoes nothing and reads nothing from S3.
+        copy_s = drain_copy_s(old, gone & nodes_of(old), self.model, self.train, self.fleet)
+        step = old.estimate.step_time_s
+        q = min(1.0, max(0.0, (self.a.notice_s - DRAIN_MARGIN_S - copy_s) / step)) if self.a.notice_s > 0 else 0.0
+        drain_s = copy_s + self.a.startup_s + restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
         restore_s, redo_s, _ = restore_cost(old, new, gone, cluster, self.model, self.train, self.a)
-        self._charge(r, now, redo_s, self.a.detect_s + self.a.startup_s + restore_s, new)
+        fail_s = self.a.detect_s + self.a.startup_s + restore_s
+        self._charge(r, now, (1 - q) * redo_s, q * drain_s + (1 - q) * fail_s, new)
 
     def _charge(self, r: Run, now: float, redo_s: float, down_s: float, new: Plan) -> None:
         """A recovery at `now`: `redo_s` of training at the old rate is lost, then `down_s` without training."""

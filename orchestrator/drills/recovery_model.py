@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.elastic import bandwidths, layer_bytes, stage_layers
+from orchestrator.elastic import bandwidths, layer_bytes, node_bytes, stage_layers
 from planner import ClusterSpec, Plan
 from planner.specs import ModelSpec, TrainSpec
 
@@ -24,7 +24,7 @@ class Assumptions:
     ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
     s3_gb_s: float = 1.0  # per node, S3 read and write
     notice_s: float = 120.0  # spot notice before a preemption (AWS's two minutes; 0: none): hetspot drains when
-    # it leaves a step boundary and a copy (policies.notice_decision); s3-only and symmetric restart regardless
+    # the time left at the next step boundary covers the copy (policies.notice_decision); s3-only restarts regardless
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -75,7 +75,4 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
 
 def state_io_s(plan: Plan, model: ModelSpec, train: TrainSpec, a: Assumptions) -> float:
     """Every node reads (or writes) its stages' state from S3 at once; the slowest node's time."""
-    per_node: dict[str, float] = {}
-    for node, layers in stage_layers(plan, model):
-        per_node[node] = per_node.get(node, 0.0) + sum(layer_bytes(model, train, x) for x in layers)
-    return max(per_node.values(), default=0.0) / (a.s3_gb_s * 1e9)
+    return max(node_bytes(plan, model, train).values(), default=0.0) / (a.s3_gb_s * 1e9)
