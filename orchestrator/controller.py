@@ -209,7 +209,7 @@ class Controller:
         now = self.clock.now()
         used = {st.node for p in self.plan.pipelines for st in p.stages}
         got = notice_decision(notices, used, now, self.drain_margin_s,
-                              lambda nodes: drain_copy_s(self.plan, nodes, self.model, self.train, self.cluster or self.nodes.discover()))
+                              lambda: drain_copy_s(self.plan, self.model, self.train, self.cluster or self.nodes.discover()))
         if got is None:
             return False
         drain, mine, left = got

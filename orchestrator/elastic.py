@@ -53,11 +53,11 @@ def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
     return out
 
 
-def drain_copy_s(p: Plan, nodes: set[str], model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> float:
-    """Seconds a drain takes to copy the committed state of `nodes` off them: each sends what its stages hold
-    over its own link, at once (policies.notice_decision)."""
-    held, known = node_bytes(p, model, train), {n.name for n in cluster.nodes}
-    return max((held[n] / bandwidths(cluster, n if n in known else None)["peer"] for n in nodes if n in held),
+def drain_copy_s(p: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> float:
+    """Seconds a drain takes to copy the committed step to keepers off the doomed nodes: the state plane copies
+    every rank's state (state/tiers.py `drain`), each node what its stages hold over its own link, at once."""
+    known = {n.name for n in cluster.nodes}
+    return max((b / bandwidths(cluster, n if n in known else None)["peer"] for n, b in node_bytes(p, model, train).items()),
                default=0.0)
 
 
