@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/hetspot drill drills/preempt.yaml --plot drill-preempt.png
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''

@@ -11,7 +11,7 @@ from orchestrator.job_spec import JobSpec, format_validation, load_job, require_
 from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
 from planner.baselines import all_baselines
-from planner.contract import plan_problems
+from planner.contract import PlanContractError, plan_problems
 from planner.specs import tokens_per_step
 
 
@@ -70,7 +70,10 @@ def check_plan(plan: Plan, job: JobSpec, source: str) -> Plan:
     if problems:
         raise ConfigError(f"{source}: the plan does not match the job: " + "; ".join(problems)
                           + ". Fix: regenerate it with `hetspot plan JOB.yaml --json`.")
-    plan.estimate = evaluate(plan, cluster, job.model_spec, job.train)
+    try:
+        plan.estimate = evaluate(plan, cluster, job.model_spec, job.train)
+    except PlanContractError as e:
+        raise ConfigError(f"{source}: {e}") from None
     return plan
 
 

@@ -3,6 +3,7 @@
 Imports only the standard library, pydantic and numpy (tests/test_planner_imports.py).
 """
 
+from planner.contract import PlanContractError
 from planner.errors import PlanningError
 from planner.estimate import evaluate
 from planner.plan_types import Estimate, OffloadPolicy, Pipeline, Plan, Stage, UnusedDevice
@@ -11,5 +12,5 @@ from planner.specs import PRESETS, ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 __all__ = [
     "PRESETS", "ClusterSpec", "Estimate", "ModelSpec", "NodeSpec", "OffloadPolicy", "Pipeline",
-    "Plan", "PlanningError", "Stage", "TrainSpec", "UnusedDevice", "evaluate", "plan",
+    "Plan", "PlanContractError", "PlanningError", "Stage", "TrainSpec", "UnusedDevice", "evaluate", "plan",
 ]

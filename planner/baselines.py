@@ -17,6 +17,7 @@ import math
 
 from planner import cost
 from planner.errors import PlanningError
+from planner.contract import PlanContractError
 from planner.estimate import evaluate
 from planner.offload_policy import cheapest, fitting_policies, to_policy
 from planner.plan_types import Pipeline, Plan, Stage
@@ -61,7 +62,10 @@ def _uniform_plan(groups_per_pipe: list[list[Group]], cluster: ClusterSpec, mode
             return None
         pipes.append(pipe)
     pl = Plan(model_name=model.name, num_layers=model.num_layers, global_batch=train.global_batch, pipelines=pipes)
-    pl.estimate = evaluate(pl, cluster, model, train)
+    try:
+        pl.estimate = evaluate(pl, cluster, model, train)
+    except PlanContractError:
+        return None  # the uniform layout does not fit these GPUs (or their hosts): the baseline has no plan
     return pl
 
 

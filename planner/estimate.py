@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from planner import cost
+from planner.contract import PlanContractError, plan_problems
 from planner.plan_types import Estimate, Pipeline, Plan
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec, tokens_per_step
 
@@ -165,9 +166,32 @@ def _cost_per_mtok(plan: Plan, cluster: ClusterSpec, step_s: float, tokens: int)
     return math.inf if kept <= 0 else dollars_per_s * step_s / tokens * 1e6 / kept
 
 
-def evaluate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Estimate:
-    """Closed-form estimate of one training step of `plan` (the planner's objective)."""
+def closed_form(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Estimate:
+    """The closed form on any structurally sound plan, fitting or not (a plan out of memory says so in its
+    bottleneck): for studying the cost model itself (tests/test_cost_model.py). Plans go through `evaluate`."""
     profiles = profile_plan(plan, cluster, model, train)
-    return estimate_from_profiles(
-        plan, profiles, [pipeline_closed_form(p) for p in profiles], cluster, model, train
-    )
+    return estimate_from_profiles(plan, profiles, [pipeline_closed_form(p) for p in profiles], cluster, model, train)
+
+
+def evaluate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Estimate:
+    """Closed-form estimate of one training step of `plan` (the planner's objective).
+
+    Raises PlanContractError (a ValueError) for a plan the job cannot run, instead of giving it a time:
+    one that breaks the plan contract (layers not covered, devices or batch that do not match the job,
+    a TP degree that does not divide the model), or whose stages do not fit their GPUs' memory or their
+    nodes' host memory.
+    """
+    problems = plan_problems(plan, model, train, cluster)
+    if problems:
+        raise PlanContractError("the plan cannot run: " + "; ".join(problems))
+    est = closed_form(plan, cluster, model, train)
+    short = [f"node {n} needs {g:,.1f} GiB of host memory for offloaded state and has {cluster.node(n).host_mem:,.0f} "
+             "(host_mem_gib)" for n, g in est.host_gib.items() if g > cluster.node(n).host_mem]
+    if est.bottleneck.startswith("out of memory") or short:
+        over = [f"device {d} needs {g:,.1f} GiB with the {train.memory_reserve_gib} GiB reserve and has "
+                f"{cost.gpu_info(cluster.node(d.rsplit('/', 1)[0]).gpu_type).mem_gib:,.0f}"
+                for d, g in est.memory_gib.items() if g > cost.gpu_info(cluster.node(d.rsplit('/', 1)[0]).gpu_type).mem_gib]
+        raise PlanContractError("the plan does not fit: " + "; ".join(over + short or [est.bottleneck]) +
+                                ". Fix: more recompute or offload on those stages, fewer layers on them, or smaller "
+                                "micro-batches; `hetspot plan` only emits plans that fit")
+    return est

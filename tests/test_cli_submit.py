@@ -137,3 +137,20 @@ def test_ffn_130_plan_with_tp4_is_refused_before_any_actor(tmp_path):
     assert res.exit_code == 2, res.output
     assert "TP degree 4, which does not divide ffn_size=130" in res.output and "Traceback" not in res.output
     assert not ray.is_initialized()
+
+
+def test_plan_that_does_not_fit_fails_before_actors(tmp_path):
+    """A well-formed plan whose stage cannot hold its state: exit 2 naming the device and its memory, not a
+    worker's out-of-memory error later (issue 15: evaluate refuses plans that cannot run)."""
+    import ray
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**JOB, "model": {"preset": "7b"}, "train": {"global_batch": 2}}))
+    whole = {"model_name": "7b", "num_layers": 32, "global_batch": 2, "pipelines": [
+        {"num_samples": 2, "micro_batch_size": 2, "num_micro_batches": 1, "stages": [
+            {"layer_start": 0, "layer_end": 32, "gpu_type": "L4", "node": "b", "devices": ["b/0"]}]}]}
+    res = _submit(job, tmp_path, whole)
+    assert res.exit_code == 2, res.output
+    msg = " ".join(res.output.split())
+    assert "does not fit: device b/0 needs" in msg and "has 24" in msg and "Traceback" not in res.output
+    assert not ray.is_initialized()

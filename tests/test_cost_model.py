@@ -18,6 +18,7 @@ from planner import (
     evaluate,
     plan,
 )
+from planner.estimate import closed_form
 from planner.schedule import op_order
 from planner.simulator import simulate, simulate_pipeline
 
@@ -56,7 +57,7 @@ def _random_plan(rng: random.Random) -> tuple[ClusterSpec, ModelSpec, TrainSpec,
 def test_closed_form_never_below_simulator_on_arbitrary_plans(seed):
     # Any valid plan, however unbalanced: the closed form is an upper bound of the schedule.
     cluster, model, train, p = _random_plan(random.Random(seed))
-    closed = evaluate(p, cluster, model, train).step_time_s
+    closed = closed_form(p, cluster, model, train).step_time_s  # fitting or not: the schedule's bound
     simulated = simulate(p, cluster, model, train).step_time_s
     assert closed >= simulated * (1 - 1e-9)
 
@@ -168,3 +169,29 @@ def test_search_step_time_unrolls_the_cost_model_exactly(gpu_type, preset, clip)
         assert pm._time(stages, n, b, m, replicas, 12.5e9) == pytest.approx(want, rel=1e-12)
     if gpu_type == "T4":
         assert True in seen_offload  # the offloaded branch is exercised
+
+
+def test_evaluate_refuses_plans_that_cannot_run():
+    """A plan that leaves layers out, or does not fit its GPUs' or its node's host memory, gets an error that
+    names the problem, not a step time (issue 15)."""
+    from planner import OffloadPolicy, PlanContractError
+
+    model = ModelSpec.preset("7b")
+    cluster = ClusterSpec(nodes=[NodeSpec(name="t", gpu_type="T4", num_gpus=1, host_mem_gib=64)])
+    train = TrainSpec(global_batch=1)
+
+    def one_stage(layers: int, **offload) -> Plan:
+        st = Stage(layer_start=0, layer_end=layers, gpu_type="T4", node="t", devices=["t/0"],
+                   offload=OffloadPolicy(recompute_layers=list(range(layers)), **offload))
+        return Plan(model_name=model.name, num_layers=model.num_layers, global_batch=1,
+                    pipelines=[Pipeline(num_samples=1, micro_batch_size=1, num_micro_batches=1, stages=[st])])
+
+    with pytest.raises(PlanContractError, match=r"covers layers \[0, 2\), model has 32"):
+        evaluate(one_stage(2), cluster, model, train)
+    with pytest.raises(PlanContractError, match=r"does not fit: device t/0 needs .* GiB .* has 16"):
+        evaluate(one_stage(32), cluster, model, train)  # 7B's weights alone are 13 GiB, AdamW's 4x more
+    with pytest.raises(PlanContractError, match=r"node t needs .* GiB of host memory .* has 64"):
+        evaluate(one_stage(32, offload_optimizer=True, offload_params=True), cluster, model, train)
+    roomy = ClusterSpec(nodes=[cluster.nodes[0].model_copy(update={"host_mem_gib": 2000})])
+    est = evaluate(one_stage(32, offload_optimizer=True, offload_params=True), roomy, model, train)
+    assert est.step_time_s > 0 and 64 < est.host_gib["t"] < 2000
