@@ -229,6 +229,7 @@ PRESETS: dict[str, ModelSpec] = {
     "13b": _p("13b", 40, 5120, 40, 32000, 2048),
     "30b": _p("30b", 60, 6656, 52, 32000, 2048),
     "70b": _p("70b", 80, 8192, 64, 32000, 2048, ffn=36864),  # 4.5h GELU ~ a SwiGLU 28672 MLP
+    "175b": _p("175b", 96, 12288, 96, 50304, 2048),  # GPT-3's shape (Brown et al. 2020)
     # Llama architecture (workers/llama.py): the published shapes of TinyLlama-1.1B, Llama 3 8B and 70B,
     # trained at 2048 tokens (their configs allow 8192; raise seq_len in the job for longer contexts).
     "llama-tiny": _p("llama-tiny", 4, 32, 4, 64, 16, ffn=64, num_kv_heads=2),  # CPU tests, GQA 2:1
