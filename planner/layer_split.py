@@ -12,6 +12,7 @@ on the other replicas, is added when the finish time is computed.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -46,23 +47,27 @@ class PipelineModel:
         self.slots, self.model, self.train, self.exact, self.schedule = slots, model, train, exact, schedule
         self.homogeneous = len({(s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu) for s in slots}) == 1
         self.p2p = cost.stage_links(slots)
-        self._hw = [cost.hardware(s) for s in slots]  # cache keys: the same hardware on any node costs the same
         # Shared across pipelines of one search: the same hardware at the same position costs the same.
         self._stage_cache = {} if stage_cache is None else stage_cache
+        # Cache keys name hardware by a small int (the same hardware on any node costs the same; an int
+        # hashes faster than the slot in the search's hottest loop).
+        self._hw = [self._stage_cache.setdefault(("hardware", cost.hardware(s)), len(self._stage_cache)) for s in slots]
         self._splits: dict[tuple[int, int], tuple[StageChoice, ...] | None] = {}
         self._finish: dict[tuple, Finish | None] = {}
         self._times: dict[tuple[int, int, int], cost.StageTimes] = {}
         self._consts: dict[int, list[tuple]] = {}
 
     def _shape(self, i: int, n: int) -> cost.StageShape:
-        return cost.StageShape(n, i == 0, i == len(self.slots) - 1)
+        return _shape(n, i == 0, i == len(self.slots) - 1)
 
     def _candidates(self, i: int, n: int, b: int, k: int):
-        slot, shape = self.slots[i], self._shape(i, n)
-        key = (self._hw[i], shape, k, self.p2p[i], b)
-        if key not in self._stage_cache:
-            self._stage_cache[key] = fitting_policies(slot, self.model, self.train, shape, b, k, *self.p2p[i])
-        return self._stage_cache[key]
+        first, last = i == 0, i == len(self.slots) - 1
+        key = (self._hw[i], n, first, last, k, self.p2p[i], b)
+        got = self._stage_cache.get(key)
+        if got is None:
+            got = self._stage_cache[key] = fitting_policies(self.slots[i], self.model, self.train,
+                                                            _shape(n, first, last), b, k, *self.p2p[i])
+        return got
 
     def _stage_vector(self, i: int, hi: int, b: int, m: int):
         """Stage i's cheapest choice and its per-step cost for 1..hi layers (shared by every pipeline of the
@@ -278,6 +283,11 @@ class PipelineModel:
                 opt = max(0.0, d2h - (busy - fwd), h2d_cpu - (fwd if clip else busy)) + tail
             extra = max(extra, max(0.0, sync_bytes * per_byte - lt.bwd_s) + opt)
         return t_pipe + extra
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(n: int, first: bool, last: bool) -> cost.StageShape:
+    return cost.StageShape(n, first, last)  # frozen dataclasses are slow to build; the search asks millions of times
 
 
 def _pareto(items: list) -> list:

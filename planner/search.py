@@ -41,6 +41,7 @@ EXACT_LAYERS = 6
 MAX_ORDERS = 24
 MAX_EXHAUSTIVE_SETS = 1500
 FINALISTS = 4
+_KIND_IDS: dict[cost.Slot, int] = {}  # hardware kinds seen by any search in this process
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class Group:
         """Every hardware field but the node's name (host memory included): groups of one kind are
         interchangeable."""
         return cost.hardware(self.slot)
+
+    @functools.cached_property
+    def kind_id(self) -> int:
+        """`kind` as a small int, for cache keys (a slot hashes all its fields on every lookup)."""
+        return _KIND_IDS.setdefault(self.kind, len(_KIND_IDS))
 
 
 def tp_candidates(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
@@ -87,7 +93,7 @@ class _Search:
 
     def pipeline_model(self, groups: list[Group], exact: bool) -> PipelineModel:
         key = (
-            tuple(g.kind for g in groups),
+            tuple(g.kind_id for g in groups),
             tuple(groups[i].node == groups[i + 1].node for i in range(len(groups) - 1)),
             exact,
         )
