@@ -7,7 +7,6 @@ dataclass, the controller applies it and logs the cause. No Ray, no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 from orchestrator.errors import WorkerFailure
@@ -116,11 +115,12 @@ def notice_decision(notices: list, used: set[str], now: float, margin_s: float,
                     copy_s: Callable[[], float]) -> tuple[bool, list, float] | None:
     """None when no notice concerns the plan's nodes; else (drain?, those notices, seconds left).
 
-    The controller looks at notices at step boundaries, so a drain starts with the
-    step in flight already committed and needs only to copy that step's state off the
-    doomed nodes; the state plane copies the whole step to keepers off them, each node its own
-    (`copy_s()`: orchestrator/elastic.py `drain_copy_s`, the slowest node's bytes over its link). With less time left than that copy plus `margin_s`, the job
-    keeps training and the loss is handled as a failure (recovery) instead.
+    The controller looks at notices at step boundaries, so a drain starts with the step
+    in flight already committed and needs only to copy that step off the doomed nodes:
+    the state plane copies the whole step to keepers off them, each node its own share
+    (`copy_s()`: orchestrator/elastic.py `drain_copy_s`, the slowest node's bytes over its
+    link). With less time left than that copy plus `margin_s`, the job keeps training
+    and the loss is handled as a failure (recovery) instead.
     """
     mine = [n for n in notices if n.node in used]
     if not mine:

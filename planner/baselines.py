@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from planner import cost
-from planner.errors import PlanningError
 from planner.contract import PlanContractError
+from planner.errors import PlanningError
 from planner.estimate import evaluate
 from planner.offload_policy import cheapest, fitting_policies, to_policy
 from planner.plan_types import Pipeline, Plan, Stage

@@ -68,6 +68,14 @@ def hardware(slot: Slot) -> Slot:
     return replace(slot, node="")
 
 
+_HARDWARE_IDS: dict[Slot, int] = {}
+
+
+def hardware_id(slot: Slot) -> int:
+    """`hardware(slot)` as a small int, for the search's cache keys (an int hashes faster than a slot)."""
+    return _HARDWARE_IDS.setdefault(hardware(slot), len(_HARDWARE_IDS))
+
+
 def device_budget_bytes(gpu_type: str, train: TrainSpec) -> float:
     """What the planner lets a stage use on one GPU: its memory minus `train.memory_reserve_gib`."""
     return (gpu_info(gpu_type).mem_gib - train.memory_reserve_gib) * GIB

@@ -59,13 +59,19 @@ def profile_pipeline(
 
 
 def _sync_bandwidths(plan: Plan, cluster: ClusterSpec) -> dict[tuple[int, int], float]:
-    """Bandwidth of each (layer, tp rank) gradient group: intra-node if one node, else the slowest NIC."""
-    nodes: dict[tuple[int, int], set[str]] = {}
+    """Bandwidth of each (layer, tp rank) gradient group, and of the embedding's ("embed", 0) and the LM
+    head's ("head", 0): intra-node if one node, else the slowest NIC."""
+    nodes: dict[tuple, set[str]] = {}
     for p in plan.pipelines:
-        for st in p.stages:
+        for i, st in enumerate(p.stages):
             for layer in range(st.layer_start, st.layer_end):
                 for k in range(st.tp):
                     nodes.setdefault((layer, k), set()).add(st.node)
+            # The embedding's group is every replica's first stage, the LM head's every last stage.
+            if i == 0:
+                nodes.setdefault(("embed", 0), set()).add(st.node)
+            if i == len(p.stages) - 1:
+                nodes.setdefault(("head", 0), set()).add(st.node)
     out = {}
     for key, names in nodes.items():
         specs = [cluster.node(n) for n in names]
@@ -83,10 +89,10 @@ def profile_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: Trai
         for st, sp in zip(pipe.stages, prof, strict=True):
             layer_p = model.layer_params / st.tp
             sync = sum(cost.sync_s(layer_p, train, num_r, bws[(layer, 0)]) for layer in range(st.layer_start, st.layer_end))
-            edge = sp.shape.first * model.embed_params + sp.shape.last * model.head_params
-            if edge:
-                key = (0, 0) if sp.shape.first else (model.num_layers - 1, 0)
-                sync += cost.sync_s(edge, train, num_r, bws[key])
+            if sp.shape.first:
+                sync += cost.sync_s(model.embed_params, train, num_r, bws[("embed", 0)])
+            if sp.shape.last:
+                sync += cost.sync_s(model.head_params, train, num_r, bws[("head", 0)])
             sp.sync_s = max(0.0, sync - sp.times[-1].bwd_s)
             sp.opt_s = cost.optimizer_s(sp.slot, model, train, sp.shape, cost.knobs(st.offload), sp.busy_s,
                                           sp.fwd_busy_s)
@@ -119,7 +125,8 @@ def estimate_from_profiles(
             host[st.node] = host.get(st.node, 0.0) + len(st.devices) * cost.host_bytes(
                 model, train, shape, st.tp, cost.knobs(st.offload)) / cost.GIB
             if mem > sp.slot.mem_cap_bytes:
-                oom.append(st.devices[0])
+                oom.append(f"device {st.devices[0]} needs {memory[st.devices[0]]:,.1f} GiB with the "
+                           f"{train.memory_reserve_gib} GiB reserve and has {cost.gpu_info(st.gpu_type).mem_gib:,.0f}")
     where, t_pipe, sp, r = worst
     terms = {
         "compute": sp.busy_s,
@@ -128,7 +135,7 @@ def estimate_from_profiles(
         "optimizer/offload": sp.opt_s,
     }
     kind = max(terms, key=lambda k: terms[k])
-    bottleneck = f"out of memory on {', '.join(oom)}" if oom else f"{kind} on {where}"
+    bottleneck = f"out of memory: {'; '.join(oom)}" if oom else f"{kind} on {where}"
     tokens = tokens_per_step(model, plan.global_batch)
     mfu = plan.global_batch * cost.model_flops_per_sample(model) / (step * cost.plan_peak_flops(plan))
     return Estimate(
@@ -187,11 +194,9 @@ def evaluate(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpe
     est = closed_form(plan, cluster, model, train)
     short = [f"node {n} needs {g:,.1f} GiB of host memory for offloaded state and has {cluster.node(n).host_mem:,.0f} "
              "(host_mem_gib)" for n, g in est.host_gib.items() if g > cluster.node(n).host_mem]
-    if est.bottleneck.startswith("out of memory") or short:
-        over = [f"device {d} needs {g:,.1f} GiB with the {train.memory_reserve_gib} GiB reserve and has "
-                f"{cost.gpu_info(cluster.node(d.rsplit('/', 1)[0]).gpu_type).mem_gib:,.0f}"
-                for d, g in est.memory_gib.items() if g > cost.gpu_info(cluster.node(d.rsplit('/', 1)[0]).gpu_type).mem_gib]
-        raise PlanContractError("the plan does not fit: " + "; ".join(over + short or [est.bottleneck]) +
+    oom = est.bottleneck.removeprefix("out of memory: ") if est.bottleneck.startswith("out of memory") else ""
+    if oom or short:
+        raise PlanContractError("the plan does not fit: " + "; ".join(([oom] if oom else []) + short) +
                                 ". Fix: more recompute or offload on those stages, fewer layers on them, or smaller "
                                 "micro-batches; `hetspot plan` only emits plans that fit")
     return est

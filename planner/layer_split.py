@@ -49,13 +49,13 @@ class PipelineModel:
         self.p2p = cost.stage_links(slots)
         # Shared across pipelines of one search: the same hardware at the same position costs the same.
         self._stage_cache = {} if stage_cache is None else stage_cache
-        # Cache keys name hardware by a small int (the same hardware on any node costs the same; an int
-        # hashes faster than the slot in the search's hottest loop).
-        self._hw = [self._stage_cache.setdefault(("hardware", cost.hardware(s)), len(self._stage_cache)) for s in slots]
+        self._hw = [cost.hardware_id(s) for s in slots]  # the same hardware on any node costs the same
         self._splits: dict[tuple[int, int], tuple[StageChoice, ...] | None] = {}
         self._finish: dict[tuple, Finish | None] = {}
         self._times: dict[tuple[int, int, int], cost.StageTimes] = {}
         self._consts: dict[int, list[tuple]] = {}
+        self._options: dict[tuple, list[tuple]] = {}
+        self._syncs: dict[tuple, float] = {}
 
     def _shape(self, i: int, n: int) -> cost.StageShape:
         return _shape(n, i == 0, i == len(self.slots) - 1)
@@ -150,8 +150,9 @@ class PipelineModel:
         out.add(cap)
         return sorted(out)
 
-    def finish(self, n: int, num_replicas: int = 1, sync_bw: float = 1.0) -> Finish | None:
-        """Fastest (micro-batch size, split) for n samples: the slowest device's finish time."""
+    def finish(self, n: int, num_replicas: int = 1, sync_bw: float | tuple[float, ...] = 1.0) -> Finish | None:
+        """Fastest (micro-batch size, split) for n samples: the slowest device's finish time. A tuple of
+        bandwidths per sync group (see `_stage_options`) is for exact mode only."""
         key = (n, num_replicas, sync_bw)
         if key in self._finish:
             return self._finish[key]
@@ -178,22 +179,40 @@ class PipelineModel:
         self._finish[key] = best
         return best
 
-    def _stage_options(self, i: int, nl: int, b: int, last_b: int, m: int, num_replicas: int, sync_bw: float):
-        """Every fitting policy of stage i with nl layers: (choice, t full mb, t last mb, exposed extra)."""
+    def _stage_options(self, i: int, a: int, nl: int, b: int, last_b: int, m: int, num_replicas: int,
+                       sync_bw: float | tuple[float, ...]):
+        """Every fitting policy of stage i with layers [a, a + nl): (choice, t full mb, t last mb, exposed extra).
+
+        `sync_bw`: one gradient-sync bandwidth for every layer, or one per sync group as `link_vector` gives
+        them: (embedding, layer 0, ..., layer L-1, LM head)."""
         p, slot, shape = len(self.slots), self.slots[i], self._shape(i, nl)
         k = cost.inflight(i, p, m, self.schedule)
-        sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, sync_bw)
-        out = []
-        for kn, t in self._candidates(i, nl, b, k):
-            tl = t if last_b == b else cost.stage_times(slot, self.model, self.train, shape, last_b, k, kn, *self.p2p[i])
-            full, last = t.fwd_s + t.bwd_s, tl.fwd_s + tl.bwd_s
-            busy = (m - 1) * full + last
-            fwd = (m - 1) * t.fwd_s + tl.fwd_s
-            extra = cost.optimizer_s(slot, self.model, self.train, shape, kn, busy, fwd) + max(0.0, sync - tl.bwd_s)
-            out.append((StageChoice(nl, kn, t), full, last, extra))
-        return out
+        if isinstance(sync_bw, tuple):
+            key = (a, nl, slot.tp, shape.first, shape.last, num_replicas, sync_bw)
+            sync = self._syncs.get(key)
+            if sync is None:
+                sync = sum(cost.sync_s(self.model.layer_params / slot.tp, self.train, num_replicas, sync_bw[1 + j])
+                           for j in range(a, a + nl))
+                sync += shape.first * cost.sync_s(self.model.embed_params, self.train, num_replicas, sync_bw[0])
+                sync += shape.last * cost.sync_s(self.model.head_params, self.train, num_replicas, sync_bw[-1])
+                self._syncs[key] = sync
+        else:
+            sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, sync_bw)
+        base = self._options.get((i, nl, b, last_b, m))
+        if base is None:  # what does not depend on the sync: (choice, t full, t last, optimizer, last backward)
+            base = []
+            for kn, t in self._candidates(i, nl, b, k):
+                tl = t if last_b == b else cost.stage_times(slot, self.model, self.train, shape, last_b, k, kn,
+                                                            *self.p2p[i])
+                full, last = t.fwd_s + t.bwd_s, tl.fwd_s + tl.bwd_s
+                busy = (m - 1) * full + last
+                fwd = (m - 1) * t.fwd_s + tl.fwd_s
+                base.append((StageChoice(nl, kn, t), full, last,
+                             cost.optimizer_s(slot, self.model, self.train, shape, kn, busy, fwd), tl.bwd_s))
+            self._options[(i, nl, b, last_b, m)] = base
+        return [(ch, full, last, opt + max(0.0, sync - bwd)) for ch, full, last, opt, bwd in base]
 
-    def _exact_finish(self, n: int, b: int, num_replicas: int, sync_bw: float) -> Finish | None:
+    def _exact_finish(self, n: int, b: int, num_replicas: int, sync_bw: float | tuple[float, ...]) -> Finish | None:
         """Exact optimum of the closed form over splits and per-stage policies (Pareto DP).
 
         The 1F1B closed form sum(t) + (m-2) max(t) + max(t_last) + max(extra) is not
@@ -214,7 +233,7 @@ class PipelineModel:
                 for a, front in fronts.items():
                     if a >= j:
                         continue
-                    opts = self._stage_options(i, j - a, b, last_b, m, num_replicas, sync_bw)
+                    opts = self._stage_options(i, a, j - a, b, last_b, m, num_replicas, sync_bw)
                     for vec, ref in front:
                         for ch, full, last, extra in opts:
                             v = (vec[0] + full, max(vec[1], full), max(vec[2], last), max(vec[3], extra), vec[4] + last)
@@ -285,7 +304,7 @@ class PipelineModel:
         return t_pipe + extra
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shape(n: int, first: bool, last: bool) -> cost.StageShape:
     return cost.StageShape(n, first, last)  # frozen dataclasses are slow to build; the search asks millions of times
 
@@ -293,13 +312,18 @@ def _shape(n: int, first: bool, last: bool) -> cost.StageShape:
 def _pareto(items: list) -> list:
     items.sort(key=lambda it: it[0])
     kept: list = []
-    for v, ref in items:
-        if not any(all(a <= b for a, b in zip(k, v, strict=True)) for k, _ in kept):
+    for v, ref in items:  # sorted, so a vector that dominates comes first; five fields, unrolled (hot loop)
+        v0, v1, v2, v3, v4 = v
+        for (k0, k1, k2, k3, k4), _ in kept:
+            if k0 <= v0 and k1 <= v1 and k2 <= v2 and k3 <= v3 and k4 <= v4:
+                break
+        else:
             kept.append((v, ref))
     return kept
 
 
-def allocate_samples(pipes: list[PipelineModel], global_batch: int, exact: bool, sync_bw: float) -> list[int] | None:
+def allocate_samples(pipes: list[PipelineModel], global_batch: int, exact: bool,
+                     sync_bw: float | tuple[float, ...]) -> list[int] | None:
     """Split the global batch over pipelines minimizing the slowest finish (min-max).
 
     Exact DP over (pipeline, samples so far) for small problems; otherwise greedy,

@@ -3,8 +3,9 @@
 Levels, in the spirit of HexiScale (hierarchical asymmetric partitioning) and
 AutoHet (asymmetric 3D parallelism on spot GPUs):
   1. TP degree: one degree for every layer (a layer must have the same degree in
-     every replica, and asymmetric TP does not pay, AutoHet §3). Groups are GPUs of
-     one type on one node.
+     every replica, and asymmetric TP does not pay, AutoHet §3), any degree that
+     divides the model's heads and ffn (3 and 6 too). Groups are GPUs of one type
+     on one node.
   2. Pipelines: which TP groups chain into which replica. Small clusters (at most
      `EXHAUSTIVE_GROUPS` groups) try every multiset of pipelines by GPU kind;
      large ones start from homogeneous pipelines per type at their minimum depth,
@@ -14,7 +15,11 @@ AutoHet (asymmetric 3D parallelism on spot GPUs):
      (planner/layer_split.py), and the micro-batch size.
   4. Samples per replica: min-max allocation of the global batch.
 Candidates are ranked by the search's own surrogate, and the best few are
-scored by `evaluate` (exact gradient-sync groups); the best estimate wins. The
+scored by `evaluate` (exact gradient-sync groups); the best estimate wins. On
+small clusters (exact mode) the surrogate is the closed form itself: each
+layer's sync bandwidth follows from which nodes hold it in every replica, so
+the search also deals groups out node by node, tries every order of the nodes
+across replicas, and refines the finalists' stage orders together. The
 search is deterministic: every loop runs over sorted inputs.
 """
 
@@ -26,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from planner import cost
-from planner.contract import plan_problems, tp_problem
+from planner.contract import tp_problem
 from planner.errors import PlanningError
 from planner.estimate import evaluate
 from planner.layer_split import PipelineModel, allocate_samples
@@ -39,9 +44,8 @@ _POOL = "<pool>"
 EXACT_BATCH = 32
 EXACT_LAYERS = 6
 MAX_ORDERS = 24
-MAX_EXHAUSTIVE_SETS = 1500
+MAX_EXHAUSTIVE_SETS = 3000
 FINALISTS = 4
-_KIND_IDS: dict[cost.Slot, int] = {}  # hardware kinds seen by any search in this process
 
 
 @dataclass(frozen=True)
@@ -58,13 +62,22 @@ class Group:
 
     @functools.cached_property
     def kind_id(self) -> int:
-        """`kind` as a small int, for cache keys (a slot hashes all its fields on every lookup)."""
-        return _KIND_IDS.setdefault(self.kind, len(_KIND_IDS))
+        return cost.hardware_id(self.slot)
+
+
+SMALL_CLUSTER_GPUS = 16  # up to here every TP degree is tried; above, the ones that leave no GPU of a node idle
 
 
 def tp_candidates(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
+    """Degrees that fit a node and divide the model (heads and ffn), powers of two or not: 48 heads on a
+    node of 3 GPUs take TP3, and the runtime shards any such degree exactly. On a large cluster a degree
+    that is not a power of two is tried only where it divides some node's GPU count (TP3 on 8-GPU nodes
+    idles two of each eight, and every extra degree is a whole search more)."""
     most = max(n.num_gpus for n in cluster.nodes)
-    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= most and tp_problem(model, t) is None]
+    small = cluster.num_gpus <= SMALL_CLUSTER_GPUS
+    sizes = {n.num_gpus for n in cluster.nodes}
+    return [t for t in range(1, most + 1) if tp_problem(model, t) is None
+            and (small or t & (t - 1) == 0 or any(g % t == 0 for g in sizes))]
 
 
 def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int) -> tuple[list[Group], list[UnusedDevice]]:
@@ -122,22 +135,58 @@ class _Search:
             return pset[0][0].slot.intra_bw
         return min(self.cluster.node(n).inter_node_bw_gb_s for n in nodes) * 1e9
 
-    def score(self, pset: list[list[Group]], exact: bool) -> tuple[float, list[int] | None]:
-        """Surrogate step time of a pipeline set (inf if infeasible)."""
+    def link_vector(self, pset: list[list[Group]], finishes: list) -> tuple[float, ...]:
+        """Bandwidth of each gradient-sync group of the plan these splits make, as `evaluate` charges it:
+        (embedding, layer 0, ..., layer L-1, LM head); one node's group syncs over its intra-node link, a
+        group across nodes at the slowest of their NICs."""
+        holders: list[set[str]] = [set() for _ in range(self.model.num_layers)]
+        for groups, f in zip(pset, finishes, strict=True):
+            at = 0
+            for g, ch in zip(groups, f.stages, strict=True):
+                for layer in range(at, at + ch.num_layers):
+                    holders[layer].add(g.node)
+                at += ch.num_layers
+
+        def bw(names: set[str]) -> float:
+            if len(names) == 1:
+                return self.cluster.node(next(iter(names))).intra_bw_gb_s * 1e9
+            return min(self.cluster.node(n).inter_node_bw_gb_s for n in names) * 1e9
+
+        return (bw({p[0].node for p in pset}), *[bw(h) for h in holders], bw({p[-1].node for p in pset}))
+
+    def score(self, pset: list[list[Group]], exact: bool) -> tuple[float, list[int] | None, float | tuple]:
+        """Surrogate step time of a pipeline set (inf if infeasible), its samples per pipeline and the sync
+        bandwidth it was costed with.
+
+        Outside exact mode every layer syncs at the plan's slowest link. In exact mode (small clusters) the
+        splits decide which nodes sync each layer, so the search iterates: split at the slowest link, take
+        each group's bandwidth from those splits (`link_vector`), split again with those, until the
+        bandwidths the splits imply are the ones they were costed with (the closed form of `evaluate`)."""
         if not pset or len(pset) > self.train.global_batch:
-            return math.inf, None
-        bw = self.sync_bw(pset)
+            return math.inf, None, 0.0
+        bw: float | tuple = self.sync_bw(pset)
         pms = [self.pipeline_model(p, exact) for p in pset]
-        alloc = allocate_samples(pms, self.train.global_batch, exact, bw)
-        if alloc is None:
-            return math.inf, None
-        return max(pm.finish(n, len(pset), bw).time_s for pm, n in zip(pms, alloc, strict=True)), alloc
+        tried: list[tuple[float, list[int] | None, float | tuple]] = []
+        for _ in range(4 if exact else 1):
+            alloc = allocate_samples(pms, self.train.global_batch, exact, bw)
+            if alloc is None:
+                break
+            fins = [pm.finish(n, len(pset), bw) for pm, n in zip(pms, alloc, strict=True)]
+            t = max(f.time_s for f in fins)
+            if not exact:
+                return t, alloc, bw
+            implied = self.link_vector(pset, fins)
+            if implied == bw or all(x == bw for x in implied):
+                return t, alloc, bw  # consistent: the surrogate is the closed form of this plan
+            tried.append((t, alloc, bw))
+            bw = implied
+        # No fixed point in a few rounds: the best round stands (`evaluate` settles the finalists).
+        return min(tried, key=lambda x: x[0], default=(math.inf, None, 0.0))
 
     def build(self, pset: list[list[Group]], exact: bool, unused: list[UnusedDevice]) -> Plan | None:
-        t, alloc = self.score(pset, exact)
+        t, alloc, bw = self.score(pset, exact)
         if alloc is None:
             return None
-        bw = self.sync_bw(pset)
         pipes = []
         for groups, n in zip(pset, alloc, strict=True):
             f = self.pipeline_model(groups, exact).finish(n, len(pset), bw)
@@ -155,8 +204,64 @@ class _Search:
         return plan, used
 
 
-def _distinct_orders(groups: list[Group], limit: int):
-    """Orders of groups that differ in some position's kind (memory-descending first), at most `limit`."""
+def _node_aligned(pset: list[list[Group]]) -> list[list[Group]]:
+    """The same pipelines with the groups of each kind dealt out stage position by stage position, node by
+    node: stages that hold the same layers in different replicas then share a node where the kinds allow,
+    so their gradient sync stays on its intra-node link (the list order keeps each pipeline's stages on
+    one node instead, which favours the point-to-point links)."""
+    pools: dict[int, list[Group]] = {}
+    for p in pset:
+        for g in p:
+            pools.setdefault(g.kind_id, []).append(g)
+    for gs in pools.values():
+        gs.sort(key=lambda g: (g.node, g.devices))
+    out: list[list[Group | None]] = [[None] * len(p) for p in pset]
+    for pos in range(max(len(p) for p in pset)):
+        for r, p in enumerate(pset):
+            if pos < len(p):
+                out[r][pos] = pools[p[pos].kind_id].pop(0)
+    return out  # type: ignore[return-value]
+
+
+def _refine_orders(search: _Search, pset: list[list[Group]], t: float, rounds: int = 3) -> tuple[list, float]:
+    """Coordinate descent over each pipeline's stage order, the others held, scored together: where a
+    stage sits decides which nodes share each layer's gradient sync, so the best order of one replica
+    depends on the others' (small clusters only: every order that differs in a position's kind or node)."""
+    for _ in range(rounds):
+        improved = False
+        for r in range(len(pset)):
+            for order in _distinct_orders(_stage_order(pset[r]), MAX_ORDERS, by_node=True):
+                cand = pset[:r] + [order] + pset[r + 1:]
+                s, _, _ = search.score(cand, True)
+                if s < t * (1 - 1e-12):
+                    pset, t, improved = cand, s, True
+        if not improved:
+            break
+    return pset, t
+
+
+def _shape_key(pset: list[list[Group]]) -> tuple:
+    """What a pipeline set's cost depends on: each stage's kind and node (groups of one kind on one node are
+    interchangeable)."""
+    return tuple(tuple((g.kind_id, g.node) for g in p) for p in pset)
+
+
+def _node_orders(pset: list[list[Group]], most_nodes: int = 4) -> list[list[list[Group]]]:
+    """Every pipeline's stages in one order of nodes, for each order of the set's nodes (up to `most_nodes`
+    of them): replicas that walk the nodes alike keep a layer's copies on one node where they can."""
+    nodes = sorted({g.node for p in pset for g in p})
+    if len(pset) < 2 or len(nodes) < 2 or len(nodes) > most_nodes:
+        return []
+    out = []
+    for perm in itertools.permutations(nodes):
+        rank = {n: i for i, n in enumerate(perm)}
+        out.append([sorted(p, key=lambda g: (rank[g.node], g.devices)) for p in pset])
+    return out
+
+
+def _distinct_orders(groups: list[Group], limit: int, by_node: bool = False):
+    """Orders of groups that differ in some position's kind (and node, with `by_node`), memory-descending
+    first, at most `limit`."""
     out: list[list[Group]] = []
 
     def rec(prefix: list[Group], rest: list[Group]):
@@ -167,9 +272,10 @@ def _distinct_orders(groups: list[Group], limit: int):
             return
         tried = set()
         for i, g in enumerate(rest):
-            if g.kind in tried:
+            key = (g.kind_id, g.node) if by_node else g.kind_id
+            if key in tried:
                 continue
-            tried.add(g.kind)
+            tried.add(key)
             prefix.append(g)
             rec(prefix, rest[:i] + rest[i + 1:])
             prefix.pop()
@@ -351,13 +457,20 @@ class Planner:
             sets = _exhaustive_sets(groups, model.num_layers) if exhaustive else _heuristic_sets(search, groups)
             scored = []
             for pset in sets:
+                variants = [pset]
                 if exact:
                     pset = [search.best_order(p, len(pset), exact) for p in pset]
-                s, _ = search.score(pset, exact)
-                if s < math.inf:
-                    scored.append((s, len(scored), pset))
+                    variants = list({_shape_key(v): v for v in (pset, _node_aligned(pset), *_node_orders(pset))}.values())
+                for v in variants:
+                    s, _, _ = search.score(v, exact)
+                    if s < math.inf:
+                        scored.append((s, len(scored), v))
             scored.sort(key=lambda x: (x[0], x[1]))
-            finalists += [(s, tp, i, pset, exact, unused, groups) for s, i, pset in scored[:FINALISTS]]
+            top = scored[:FINALISTS]
+            if exact:  # the stage orders of the replicas decide together which nodes sync each layer
+                top = sorted([(*_refine_orders(search, pset, s), i) for s, i, pset in top], key=lambda x: (x[1], x[2]))
+                top = [(s, i, pset) for pset, s, i in top]
+            finalists += [(s, tp, i, pset, exact, unused, groups) for s, i, pset in top]
         # The surrogate ranks candidates across TP degrees; `evaluate` settles the best few.
         finalists.sort(key=lambda f: f[:3])
         ranked: list[tuple[tuple, int, Plan]] = []
@@ -373,11 +486,7 @@ class Planner:
                 ranked.append((key, len(ranked), plan_))
         if not ranked:
             raise PlanningError(_no_fit_message(cluster, model, train))
-        out = [p for _, _, p in sorted(ranked, key=lambda r: r[:2])[:k]]
-        for p in out:
-            problems = plan_problems(p, model, train, cluster)
-            assert not problems, f"the search built a plan that breaks the plan contract: {problems}"
-        return out
+        return [p for _, _, p in sorted(ranked, key=lambda r: r[:2])[:k]]  # evaluate checked each against the contract
 
 
     def _cheapest_kinds(self, cluster: ClusterSpec, k: int) -> list[Plan]:
