@@ -111,6 +111,14 @@ def make_slot(cluster: ClusterSpec, train: TrainSpec, node_name: str, tp: int) -
     )
 
 
+def sync_group_bw(cluster: ClusterSpec, nodes: set[str]) -> float:
+    """A gradient-sync group's bandwidth: its node's intra-node link if it is on one node, else the slowest of
+    its nodes' NICs (bytes/s)."""
+    if len(nodes) == 1:
+        return cluster.node(next(iter(nodes))).intra_bw_gb_s * 1e9
+    return min(cluster.node(n).inter_node_bw_gb_s for n in nodes) * 1e9
+
+
 def link_bw(a: Slot, b: Slot) -> float:
     return a.intra_bw if a.node == b.node else min(a.inter_bw, b.inter_bw)
 

@@ -72,11 +72,7 @@ def _sync_bandwidths(plan: Plan, cluster: ClusterSpec) -> dict[tuple[int, int], 
                 nodes.setdefault(("embed", 0), set()).add(st.node)
             if i == len(p.stages) - 1:
                 nodes.setdefault(("head", 0), set()).add(st.node)
-    out = {}
-    for key, names in nodes.items():
-        specs = [cluster.node(n) for n in names]
-        out[key] = specs[0].intra_bw_gb_s * 1e9 if len(specs) == 1 else min(s.inter_node_bw_gb_s for s in specs) * 1e9
-    return out
+    return {key: cost.sync_group_bw(cluster, names) for key, names in nodes.items()}
 
 
 def profile_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> list[list[StageProfile]]:

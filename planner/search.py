@@ -146,12 +146,7 @@ class _Search:
                 for layer in range(at, at + ch.num_layers):
                     holders[layer].add(g.node)
                 at += ch.num_layers
-
-        def bw(names: set[str]) -> float:
-            if len(names) == 1:
-                return self.cluster.node(next(iter(names))).intra_bw_gb_s * 1e9
-            return min(self.cluster.node(n).inter_node_bw_gb_s for n in names) * 1e9
-
+        bw = functools.partial(cost.sync_group_bw, self.cluster)
         return (bw({p[0].node for p in pset}), *[bw(h) for h in holders], bw({p[-1].node for p in pset}))
 
     def score(self, pset: list[list[Group]], exact: bool) -> tuple[float, list[int] | None, float | tuple]:
