@@ -5,8 +5,9 @@
 Draws clusters of at most 8 GPUs on up to 4 nodes, each node with its own network (NIC 1-25 GB/s,
 intra-node 16-300 GB/s), GPU types mixed, models of 2-4 layers with 12, 16, 24 or 48 heads (so TP3 and
 TP6 divide some), global batch 1-6. For each it times `planner.plan` and runs tests/enumerator.py's
-brute force (every plan of one TP degree) below the planner's time; it prints the ratio of the
-planner's throughput to the optimum, and the slowest plan times. `--cli N` also times `hetspot plan` as
+brute force (every plan the contract allows, stages of different TP degrees included) below the
+planner's time; it prints the ratio of the planner's throughput to the optimum, how many plans mix TP
+degrees, and the slowest plan times. `--cli N` also times `hetspot plan` as
 a user runs it (a job file, a new process) on the N clusters that planned slowest.
 """
 
@@ -58,14 +59,16 @@ def main() -> None:
     ap.add_argument("--cli", type=int, default=3, help="time `hetspot plan` on this many of the slowest")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    rows = []
+    rows, mixed = [], 0
     for i in range(args.clusters):
         nodes, model_d, train_d = draw(rng)
         cluster = ClusterSpec(nodes=[NodeSpec(**n) for n in nodes])
         model, train = ModelSpec(**model_d), TrainSpec(**train_d)
         t0 = time.perf_counter()
         try:
-            got = plan(cluster, model, train).estimate.step_time_s
+            p = plan(cluster, model, train)
+            got = p.estimate.step_time_s
+            mixed += len({st.tp for pp in p.pipelines for st in pp.stages}) > 1
         except ValueError:
             got = math.inf
         plan_s = time.perf_counter() - t0
@@ -77,7 +80,7 @@ def main() -> None:
     ratios = [r for r, *_ in rows]
     times = sorted(t for _, t, *_ in rows)
     print(f"clusters: {len(rows)}; at least 0.99 of the optimum: {sum(r >= 0.99 for r in ratios)}; "
-          f"worst {min(ratios):.4f}; median plan {statistics.median(times):.2f} s, slowest {times[-1]:.2f} s")
+          f"worst {min(ratios):.4f}; plans mixing TP degrees {mixed}; median plan {statistics.median(times):.2f} s, slowest {times[-1]:.2f} s")
     for ratio, t, i, _ in sorted(rows, key=lambda r: r[0])[:3]:
         print(f"  lowest ratios: cluster {i}: {ratio:.4f} (plan {t:.2f} s)")
     slow = sorted(rows, key=lambda r: -r[1])[:args.cli]

@@ -10,6 +10,7 @@ from orchestrator.errors import ConfigError, JobFailed
 from orchestrator.job_spec import JobSpec, format_validation, load_job, require_cluster
 from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
+from planner.search import Planner
 from planner.baselines import all_baselines
 from planner.contract import PlanContractError, plan_problems
 from planner.specs import tokens_per_step
@@ -19,12 +20,14 @@ def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput")
     """Plan a job on its `cluster:` and score the baselines. Returns the JSON-able result."""
     cluster = require_cluster(job, source)
     model, train = job.model_spec, job.train
+    planner = Planner(model, train)  # the baselines reuse its cost caches
     try:
-        best = make_plan(cluster, model, train, objective)
+        best = planner.plan(cluster, objective)
     except PlanningError as e:
         raise ConfigError(f"{source}: {e}") from None
     baselines = {}
-    for name, bp in all_baselines(cluster, model, train).items():
+    full = best if objective == "throughput" else None
+    for name, bp in all_baselines(cluster, model, train, planner, full).items():
         baselines[name] = None if bp is None else {
             "estimate": bp.estimate.model_dump(),
             "speedup": bp.estimate.step_time_s / best.estimate.step_time_s,

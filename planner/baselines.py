@@ -21,7 +21,7 @@ from planner.errors import PlanningError
 from planner.estimate import evaluate
 from planner.offload_policy import cheapest, fitting_policies, to_policy
 from planner.plan_types import Pipeline, Plan, Stage
-from planner.search import Group, make_groups, plan, tp_candidates
+from planner.search import Group, Planner, make_groups, tp_candidates
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 
@@ -111,13 +111,20 @@ def data_parallel_offload(cluster: ClusterSpec, model: ModelSpec, train: TrainSp
     return _best([_uniform_plan([[g] for g in groups], cluster, model, train, b) for b in _micro_batches(train)])
 
 
-def best_homogeneous(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Plan | None:
-    """The planner on one GPU type's nodes only; the best type wins."""
+def best_homogeneous(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, planner: Planner | None = None,
+                     full: Plan | None = None) -> Plan | None:
+    """The planner on one GPU type's nodes only; the best type wins. `planner`: one whose cost caches to
+    share (the same model and training spec); `full`: its throughput plan of the whole cluster, which is the
+    answer when the cluster has one GPU type."""
+    types = sorted({n.gpu_type for n in cluster.nodes})
+    if full is not None and len(types) == 1:
+        return full
+    planner = planner or Planner(model, train)
     plans = []
-    for gpu_type in sorted({n.gpu_type for n in cluster.nodes}):
+    for gpu_type in types:
         sub = cluster.model_copy(update={"nodes": [n for n in cluster.nodes if n.gpu_type == gpu_type]})
         try:
-            plans.append(plan(sub, model, train))
+            plans.append(planner.plan(sub))
         except PlanningError:
             continue
     return _best(plans)
@@ -130,5 +137,8 @@ BASELINES = {
 }
 
 
-def all_baselines(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> dict[str, Plan | None]:
-    return {name: fn(cluster, model, train) for name, fn in BASELINES.items()}
+def all_baselines(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, planner: Planner | None = None,
+                  full: Plan | None = None) -> dict[str, Plan | None]:
+    """Every baseline; `planner` and `full` as in `best_homogeneous` (they only save time)."""
+    return {name: fn(cluster, model, train, planner, full) if fn is best_homogeneous else fn(cluster, model, train)
+            for name, fn in BASELINES.items()}

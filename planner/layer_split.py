@@ -42,9 +42,14 @@ class Finish:
 class PipelineModel:
     def __init__(
         self, slots: list[cost.Slot], model: ModelSpec, train: TrainSpec, exact: bool,
-        schedule: str = "1f1b", stage_cache: dict | None = None,
+        schedule: str = "1f1b", stage_cache: dict | None = None, profile: tuple[int, ...] | None = None,
     ):
         self.slots, self.model, self.train, self.exact, self.schedule = slots, model, train, exact, schedule
+        # Per-stage TP across replicas: `profile` gives every layer's TP degree, and a stage of degree t may only
+        # take layers of degree t (so every replica gives a layer the same degree). Exact mode only.
+        if profile is not None and not exact:
+            raise ValueError("a TP profile needs exact mode")
+        self.profile = profile
         self.homogeneous = len({(s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu) for s in slots}) == 1
         self.p2p = cost.stage_links(slots)
         # Shared across pipelines of one search: the same hardware at the same position costs the same.
@@ -225,6 +230,7 @@ class PipelineModel:
         m = math.ceil(n / b)
         last_b = n - (m - 1) * b
         fronts: dict[int, list] = {0: [((0.0, 0.0, 0.0, 0.0, 0.0), None)]}
+        prof = self.profile
         for i in range(p):
             new: dict[int, list] = {}
             ends = [num_layers] if i == p - 1 else range(i + 1, num_layers - (p - 1 - i) + 1)
@@ -232,6 +238,8 @@ class PipelineModel:
                 items = []
                 for a, front in fronts.items():
                     if a >= j:
+                        continue
+                    if prof is not None and any(prof[x] != self.slots[i].tp for x in range(a, j)):
                         continue
                     opts = self._stage_options(i, a, j - a, b, last_b, m, num_replicas, sync_bw)
                     for vec, ref in front:

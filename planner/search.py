@@ -2,10 +2,12 @@
 
 Levels, in the spirit of HexiScale (hierarchical asymmetric partitioning) and
 AutoHet (asymmetric 3D parallelism on spot GPUs):
-  1. TP degree: one degree for every layer (a layer must have the same degree in
-     every replica, and asymmetric TP does not pay, AutoHet §3), any degree that
-     divides the model's heads and ffn (3 and 6 too). Groups are GPUs of one type
-     on one node.
+  1. TP degree: a layer must have the same degree in every replica (AutoHet §3),
+     any degree that divides the model's heads and ffn (3 and 6 too). Groups are
+     GPUs of one type on one node. Each degree is searched on its own; on
+     clusters of at most `MIXED_GPUS` GPUs `_mixed_sets` also tries stages of
+     different degrees (one pipeline, or equal replicas under one per-layer
+     TP profile).
   2. Pipelines: which TP groups chain into which replica. Small clusters (at most
      `EXHAUSTIVE_GROUPS` groups) try every multiset of pipelines by GPU kind;
      large ones start from homogeneous pipelines per type at their minimum depth,
@@ -104,15 +106,17 @@ class _Search:
         self._pm_cache: dict[tuple, PipelineModel] = {} if pm_cache is None else pm_cache
         self._stage_cache: dict = {} if stage_cache is None else stage_cache
 
-    def pipeline_model(self, groups: list[Group], exact: bool) -> PipelineModel:
+    def pipeline_model(self, groups: list[Group], exact: bool, profile: tuple[int, ...] | None = None) -> PipelineModel:
         key = (
             tuple(g.kind_id for g in groups),
             tuple(groups[i].node == groups[i + 1].node for i in range(len(groups) - 1)),
             exact,
+            profile,
         )
         if key not in self._pm_cache:
             self._pm_cache[key] = PipelineModel(
-                [g.slot for g in groups], self.model, self.train, exact, stage_cache=self._stage_cache
+                [g.slot for g in groups], self.model, self.train, exact, stage_cache=self._stage_cache,
+                profile=profile,
             )
         return self._pm_cache[key]
 
@@ -149,18 +153,20 @@ class _Search:
         bw = functools.partial(cost.sync_group_bw, self.cluster)
         return (bw({p[0].node for p in pset}), *[bw(h) for h in holders], bw({p[-1].node for p in pset}))
 
-    def score(self, pset: list[list[Group]], exact: bool) -> tuple[float, list[int] | None, float | tuple]:
+    def score(self, pset: list[list[Group]], exact: bool,
+              profile: tuple[int, ...] | None = None) -> tuple[float, list[int] | None, float | tuple]:
         """Surrogate step time of a pipeline set (inf if infeasible), its samples per pipeline and the sync
         bandwidth it was costed with.
 
         Outside exact mode every layer syncs at the plan's slowest link. In exact mode (small clusters) the
         splits decide which nodes sync each layer, so the search iterates: split at the slowest link, take
         each group's bandwidth from those splits (`link_vector`), split again with those, until the
-        bandwidths the splits imply are the ones they were costed with (the closed form of `evaluate`)."""
+        bandwidths the splits imply are the ones they were costed with (the closed form of `evaluate`).
+        `profile`: every layer's TP degree, for replicas whose stages take different degrees."""
         if not pset or len(pset) > self.train.global_batch:
             return math.inf, None, 0.0
         bw: float | tuple = self.sync_bw(pset)
-        pms = [self.pipeline_model(p, exact) for p in pset]
+        pms = [self.pipeline_model(p, exact, profile) for p in pset]
         tried: list[tuple[float, list[int] | None, float | tuple]] = []
         for _ in range(4 if exact else 1):
             alloc = allocate_samples(pms, self.train.global_batch, exact, bw)
@@ -178,13 +184,23 @@ class _Search:
         # No fixed point in a few rounds: the best round stands (`evaluate` settles the finalists).
         return min(tried, key=lambda x: x[0], default=(math.inf, None, 0.0))
 
-    def build(self, pset: list[list[Group]], exact: bool, unused: list[UnusedDevice]) -> Plan | None:
-        t, alloc, bw = self.score(pset, exact)
+    def floor(self, pset: list[list[Group]], profile: tuple[int, ...] | None = None) -> float:
+        """The exact-mode step time of a pipeline set with free gradient sync: no lower time is possible
+        with any sync bandwidth (sync only adds to a stage's exposed time)."""
+        pms = [self.pipeline_model(p, True, profile) for p in pset]
+        alloc = allocate_samples(pms, self.train.global_batch, True, math.inf)
+        if alloc is None:
+            return math.inf
+        return max(pm.finish(n, len(pset), math.inf).time_s for pm, n in zip(pms, alloc, strict=True))
+
+    def build(self, pset: list[list[Group]], exact: bool, unused: list[UnusedDevice],
+              profile: tuple[int, ...] | None = None) -> Plan | None:
+        t, alloc, bw = self.score(pset, exact, profile)
         if alloc is None:
             return None
         pipes = []
         for groups, n in zip(pset, alloc, strict=True):
-            f = self.pipeline_model(groups, exact).finish(n, len(pset), bw)
+            f = self.pipeline_model(groups, exact, profile).finish(n, len(pset), bw)
             stages, at = [], 0
             for g, ch in zip(groups, f.stages, strict=True):
                 pol = to_policy(ch.policy, at)
@@ -408,6 +424,134 @@ def _heuristic_sets(search: _Search, groups: list[Group]):
             yield assemble(dict(zip(keys, key, strict=True)))
 
 
+MIXED_GPUS = 8  # clusters up to here also try plans whose stages take different TP degrees
+MAX_MIXED = 400  # pipeline templates scored per plan at most (in order of their compute bound)
+MIXED_ORDERS = 6  # stage orders tried per replicated template
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def _profiles(order: list[Group], num_layers: int):
+    """Every way to give the layers TP degrees that a pipeline in this stage order can hold: the degrees run
+    in the order's sequence (adjacent equal degrees merged), each run at least as many layers as it has
+    stages."""
+    runs: list[list[int]] = []
+    for g in order:
+        if runs and runs[-1][0] == g.slot.tp:
+            runs[-1][1] += 1
+        else:
+            runs.append([g.slot.tp, 1])
+    for comp in _compositions(num_layers, len(runs)):
+        if all(n >= k for n, (_, k) in zip(comp, runs, strict=True)):
+            yield tuple(t for n, (t, _) in zip(comp, runs, strict=True) for _ in range(n))
+
+
+def _mixed_sets(search: _Search, degrees: list[int], bound: float):
+    """Plans whose stages take different TP degrees (AutoHet §3 keeps one degree per layer across replicas;
+    the degree may change from stage to stage): a TP2 stage then a TP1 stage on 3 GPUs of one node, a node's
+    4 GPUs as one TP4 stage ahead of another node's single GPU.
+
+    Templates are multisets of TP groups (node, degree) within every node's GPUs, with at least two degrees,
+    tried in order of a bound no plan on them beats (the model's FLOPs over the groups' summed FLOP/s), so the
+    search stops at the first template that cannot beat `bound`. Each template runs as one pipeline, and as R
+    equal replicas (each stage's copies on the template's node where it has room, else on a node of the same
+    kind, else on any node with room: replicas of different GPU types), every layer at the degree one profile
+    gives it in every replica. Yields (time, pipelines, profile).
+    """
+    cluster, model, train = search.cluster, search.model, search.train
+    num_layers, batch = model.num_layers, train.global_batch
+    kinds = [(n.name, t) for n in cluster.nodes for t in degrees if t <= n.num_gpus]
+    slots = {k: cost.make_slot(cluster, train, k[0], k[1]) for k in kinds}
+    budget = {n.name: n.num_gpus for n in cluster.nodes}
+    work = 3.0 * num_layers * batch * cost.layer_fwd_flops(model, 1)
+
+    templates: list[tuple[float, float, tuple]] = []
+
+    def rec(start: int, left: dict, chosen: list):
+        if len({t for _, t in chosen}) >= 2:
+            cap = sum(t * slots[(nm, t)].flops_per_gpu for nm, t in chosen)
+            most = min(batch, cluster.num_gpus // sum(t for _, t in chosen))  # copies that could fit
+            templates.append((work / (cap * most), work / cap, tuple(chosen)))
+        if len(chosen) == num_layers:
+            return
+        for i in range(start, len(kinds)):
+            nm, t = kinds[i]
+            if left[nm] >= t:
+                left[nm] -= t
+                chosen.append(kinds[i])
+                rec(i, left, chosen)
+                chosen.pop()
+                left[nm] += t
+
+    rec(0, dict(budget), [])
+    templates.sort(key=lambda x: x[0])
+
+    def deal(pipes: list[list[tuple[str, int]]]) -> list[list[Group]]:
+        taken = {nm: 0 for nm in budget}
+        out = []
+        for pipe in pipes:
+            groups = []
+            for nm, t in pipe:
+                ids = cluster.node(nm).device_ids()
+                groups.append(Group(nm, tuple(ids[taken[nm]:taken[nm] + t]), slots[(nm, t)]))
+                taken[nm] += t
+            out.append(groups)
+        return out
+
+    def replicate(order: list[tuple[str, int]], copies: int) -> list[list[tuple[str, int]]] | None:
+        left = dict(budget)
+        for nm, t in order:
+            left[nm] -= t
+        out = [order]
+        for _ in range(copies - 1):
+            copy = []
+            for nm, t in order:
+                kind = cost.hardware_id(slots[(nm, t)])
+                # The template's node, then nodes of its kind, then any node (replicas of different GPU types
+                # under one TP profile).
+                where = [nm] + sorted((o for o in budget if o != nm and (o, t) in slots),
+                                      key=lambda o: (cost.hardware_id(slots[(o, t)]) != kind, o))
+                pick = next((o for o in where if left[o] >= t), None)
+                if pick is None:
+                    return None
+                left[pick] -= t
+                copy.append((pick, t))
+            out.append(copy)
+        return out
+
+    best = bound
+    for floor, lb, template in templates[:MAX_MIXED]:
+        if floor >= best:
+            break  # sorted: no later template beats it either, alone or copied
+        (groups,) = deal([list(template)])
+        if lb < best:
+            order = search.best_order(groups, 1, True)
+            t, _, _ = search.score([order], True)
+            if t < math.inf:
+                best = min(best, t)
+                yield t, [order], None
+        for copies in range(2, batch + 1):
+            if lb / copies >= best:
+                continue
+            # The replicas share one profile, so their stage order is scored with it (not alone).
+            for order in _distinct_orders(_stage_order(groups), MIXED_ORDERS):
+                pipes = replicate([(g.node, g.slot.tp) for g in order], copies)
+                if pipes is None:
+                    continue
+                pset = deal(pipes)
+                for prof in _profiles(order, num_layers):
+                    if search.floor(pset, prof) >= best:
+                        continue
+                    t, _, _ = search.score(pset, True, prof)
+                    if t < math.inf:
+                        best = min(best, t)
+                        yield t, pset, prof
+
+
 class Planner:
     """Plans one job's model and training spec, keeping cost caches between calls.
 
@@ -442,6 +586,7 @@ class Planner:
             return self._cheapest_kinds(cluster, k)
         search = _Search(cluster, model, train, self._pm_cache, self._stage_cache)
         finalists = []
+        keep = max(k, FINALISTS)
         for tp in tp_candidates(cluster, model):
             groups, unused = make_groups(cluster, train, tp)
             if not groups:
@@ -450,27 +595,41 @@ class Planner:
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
             sets = _exhaustive_sets(groups, model.num_layers) if exhaustive else _heuristic_sets(search, groups)
-            scored = []
+            scored, kept = [], []  # kept: the best FINALISTS scores so far, ascending
             for pset in sets:
                 variants = [pset]
                 if exact:
                     pset = [search.best_order(p, len(pset), exact) for p in pset]
                     variants = list({_shape_key(v): v for v in (pset, _node_aligned(pset), *_node_orders(pset))}.values())
                 for v in variants:
+                    # The time without gradient sync bounds the time with it: a variant that cannot enter the
+                    # best few is not scored (the same finalists, fewer fixed-point rounds).
+                    if exact and len(kept) == FINALISTS and search.floor(v) >= kept[-1]:
+                        continue
                     s, _, _ = search.score(v, exact)
                     if s < math.inf:
                         scored.append((s, len(scored), v))
+                        kept = sorted(kept + [s])[:FINALISTS]
             scored.sort(key=lambda x: (x[0], x[1]))
             top = scored[:FINALISTS]
             if exact:  # the stage orders of the replicas decide together which nodes sync each layer
                 top = sorted([(*_refine_orders(search, pset, s), i) for s, i, pset in top], key=lambda x: (x[1], x[2]))
                 top = [(s, i, pset) for pset, s, i in top]
-            finalists += [(s, tp, i, pset, exact, unused, groups) for s, i, pset in top]
+            finalists += [(s, tp, i, pset, exact, unused, groups, None) for s, i, pset in top]
+        degrees = tp_candidates(cluster, model)
+        if (len(degrees) > 1 and cluster.num_gpus <= MIXED_GPUS and train.global_batch <= EXACT_BATCH
+                and model.num_layers <= EXACT_LAYERS):
+            bound = min((f[0] for f in finalists), default=math.inf)
+            singles = [Group(n.name, (d,), cost.make_slot(cluster, train, n.name, 1))
+                       for n in cluster.nodes for d in n.device_ids()]
+            mixed = sorted(_mixed_sets(search, degrees, bound), key=lambda x: x[0])[:FINALISTS]
+            # On a tie the plan of one TP degree wins (its degree sorts before inf).
+            finalists += [(s, math.inf, i, pset, True, [], singles, prof) for i, (s, pset, prof) in enumerate(mixed)]
         # The surrogate ranks candidates across TP degrees; `evaluate` settles the best few.
         finalists.sort(key=lambda f: f[:3])
         ranked: list[tuple[tuple, int, Plan]] = []
-        for _, _, _, pset, exact, unused, groups in finalists[:max(k, FINALISTS)]:
-            plan_, used = search.build(pset, exact, unused)
+        for _, _, _, pset, exact, unused, groups, prof in finalists[:keep]:
+            plan_, used = search.build(pset, exact, unused, prof)
             idle = [UnusedDevice(device=d, reason="left out: adding it as a replica or stage does not speed up the step")
                     for g in groups if not set(g.devices) & used for d in g.devices]
             plan_.unused = sorted(plan_.unused + idle, key=lambda u: u.device)

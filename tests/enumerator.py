@@ -1,11 +1,15 @@
 """Brute-force reference planner for the optimality test (lives in tests/, not the package).
 
 It enumerates, independently of planner/search.py and planner/layer_split.py,
-every plan of one TP degree per plan:
-  - every TP degree that divides the model (powers of two or not) and fits a node;
+every plan the plan contract allows on the cluster:
+  - TP groups of every degree that divides the model (powers of two or not) and
+    fits a node, and per stage: a pipeline's stages may take different degrees,
+    and a node's GPUs may be cut into groups of different degrees, as long as
+    every layer has one degree in every replica that holds it;
   - every multiset of pipelines, each an *ordered* sequence of TP groups named by
-    their node (groups on one node are interchangeable; groups on different nodes
-    are not, even of one GPU type, since their links differ);
+    their node and degree (groups of one degree on one node are interchangeable;
+    groups on different nodes are not, even of one GPU type, since their links
+    differ), within each node's GPU count;
   - every contiguous layer split of every pipeline, chosen jointly: a layer's
     gradient-sync bandwidth depends on which nodes hold it in every replica
     (one node: its intra-node link; several: the slowest of their NICs), and so
@@ -21,7 +25,8 @@ per GPU (each GPU's offloaded state within its share of the node's RAM), as the
 planner does.
 
 `bound`: the caller's time to beat; branches that cannot beat it are cut (the
-search stays exhaustive for every plan faster than `bound`).
+search stays exhaustive for every plan faster than `bound`). `uniform=True`
+keeps to plans of one TP degree (what the planner searched before per-stage TP).
 """
 
 from __future__ import annotations
@@ -46,90 +51,149 @@ def _compositions(total: int, parts: int):
 
 
 def best_plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
-              bound: float = math.inf) -> tuple[float, Plan | None]:
+              bound: float = math.inf, uniform: bool = False) -> tuple[float, Plan | None]:
     """(best step time, its Plan), or (inf, None) when no plan beats `bound`."""
-    best, best_plan_ = bound, None
     most = max(n.num_gpus for n in cluster.nodes)
-    for tp in range(1, most + 1):
-        if tp_problem(model, tp) is not None:
-            continue
-        nodes = [n for n in cluster.nodes if n.num_gpus // tp]
-        if not nodes:
-            continue
-        t, p = _Enum(cluster, model, train, tp, nodes).run(best)
+    degrees = [t for t in range(1, most + 1) if tp_problem(model, t) is None]
+    best, found = bound, None
+    for ds in ([[t] for t in degrees] if uniform else [degrees]):
+        t, p = _Enum(cluster, model, train, ds).run(best)
         if p is not None and t < best:
-            best, best_plan_ = t, p
-    return (best, best_plan_) if best_plan_ is not None else (math.inf, None)
+            best, found = t, p
+    return (best, found) if found is not None else (math.inf, None)
 
 
 class _Enum:
-    def __init__(self, cluster, model, train, tp, nodes):
-        self.cluster, self.model, self.train, self.tp, self.nodes = cluster, model, train, tp, nodes
-        self.slots = [cost.make_slot(cluster, train, n.name, tp) for n in nodes]
-        self.counts = [n.num_gpus // tp for n in nodes]
+    def __init__(self, cluster, model, train, degrees):
+        self.cluster, self.model, self.train = cluster, model, train
+        self.nodes = list(cluster.nodes)
+        # A group kind: (node index, TP degree).
+        self.kinds = [(i, t) for i, n in enumerate(self.nodes) for t in degrees if t <= n.num_gpus]
+        self.slots = {k: cost.make_slot(cluster, train, self.nodes[k[0]].name, k[1]) for k in self.kinds}
         self.pipe_time = cache(self._pipe_time)
+        self.bw_of = cache(self._bw_of)
+        self._choice_cache: dict = {}
+        self.hw = [cost.hardware_id(self.slots[k]) for k in self.kinds]
+        self.stage_times = cache(lambda *a: cost.stage_times(a[0], model, train, *a[1:]))
+        self.stage_memory = cache(lambda *a: cost.stage_memory(a[0], model, train, *a[1:]))
 
-    def bw_of(self, idx: frozenset[int]) -> float:
-        if len(idx) == 1:
-            return self.slots[next(iter(idx))].intra_bw
-        return min(self.slots[i].inter_bw for i in idx)
+    def _bw_of(self, idx: frozenset[int]) -> float:
+        slots = [cost.make_slot(self.cluster, self.train, self.nodes[i].name, 1) for i in idx]
+        if len(slots) == 1:
+            return slots[0].intra_bw
+        return min(s.inter_bw for s in slots)
 
     def _stage_opts(self, seq, split, i, b, m):
-        """Per offload mode that fits stage i at micro-batch b: (knobs, {size: StageTimes})."""
+        """Per offload mode that fits stage i at micro-batch b: (knobs, slot, shape, links, in-flight)."""
         model, train = self.model, self.train
         p = len(seq)
-        slot = self.slots[seq[i]]
+        slot = self.slots[self.kinds[seq[i]]]
         shape = cost.StageShape(split[i], i == 0, i == p - 1)
         k = cost.inflight(i, p, m, "1f1b")
-        nxt = cost.link_bw(slot, self.slots[seq[i + 1]]) if i + 1 < p else None
-        prv = cost.link_bw(slot, self.slots[seq[i - 1]]) if i > 0 else None
+        nxt = cost.link_bw(slot, self.slots[self.kinds[seq[i + 1]]]) if i + 1 < p else None
+        prv = cost.link_bw(slot, self.slots[self.kinds[seq[i - 1]]]) if i > 0 else None
         out = []
         for opt, params in MODES:
             kn0 = cost.Knobs(0, opt, params)
-            if (opt or params) and cost.host_bytes(model, train, shape, self.tp, kn0) > slot.host_cap_bytes:
+            if (opt or params) and cost.host_bytes(model, train, shape, slot.tp, kn0) > slot.host_cap_bytes:
                 continue
             for r in range(split[i] + 1):
                 kn = cost.Knobs(r, opt, params)
-                if cost.stage_memory(slot, model, train, shape, b, k, kn) <= slot.mem_cap_bytes:
+                if self.stage_memory(slot, shape, b, k, kn) <= slot.mem_cap_bytes:
                     out.append((kn, slot, shape, nxt, prv, k))
                     break
         return out
 
-    def _pipe_time(self, seq, split, n, num_r, syncs):
+    def choices(self, seq, split, n, b):
+        # What a pipeline costs depends on its stages' hardware and links, not on their nodes' names.
+        sig = []
+        for i, g in enumerate(seq):
+            slot = self.slots[self.kinds[g]]
+            nxt = cost.link_bw(slot, self.slots[self.kinds[seq[i + 1]]]) if i + 1 < len(seq) else None
+            sig.append((self.hw[g], nxt))
+        key = (tuple(sig), split, n, b)
+        got = self._choice_cache.get(key)
+        if got is None:
+            got = self._choice_cache[key] = self._choices(seq, split, n, b)
+        return got
+
+    def _choices(self, seq, split, n, b):
+        """Every per-stage offload choice at n samples in micro-batches of b, with what its time needs that
+        does not depend on the gradient sync: (1F1B time, per stage (optimizer s, last backward s), knobs).
+        A stage's choice that is no faster on any micro-batch, no cheaper in optimizer time and no longer
+        in its last backward (which hides the sync) than another is dropped."""
+        m = math.ceil(n / b)
+        sizes = [b] * (m - 1) + [n - (m - 1) * b]
+        stages = []
+        for i in range(len(seq)):
+            opts = []
+            for kn, slot, shape, nxt, prv, k in self._stage_opts(seq, split, i, b, m):
+                ts = [self.stage_times(slot, shape, x, k, kn, nxt, prv) for x in sizes]
+                busy = sum(t.fwd_s + t.bwd_s for t in ts)
+                fwd = sum(t.fwd_s for t in ts)
+                opt = cost.optimizer_s(slot, self.model, self.train, shape, kn, busy, fwd)
+                opts.append((kn, [t.fwd_s + t.bwd_s for t in ts], opt, ts[-1].bwd_s))
+            if not opts:
+                return []
+            stages.append([o for o in opts if not any(
+                q is not o and all(x <= y for x, y in zip(q[1], o[1], strict=True)) and q[2] <= o[2] and q[3] >= o[3]
+                and (q[1], q[2], q[3]) != (o[1], o[2], o[3]) for q in opts)])
+        return [(cost.pipeline_time([[c[1][j] for c in choice] for j in range(m)]),
+                 tuple((c[2], c[3]) for c in choice), tuple(c[0] for c in choice))
+                for choice in itertools.product(*stages)]
+
+    def _pipe_time(self, seq, split, n, syncs):
         """(fastest finish of one pipeline on n samples, (b, m, knobs per stage)); syncs: gradient-sync seconds
         per stage before overlap."""
         best = (math.inf, None)
         for b in range(1, min(n, self.train.max_micro_batch_size) + 1):
-            m = math.ceil(n / b)
-            sizes = [b] * (m - 1) + [n - (m - 1) * b]
-            stages = []
-            for i in range(len(seq)):
-                opts = []
-                for kn, slot, shape, nxt, prv, k in self._stage_opts(seq, split, i, b, m):
-                    ts = [cost.stage_times(slot, self.model, self.train, shape, x, k, kn, nxt, prv) for x in sizes]
-                    busy = sum(t.fwd_s + t.bwd_s for t in ts)
-                    fwd = sum(t.fwd_s for t in ts)
-                    extra = max(0.0, syncs[i] - ts[-1].bwd_s) + cost.optimizer_s(
-                        slot, self.model, self.train, shape, kn, busy, fwd)
-                    opts.append((kn, [t.fwd_s + t.bwd_s for t in ts], extra))
-                if not opts:
-                    break
-                stages.append(opts)
-            else:
-                for choice in itertools.product(*stages):
-                    t_pipe = cost.pipeline_time([[c[1][j] for c in choice] for j in range(m)])
-                    t = t_pipe + max(c[2] for c in choice)
-                    if t < best[0]:
-                        best = (t, (b, m, tuple(c[0] for c in choice)))
+            for t_pipe, extras, knobs in self.choices(seq, split, n, b):
+                t = t_pipe + max(max(0.0, sy - bwd) + opt for sy, (opt, bwd) in zip(syncs, extras, strict=True))
+                if t < best[0]:
+                    best = (t, (b, math.ceil(n / b), knobs))
         return best
+
+    def floor(self, seq, split) -> float:
+        """A lower bound on this pipeline's finish at any number of samples and any sync: its 1F1B time for one
+        sample (one micro-batch of one, the least memory, so every offload choice that fits more fits it;
+        stage times grow with the micro-batch and with recompute). The optimizer's exposed time is left out:
+        it can shrink as the compute it hides behind grows."""
+        return min((c[0] for c in self.choices(seq, split, 1, 1)), default=math.inf)
+
+    def profile(self, seq, split) -> tuple[int, ...]:
+        """The TP degree of every layer under this pipeline's split."""
+        return tuple(self.kinds[g][1] for g, nl in zip(seq, split, strict=True) for _ in range(nl))
 
     def run(self, bound: float) -> tuple[float, Plan | None]:
         num_layers, big_b = self.model.num_layers, self.train.global_batch
-        k = len(self.nodes)
-        pipelines = [seq for p in range(1, num_layers + 1) for seq in itertools.product(range(k), repeat=p)
-                     if all(seq.count(j) <= self.counts[j] for j in range(k))]
+        budget = [n.num_gpus for n in self.nodes]
+
+        def usage(seq):
+            need = [0] * len(self.nodes)
+            for g in seq:
+                node, t = self.kinds[g]
+                need[node] += t
+            return need
+
+        # A pipeline that fits no split with one sample (the least memory: one micro-batch, the fewest in
+        # flight) fits none with more, so it is in no plan.
+        no_sync = (0.0,) * num_layers
+        pipelines = []
+        for p in range(1, num_layers + 1):
+            for seq in itertools.product(range(len(self.kinds)), repeat=p):
+                need = usage(seq)
+                if any(a > b for a, b in zip(need, budget, strict=True)):
+                    continue
+                splits = [s for s in _compositions(num_layers, p)
+                          if self.pipe_time(seq, s, 1, no_sync[:p])[0] < math.inf]
+                if splits:
+                    by_profile: dict[tuple, list] = {}
+                    for s in splits:
+                        by_profile.setdefault(self.profile(seq, s), []).append(s)
+                    pipelines.append((seq, need, by_profile, min(self.floor(seq, x) for x in splits)))
         best, found = bound, None
-        layer_p = self.model.layer_params / self.tp
+        work = 3.0 * num_layers * big_b * cost.layer_fwd_flops(self.model, 1)
+        self.cap = [self.slots[k].tp * self.slots[k].flops_per_gpu for k in self.kinds]
 
         def score(chosen, splits):
             nonlocal best, found
@@ -138,18 +202,19 @@ class _Enum:
             firsts, lasts = set(), set()
             for seq, split in zip(chosen, splits, strict=True):
                 at = 0
-                for node, nl in zip(seq, split, strict=True):
+                for g, nl in zip(seq, split, strict=True):
                     for layer in range(at, at + nl):
-                        holders[layer].add(node)
+                        holders[layer].add(self.kinds[g][0])
                     at += nl
-                firsts.add(seq[0])
-                lasts.add(seq[-1])
+                firsts.add(self.kinds[seq[0]][0])
+                lasts.add(self.kinds[seq[-1]][0])
             bws = [self.bw_of(frozenset(h)) for h in holders]
             embed_bw, head_bw = self.bw_of(frozenset(firsts)), self.bw_of(frozenset(lasts))
             per_pipe = []
             for seq, split in zip(chosen, splits, strict=True):
                 syncs, at = [], 0
                 for i, nl in enumerate(split):
+                    layer_p = self.model.layer_params / self.kinds[seq[i]][1]
                     s = sum(cost.sync_s(layer_p, self.train, num_r, bws[layer]) for layer in range(at, at + nl))
                     if i == 0:
                         s += cost.sync_s(self.model.embed_params, self.train, num_r, embed_bw)
@@ -165,7 +230,7 @@ class _Enum:
                 nxt = {}
                 for s, (mx, alloc) in dp.items():
                     for n in range(1, big_b - s - left + 1):
-                        v = max(mx, self.pipe_time(seq, split, n, num_r, syncs)[0])
+                        v = max(mx, self.pipe_time(seq, split, n, syncs)[0])
                         if v < best and v < nxt.get(s + n, (math.inf,))[0]:
                             nxt[s + n] = (v, alloc + (n,))
                 dp = nxt
@@ -173,37 +238,45 @@ class _Enum:
                 best = dp[big_b][0]
                 found = (per_pipe, dp[big_b][1])
 
-        def rec(start, left, chosen):
-            if chosen:
-                for splits in itertools.product(*[list(_compositions(num_layers, len(s))) for s in chosen]):
-                    score(chosen, splits)
+        def rec(cands, left, chosen):
+            # No plan on these GPUs beats the model's FLOPs over their summed FLOP/s.
+            if chosen and work / sum(self.cap[g] for c in chosen for g in c[0]) < best:
+                # Every replica's split must give each layer the same TP degree.
+                common = set(chosen[0][2])
+                for c in chosen[1:]:
+                    common &= set(c[2])
+                for prof in sorted(common):
+                    options = [[x for x in c[2][prof] if self.floor(c[0], x) < best] for c in chosen]
+                    for splits in itertools.product(*options):
+                        score([c[0] for c in chosen], splits)
             if len(chosen) >= big_b:
                 return
-            for idx in range(start, len(pipelines)):
-                seq = pipelines[idx]
-                need = [seq.count(j) for j in range(k)]
-                if all(a <= b for a, b in zip(need, left, strict=True)):
-                    chosen.append(seq)
-                    rec(idx, [b - a for a, b in zip(need, left, strict=True)], chosen)
-                    chosen.pop()
+            for idx, pipe in enumerate(cands):
+                if pipe[3] >= best:  # no plan with this pipeline beats the best so far
+                    continue
+                rest = [b - a for a, b in zip(pipe[1], left, strict=True)]
+                # Only pipelines that still fit the nodes' GPUs go further down.
+                fit = [c for c in cands[idx:] if all(a <= b for a, b in zip(c[1], rest, strict=True))]
+                chosen.append(pipe)
+                rec(fit, rest, chosen)
+                chosen.pop()
 
-        rec(0, list(self.counts), [])
+        rec(pipelines, budget, [])
         if found is None:
             return math.inf, None
         return best, self._plan(*found)
 
     def _plan(self, per_pipe, alloc) -> Plan:
-        num_r = len(per_pipe)
         taken = [0] * len(self.nodes)
         pipes = []
         for (seq, split, syncs), n in zip(per_pipe, alloc, strict=True):
-            _, (b, m, knobs) = self.pipe_time(seq, split, n, num_r, syncs)
+            _, (b, m, knobs) = self.pipe_time(seq, split, n, syncs)
             stages, at = [], 0
-            for node_i, nl, kn in zip(seq, split, knobs, strict=True):
+            for g, nl, kn in zip(seq, split, knobs, strict=True):
+                node_i, t = self.kinds[g]
                 node = self.nodes[node_i]
-                g = taken[node_i]
-                taken[node_i] += 1
-                devices = node.device_ids()[g * self.tp:(g + 1) * self.tp]
+                devices = node.device_ids()[taken[node_i]:taken[node_i] + t]
+                taken[node_i] += t
                 stages.append(Stage(layer_start=at, layer_end=at + nl, gpu_type=node.gpu_type, node=node.name,
                                     devices=devices, offload=to_policy(kn, at)))
                 at += nl

@@ -3,8 +3,8 @@
 The clusters have at most 8 GPUs on up to 4 nodes whose networks differ (each node its own NIC and
 intra-node bandwidth), so where each replica's stages sit decides which link every layer's gradient sync
 uses; the models have 12, 16, 24 or 48 heads, so TP degrees that are not powers of two (3, 6) divide them.
-The reference (tests/enumerator.py) enumerates every plan of one TP degree; plans whose stages take
-different TP degrees are not in it yet (the planner does not emit them either).
+The reference (tests/enumerator.py) enumerates every plan the contract allows, stages of different TP
+degrees included (a layer at one degree in every replica that holds it).
 """
 
 import math
@@ -91,3 +91,41 @@ def test_tp3_is_planned_where_it_divides_the_model():
     assert p.estimate.step_time_s <= best * 1.01
     from planner.search import tp_candidates
     assert 3 in tp_candidates(cluster, model)
+
+
+def _degrees(p):
+    return [[st.tp for st in pp.stages] for pp in p.pipelines]
+
+
+def test_per_stage_tp_on_one_node_of_three_t4():
+    """Issue 15's case: 3 T4s on one node. A TP2 stage then a TP1 stage beats every plan of one degree (TP3
+    over all three, or three TP1 stages), and it is the optimum of the whole space."""
+    cluster = ClusterSpec(nodes=[NodeSpec(name="n0", gpu_type="T4", num_gpus=3)])
+    model = ModelSpec(name="t", num_layers=4, hidden_size=1536, num_heads=24, vocab_size=32000, seq_len=1024)
+    train = TrainSpec(global_batch=4, max_micro_batch_size=4, memory_reserve_gib=2.0)
+    p = plan(cluster, model, train)
+    uniform, _ = best_plan(cluster, model, train, uniform=True)
+    best, _ = best_plan(cluster, model, train)
+    assert sorted(_degrees(p)[0]) == [1, 2], _degrees(p)
+    assert p.estimate.step_time_s < uniform / 1.03  # at least 3% faster than the best plan of one degree
+    assert p.estimate.step_time_s <= best * 1.01
+
+
+def test_per_stage_tp_replicas_share_each_layers_degree():
+    """Two replicas, each a TP2 stage on a 4-GPU node then a TP1 stage on a 3-GPU node (3 GB/s
+    NICs): every layer has one degree in both replicas (the plan contract checks it), each layer's copies
+    sit on one node, and the plan beats every plan of one degree by more than 10%."""
+    nodes = [NodeSpec(name="n0", gpu_type="V100-16GB", num_gpus=4, inter_node_bw_gb_s=3.0, intra_node_bw_gb_s=300.0),
+             NodeSpec(name="n1", gpu_type="V100-16GB", num_gpus=3, inter_node_bw_gb_s=3.0, intra_node_bw_gb_s=16.0),
+             NodeSpec(name="n2", gpu_type="V100-16GB", num_gpus=1, inter_node_bw_gb_s=3.0, intra_node_bw_gb_s=300.0)]
+    cluster = ClusterSpec(nodes=nodes)
+    model = ModelSpec(name="t", num_layers=4, hidden_size=3072, num_heads=24, vocab_size=50304, seq_len=4096)
+    train = TrainSpec(global_batch=6, max_micro_batch_size=4, memory_reserve_gib=8.0)
+    p = plan(cluster, model, train)
+    uniform, _ = best_plan(cluster, model, train, uniform=True)
+    assert len(p.pipelines) == 2 and all(sorted(d) == [1, 2] for d in _degrees(p)), _degrees(p)
+    p.check_structure()
+    for layer in range(model.num_layers):
+        holders = {(st.node, st.tp) for pp in p.pipelines for st in pp.stages if st.layer_start <= layer < st.layer_end}
+        assert len(holders) == 1, (layer, holders)
+    assert p.estimate.step_time_s < uniform / 1.10
