@@ -134,10 +134,8 @@ class _Search:
         return best
 
     def sync_bw(self, pset: list[list[Group]]) -> float:
-        nodes = {g.node for p in pset for g in p}
-        if len(nodes) == 1:
-            return pset[0][0].slot.intra_bw
-        return min(self.cluster.node(n).inter_node_bw_gb_s for n in nodes) * 1e9
+        """One bandwidth for every gradient-sync group: that of a group over all the set's nodes."""
+        return cost.sync_group_bw(self.cluster, {g.node for p in pset for g in p})
 
     def link_vector(self, pset: list[list[Group]], finishes: list) -> tuple[float, ...]:
         """Bandwidth of each gradient-sync group of the plan these splits make, as `evaluate` charges it:
@@ -587,7 +585,8 @@ class Planner:
         search = _Search(cluster, model, train, self._pm_cache, self._stage_cache)
         finalists = []
         keep = max(k, FINALISTS)
-        for tp in tp_candidates(cluster, model):
+        degrees = tp_candidates(cluster, model)
+        for tp in degrees:
             groups, unused = make_groups(cluster, train, tp)
             if not groups:
                 continue
@@ -616,7 +615,6 @@ class Planner:
                 top = sorted([(*_refine_orders(search, pset, s), i) for s, i, pset in top], key=lambda x: (x[1], x[2]))
                 top = [(s, i, pset) for pset, s, i in top]
             finalists += [(s, tp, i, pset, exact, unused, groups, None) for s, i, pset in top]
-        degrees = tp_candidates(cluster, model)
         if (len(degrees) > 1 and cluster.num_gpus <= MIXED_GPUS and train.global_batch <= EXACT_BATCH
                 and model.num_layers <= EXACT_LAYERS):
             bound = min((f[0] for f in finalists), default=math.inf)
