@@ -59,7 +59,6 @@ class PipelineModel:
         self._finish: dict[tuple, Finish | None] = {}
         self._times: dict[tuple[int, int, int], cost.StageTimes] = {}
         self._consts: dict[int, list[tuple]] = {}
-        self._options: dict[tuple, list[tuple]] = {}
         self._syncs: dict[tuple, float] = {}
 
     def _shape(self, i: int, n: int) -> cost.StageShape:
@@ -185,26 +184,32 @@ class PipelineModel:
         return best
 
     def _stage_options(self, i: int, a: int, nl: int, b: int, last_b: int, m: int, num_replicas: int,
-                       sync_bw: float | tuple[float, ...]):
-        """Every fitting policy of stage i with layers [a, a + nl): (choice, t full mb, t last mb, exposed extra).
+                       sync_bw: float | tuple[float, ...]) -> tuple[list[tuple], float]:
+        """Every fitting policy of stage i with layers [a, a + nl), as (choice, t full mb, t last mb, optimizer,
+        last backward), and the stage's gradient sync time: its exposed extra is optimizer + max(0, sync -
+        last backward).
 
         `sync_bw`: one gradient-sync bandwidth for every layer, or one per sync group as `link_vector` gives
         them: (embedding, layer 0, ..., layer L-1, LM head)."""
         p, slot, shape = len(self.slots), self.slots[i], self._shape(i, nl)
         k = cost.inflight(i, p, m, self.schedule)
-        if isinstance(sync_bw, tuple):
-            key = (a, nl, slot.tp, shape.first, shape.last, num_replicas, sync_bw)
-            sync = self._syncs.get(key)
-            if sync is None:
+        vector = isinstance(sync_bw, tuple)
+        key = (a if vector else -1, nl, slot.tp, shape.first, shape.last, num_replicas, sync_bw)
+        sync = self._syncs.get(key)
+        if sync is None:
+            if vector:
                 sync = sum(cost.sync_s(self.model.layer_params / slot.tp, self.train, num_replicas, sync_bw[1 + j])
                            for j in range(a, a + nl))
                 sync += shape.first * cost.sync_s(self.model.embed_params, self.train, num_replicas, sync_bw[0])
                 sync += shape.last * cost.sync_s(self.model.head_params, self.train, num_replicas, sync_bw[-1])
-                self._syncs[key] = sync
-        else:
-            sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, sync_bw)
-        base = self._options.get((i, nl, b, last_b, m))
-        if base is None:  # what does not depend on the sync: (choice, t full, t last, optimizer, last backward)
+            else:
+                sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, sync_bw)
+            self._syncs[key] = sync
+        # What does not depend on the sync, shared by every pipeline of the search with this hardware and these
+        # links at a stage position of this kind.
+        okey = ("options", self._hw[i], nl, shape.first, shape.last, k, self.p2p[i], b, last_b, m)
+        base = self._stage_cache.get(okey)
+        if base is None:
             base = []
             for kn, t in self._candidates(i, nl, b, k):
                 tl = t if last_b == b else cost.stage_times(slot, self.model, self.train, shape, last_b, k, kn,
@@ -214,8 +219,8 @@ class PipelineModel:
                 fwd = (m - 1) * t.fwd_s + tl.fwd_s
                 base.append((StageChoice(nl, kn, t), full, last,
                              cost.optimizer_s(slot, self.model, self.train, shape, kn, busy, fwd), tl.bwd_s))
-            self._options[(i, nl, b, last_b, m)] = base
-        return [(ch, full, last, opt + max(0.0, sync - bwd)) for ch, full, last, opt, bwd in base]
+            self._stage_cache[okey] = base
+        return base, sync
 
     def _exact_finish(self, n: int, b: int, num_replicas: int, sync_bw: float | tuple[float, ...]) -> Finish | None:
         """Exact optimum of the closed form over splits and per-stage policies (Pareto DP).
@@ -241,13 +246,14 @@ class PipelineModel:
                         continue
                     if prof is not None and any(prof[x] != self.slots[i].tp for x in range(a, j)):
                         continue
-                    opts = self._stage_options(i, a, j - a, b, last_b, m, num_replicas, sync_bw)
-                    for vec, ref in front:
-                        for ch, full, last, extra in opts:
-                            v = (vec[0] + full, max(vec[1], full), max(vec[2], last), max(vec[3], extra), vec[4] + last)
-                            items.append((v, (ref, ch)))
+                    opts, sync = self._stage_options(i, a, j - a, b, last_b, m, num_replicas, sync_bw)
+                    for (s0, s1, s2, s3, s4), ref in front:  # the hot loop: max() unrolled
+                        for ch, full, last, opt, bwd in opts:
+                            extra = opt + (sync - bwd) if sync > bwd else opt
+                            items.append(((s0 + full, full if full > s1 else s1, last if last > s2 else s2,
+                                           extra if extra > s3 else s3, s4 + last), (ref, ch)))
                 if items:
-                    new[j] = _pareto(items)
+                    new[j] = _pareto(items) if len(items) > 1 else items
             fronts = new
         if num_layers not in fronts:
             return None
@@ -263,6 +269,22 @@ class PipelineModel:
             chain.append(ch)
         return Finish(total(vec), b, m, tuple(reversed(chain)))
 
+    def time_at(self, f: Finish, n: int, num_replicas: int, sync_bw: tuple[float, ...]) -> float:
+        """The closed-form time of `f`'s split and policies (found by `_exact_finish` for n samples) when the
+        sync groups run at `sync_bw`, the split held fixed: what `evaluate` charges that plan once the other
+        replicas' splits decide each group's link."""
+        b, m = f.micro_batch_size, f.num_micro_batches
+        last_b = n - (m - 1) * b
+        s0 = s1 = s2 = s3 = s4 = 0.0
+        a = 0
+        for i, ch in enumerate(f.stages):
+            opts, sync = self._stage_options(i, a, ch.num_layers, b, last_b, m, num_replicas, sync_bw)
+            full, last, opt, bwd = next((fu, la, op, bw) for c, fu, la, op, bw in opts if c is ch)
+            s0, s1, s2, s4 = s0 + full, max(s1, full), max(s2, last), s4 + last
+            s3 = max(s3, opt + max(0.0, sync - bwd))
+            a += ch.num_layers
+        return (s4 if m == 1 else s0 + (m - 2) * s1 + s2) + s3
+
     def _last_times(self, i: int, ch: StageChoice, b: int, m: int) -> cost.StageTimes:
         key = (i, id(ch), b)
         if key not in self._times:
@@ -273,7 +295,7 @@ class PipelineModel:
     def _stage_consts(self, stages) -> list[tuple]:
         """Per stage, what `_time` needs that does not depend on n: (optimizer offloaded?, resident optimizer
         time or (d2h, h2d, cpu, tail), gradient bytes to sync). cost.optimizer_s and cost.sync_s, unrolled
-        for the search's hot loop (tests/test_planner.py checks they agree)."""
+        for the search's hot loop (tests/test_cost_model.py checks they agree)."""
         got = self._consts.get(id(stages))
         if got is None:
             out = []

@@ -105,6 +105,8 @@ class _Search:
         self.cluster, self.model, self.train = cluster, model, train
         self._pm_cache: dict[tuple, PipelineModel] = {} if pm_cache is None else pm_cache
         self._stage_cache: dict = {} if stage_cache is None else stage_cache
+        self._order_cache: dict[tuple, list[int]] = {}
+        self._ceilings: dict[tuple, tuple[float, ...]] = {}
 
     def pipeline_model(self, groups: list[Group], exact: bool, profile: tuple[int, ...] | None = None) -> PipelineModel:
         key = (
@@ -124,14 +126,19 @@ class _Search:
         """The stage order that finishes an equal share fastest, over up to MAX_ORDERS distinct orders."""
         if len(groups) == 1:
             return groups
-        n = max(1, self.train.global_batch // num_pipelines)
-        bw = self.sync_bw([groups])
-        best, best_t = groups, math.inf
-        for cand in _distinct_orders(_stage_order(groups), MAX_ORDERS):
-            f = self.pipeline_model(cand, exact).finish(n, num_pipelines, bw)
-            if f is not None and f.time_s < best_t * (1 - 1e-12):
-                best, best_t = cand, f.time_s
-        return best
+        groups = _stage_order(groups)
+        # Groups of one kind on one node are interchangeable: the answer, as positions, holds for any such.
+        key = (tuple((g.kind_id, g.node) for g in groups), num_pipelines, exact)
+        if key not in self._order_cache:
+            n = max(1, self.train.global_batch // num_pipelines)
+            bw = self.sync_bw([groups])
+            best, best_t = list(range(len(groups))), math.inf
+            for cand in _distinct_orders(list(range(len(groups))), MAX_ORDERS, lambda i: groups[i].kind_id):
+                f = self.pipeline_model([groups[i] for i in cand], exact).finish(n, num_pipelines, bw)
+                if f is not None and f.time_s < best_t * (1 - 1e-12):
+                    best, best_t = cand, f.time_s
+            self._order_cache[key] = best
+        return [groups[i] for i in self._order_cache[key]]
 
     def sync_bw(self, pset: list[list[Group]]) -> float:
         """One bandwidth for every gradient-sync group: that of a group over all the set's nodes."""
@@ -159,14 +166,20 @@ class _Search:
         Outside exact mode every layer syncs at the plan's slowest link. In exact mode (small clusters) the
         splits decide which nodes sync each layer, so the search iterates: split at the slowest link, take
         each group's bandwidth from those splits (`link_vector`), split again with those, until the
-        bandwidths the splits imply are the ones they were costed with (the closed form of `evaluate`).
-        `profile`: every layer's TP degree, for replicas whose stages take different degrees."""
+        bandwidths the splits imply are the ones they were costed with (the closed form of `evaluate`). A
+        round that does not meet that is ranked at its plan's true time (`PipelineModel.time_at` at the
+        bandwidths it implies), never at the hoped-for one. `profile`: every layer's TP degree, for replicas whose stages take different degrees."""
         if not pset or len(pset) > self.train.global_batch:
             return math.inf, None, 0.0
         bw: float | tuple = self.sync_bw(pset)
         pms = [self.pipeline_model(p, exact, profile) for p in pset]
         tried: list[tuple[float, list[int] | None, float | tuple]] = []
-        for _ in range(4 if exact else 1):
+        for rnd in range(5 if exact else 1):
+            if rnd == 4:
+                # A last round at the slower of each group's last two links: replicas whose splits disagree
+                # where they hoped for the faster link often agree at the slower one.
+                was = prev if isinstance(prev, tuple) else (prev,) * len(bw)
+                bw = tuple(min(x, y) for x, y in zip(bw, was, strict=True))
             alloc = allocate_samples(pms, self.train.global_batch, exact, bw)
             if alloc is None:
                 break
@@ -177,19 +190,53 @@ class _Search:
             implied = self.link_vector(pset, fins)
             if implied == bw or all(x == bw for x in implied):
                 return t, alloc, bw  # consistent: the surrogate is the closed form of this plan
-            tried.append((t, alloc, bw))
-            bw = implied
-        # No fixed point in a few rounds: the best round stands (`evaluate` settles the finalists).
+            # Not consistent: the round's plan (these splits, built again from `bw`) is charged at the links
+            # its splits imply, so a round that hoped for a faster link than it got does not rank above a plan
+            # that keeps its promise.
+            true_t = max(pm.time_at(f, n, len(pset), implied) for pm, f, n in zip(pms, fins, alloc, strict=True))
+            tried.append((true_t, alloc, bw))
+            bw, prev = implied, bw
+        # No fixed point in a few rounds: the best round's plan stands, at its true time.
         return min(tried, key=lambda x: x[0], default=(math.inf, None, 0.0))
 
-    def floor(self, pset: list[list[Group]], profile: tuple[int, ...] | None = None) -> float:
-        """The exact-mode step time of a pipeline set with free gradient sync: no lower time is possible
-        with any sync bandwidth (sync only adds to a stage's exposed time)."""
+    def bw_ceiling(self, pset: list[list[Group]]) -> tuple[float, ...]:
+        """The fastest each gradient-sync group of the set can be, however the layers are split (in
+        `link_vector`'s order): stage i of a pipeline of p stages can only hold layers i..L-p+i, so layer j's
+        copy in each replica sits on one of a few nodes. The group runs on one node's intra-node link only
+        if some node is among every replica's candidates, and across nodes at most at the slowest of the
+        replicas' best candidate NICs."""
+        key = tuple(tuple(g.node for g in p) for p in pset)
+        got = self._ceilings.get(key)
+        if got is None:
+            num_layers = self.model.num_layers
+            intra, nic = self._links
+
+            def best(candidates: list[set[str]]) -> float:
+                one = [intra[n] for n in set.intersection(*candidates)]
+                return max(one + [min(max(nic[n] for n in c) for c in candidates)])
+
+            layers = [best([set(p[max(0, j - (num_layers - len(p))):j + 1]) for p in key]) for j in range(num_layers)]
+            got = self._ceilings[key] = (best([{p[0]} for p in key]), *layers, best([{p[-1]} for p in key]))
+        return got
+
+    @functools.cached_property
+    def _links(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Per node: its intra-node and its NIC bandwidth (bytes/s)."""
+        return ({n.name: n.intra_bw_gb_s * 1e9 for n in self.cluster.nodes},
+                {n.name: n.inter_node_bw_gb_s * 1e9 for n in self.cluster.nodes})
+
+    def floor(self, pset: list[list[Group]], profile: tuple[int, ...] | None = None,
+              bw: float | tuple[float, ...] | None = None) -> float:
+        """A lower bound on the exact-mode step time of a pipeline set in these stage orders: every group
+        synced at its `bw_ceiling` (sync only adds to a stage's exposed time, and no split gives it more).
+        `bw`: a ceiling already computed, or one bandwidth at least as high (a looser bound that most sets
+        share, so it is mostly cached)."""
         pms = [self.pipeline_model(p, True, profile) for p in pset]
-        alloc = allocate_samples(pms, self.train.global_batch, True, math.inf)
+        bw = self.bw_ceiling(pset) if bw is None else bw
+        alloc = allocate_samples(pms, self.train.global_batch, True, bw)
         if alloc is None:
             return math.inf
-        return max(pm.finish(n, len(pset), math.inf).time_s for pm, n in zip(pms, alloc, strict=True))
+        return max(pm.finish(n, len(pset), bw).time_s for pm, n in zip(pms, alloc, strict=True))
 
     def build(self, pset: list[list[Group]], exact: bool, unused: list[UnusedDevice],
               profile: tuple[int, ...] | None = None) -> Plan | None:
@@ -239,7 +286,7 @@ def _refine_orders(search: _Search, pset: list[list[Group]], t: float, rounds: i
     for _ in range(rounds):
         improved = False
         for r in range(len(pset)):
-            for order in _distinct_orders(_stage_order(pset[r]), MAX_ORDERS, by_node=True):
+            for order in _distinct_orders(_stage_order(pset[r]), MAX_ORDERS, _by_kind_and_node):
                 cand = pset[:r] + [order] + pset[r + 1:]
                 s, _, _ = search.score(cand, True)
                 if s < t * (1 - 1e-12):
@@ -268,10 +315,18 @@ def _node_orders(pset: list[list[Group]], most_nodes: int = 4) -> list[list[list
     return out
 
 
-def _distinct_orders(groups: list[Group], limit: int, by_node: bool = False):
-    """Orders of groups that differ in some position's kind (and node, with `by_node`), memory-descending
-    first, at most `limit`."""
-    out: list[list[Group]] = []
+def _by_kind(g: Group) -> int:
+    return g.kind_id
+
+
+def _by_kind_and_node(g: Group) -> tuple[int, str]:
+    return g.kind_id, g.node
+
+
+def _distinct_orders(groups: list, limit: int, key=_by_kind):
+    """Orders of `groups` that differ in some position's `key` (a group's kind by default), in the given
+    order first, at most `limit`."""
+    out: list[list] = []
 
     def rec(prefix: list[Group], rest: list[Group]):
         if len(out) >= limit:
@@ -281,10 +336,10 @@ def _distinct_orders(groups: list[Group], limit: int, by_node: bool = False):
             return
         tried = set()
         for i, g in enumerate(rest):
-            key = (g.kind_id, g.node) if by_node else g.kind_id
-            if key in tried:
+            k = key(g)
+            if k in tried:
                 continue
-            tried.add(key)
+            tried.add(k)
             prefix.append(g)
             rec(prefix, rest[:i] + rest[i + 1:])
             prefix.pop()
@@ -296,8 +351,8 @@ def _distinct_orders(groups: list[Group], limit: int, by_node: bool = False):
 def _exhaustive_sets(groups: list[Group], max_stages: int):
     """Every multiset of pipelines, each a multiset of GPU kinds (groups of one kind are interchangeable)."""
     kinds = sorted({g.kind for g in groups}, key=str)
-    pools = {k: [g for g in groups if g.kind == k] for k in kinds}
-    counts = [len(pools[k]) for k in kinds]
+    pools = [[g for g in groups if g.kind == k] for k in kinds]  # by the kind's index (a Slot hashes slowly)
+    counts = [len(pool) for pool in pools]
     vectors = [v for v in itertools.product(*[range(c + 1) for c in counts]) if 0 < sum(v) <= max_stages]
     vectors.sort(reverse=True)
 
@@ -312,11 +367,11 @@ def _exhaustive_sets(groups: list[Group], max_stages: int):
                 chosen.pop()
 
     for vs in rec(0, counts, []):
-        taken = {k: 0 for k in kinds}
+        taken = [0] * len(kinds)
         pset = []
         for v in vs:
             members = []
-            for k, c in zip(kinds, v, strict=True):
+            for k, c in enumerate(v):
                 members += pools[k][taken[k]:taken[k] + c]
                 taken[k] += c
             pset.append(_stage_order(members))
@@ -488,14 +543,19 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float):
     rec(0, dict(budget), [])
     templates.sort(key=lambda x: x[0])
 
+    made: dict[tuple, Group] = {}  # one object per group, so its kind is worked out once
+
     def deal(pipes: list[list[tuple[str, int]]]) -> list[list[Group]]:
         taken = {nm: 0 for nm in budget}
         out = []
         for pipe in pipes:
             groups = []
             for nm, t in pipe:
-                ids = cluster.node(nm).device_ids()
-                groups.append(Group(nm, tuple(ids[taken[nm]:taken[nm] + t]), slots[(nm, t)]))
+                key = (nm, taken[nm], t)
+                if key not in made:
+                    ids = cluster.node(nm).device_ids()
+                    made[key] = Group(nm, tuple(ids[taken[nm]:taken[nm] + t]), slots[(nm, t)])
+                groups.append(made[key])
                 taken[nm] += t
             out.append(groups)
         return out
@@ -594,21 +654,34 @@ class Planner:
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
             sets = _exhaustive_sets(groups, model.num_layers) if exhaustive else _heuristic_sets(search, groups)
-            scored, kept = [], []  # kept: the best FINALISTS scores so far, ascending
-            for pset in sets:
-                variants = [pset]
-                if exact:
+            scored = []
+            if exact:
+                # Every variant's lower bound first (`floor` at its fastest sync group's bandwidth, mostly
+                # cached), then the variants in order of it; each is scored only if its own bound (every
+                # group at its own ceiling) is below the best FINALISTS scores so far, and the loop stops
+                # when the first bound reaches them: the same finalists, most variants unscored.
+                bounded = []
+                for pset in sets:
                     pset = [search.best_order(p, len(pset), exact) for p in pset]
-                    variants = list({_shape_key(v): v for v in (pset, _node_aligned(pset), *_node_orders(pset))}.values())
-                for v in variants:
-                    # The time without gradient sync bounds the time with it: a variant that cannot enter the
-                    # best few is not scored (the same finalists, fewer fixed-point rounds).
-                    if exact and len(kept) == FINALISTS and search.floor(v) >= kept[-1]:
+                    for v in {_shape_key(v): v for v in (pset, _node_aligned(pset), *_node_orders(pset))}.values():
+                        ceiling = search.bw_ceiling(v)
+                        bounded.append((search.floor(v, bw=max(ceiling)), len(bounded), v, ceiling))
+                bounded.sort(key=lambda x: (x[0], x[1]))
+                kept: list[float] = []  # the best FINALISTS scores so far, ascending
+                for lb, i, v, ceiling in bounded:
+                    if lb == math.inf or (len(kept) == FINALISTS and lb >= kept[-1]):
+                        break
+                    if len(kept) == FINALISTS and search.floor(v, bw=ceiling) >= kept[-1]:
                         continue
                     s, _, _ = search.score(v, exact)
                     if s < math.inf:
-                        scored.append((s, len(scored), v))
+                        scored.append((s, i, v))
                         kept = sorted(kept + [s])[:FINALISTS]
+            else:
+                for pset in sets:
+                    s, _, _ = search.score(pset, exact)
+                    if s < math.inf:
+                        scored.append((s, len(scored), pset))
             scored.sort(key=lambda x: (x[0], x[1]))
             top = scored[:FINALISTS]
             if exact:  # the stage orders of the replicas decide together which nodes sync each layer

@@ -7,6 +7,7 @@ The reference (tests/enumerator.py) enumerates every plan the contract allows, s
 degrees included (a layer at one degree in every replica that holds it).
 """
 
+import itertools
 import math
 
 import pytest
@@ -129,3 +130,30 @@ def test_per_stage_tp_replicas_share_each_layers_degree():
         holders = {(st.node, st.tp) for pp in p.pipelines for st in pp.stages if st.layer_start <= layer < st.layer_end}
         assert len(holders) == 1, (layer, holders)
     assert p.estimate.step_time_s < uniform / 1.10
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(instances())
+def test_search_bounds_and_scores_are_honest(inst):
+    """The exact search skips a layout when its lower bound (`floor`: every gradient-sync group at the fastest
+    link the layout's splits could give it) reaches the best scores so far. A bound above a layout's own
+    score would drop plans silently; the looser one-bandwidth bound must not exceed the per-group one. And
+    a score is the time `evaluate` gives the plan built from it, even where the replicas' splits never agree
+    on the links they hoped for (the round is charged at the links its splits imply)."""
+    from planner import search as S
+
+    cluster, model, train = inst
+    srch = S._Search(cluster, model, train)
+    groups, _ = S.make_groups(cluster, train, 1)
+    for pset in itertools.islice(S._exhaustive_sets(groups, model.num_layers), 60):
+        pset = [srch.best_order(p, len(pset), True) for p in pset]
+        for v in (pset, S._node_aligned(pset), *S._node_orders(pset)):
+            ceiling = srch.bw_ceiling(v)
+            assert ceiling == srch.bw_ceiling(v) and len(ceiling) == model.num_layers + 2
+            fine, coarse = srch.floor(v, bw=ceiling), srch.floor(v, bw=max(ceiling))
+            got, _, _ = srch.score(v, True)
+            assert coarse <= fine * (1 + 1e-12) and fine <= got * (1 + 1e-12), (coarse, fine, got)
+            if got < math.inf:
+                built, _ = srch.build(v, True, [])
+                assert evaluate(built, cluster, model, train).step_time_s == pytest.approx(got, rel=1e-9)
