@@ -10,9 +10,9 @@ from orchestrator.errors import ConfigError, JobFailed
 from orchestrator.job_spec import JobSpec, format_validation, load_job, require_cluster
 from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
-from planner.search import Planner
 from planner.baselines import all_baselines
 from planner.contract import PlanContractError, plan_problems
+from planner.search import Planner
 from planner.specs import tokens_per_step
 
 

@@ -168,12 +168,14 @@ class _Search:
         each group's bandwidth from those splits (`link_vector`), split again with those, until the
         bandwidths the splits imply are the ones they were costed with (the closed form of `evaluate`). A
         round that does not meet that is ranked at its plan's true time (`PipelineModel.time_at` at the
-        bandwidths it implies), never at the hoped-for one. `profile`: every layer's TP degree, for replicas whose stages take different degrees."""
+        bandwidths it implies), never at the hoped-for one.
+        `profile`: every layer's TP degree, for replicas whose stages take different degrees."""
         if not pset or len(pset) > self.train.global_batch:
             return math.inf, None, 0.0
         bw: float | tuple = self.sync_bw(pset)
         pms = [self.pipeline_model(p, exact, profile) for p in pset]
         tried: list[tuple[float, list[int] | None, float | tuple]] = []
+        prev = bw  # the previous round's bandwidths
         for rnd in range(5 if exact else 1):
             if rnd == 4:
                 # A last round at the slower of each group's last two links: replicas whose splits disagree
