@@ -119,7 +119,8 @@ def best_homogeneous(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, p
     types = sorted({n.gpu_type for n in cluster.nodes})
     if full is not None and len(types) == 1:
         return full
-    planner = planner or Planner(model, train)
+    # Each type's plan is a search of its own: the planner's cost caches, none of its re-plan shortcuts.
+    planner = planner.sharing_caches() if planner is not None else Planner(model, train)
     plans = []
     for gpu_type in types:
         sub = cluster.model_copy(update={"nodes": [n for n in cluster.nodes if n.gpu_type == gpu_type]})

@@ -87,9 +87,10 @@ class PipelineModel:
             c_t = np.zeros(num_layers + 1)
             for n in range(1, hi + 1):
                 best = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train, self._shape(i, n), m)
-                if best is not None:
-                    choices[n] = StageChoice(n, best[0], best[1])
-                    c_val[n], c_t[n] = best[2], best[1].fwd_s + best[1].bwd_s
+                if best is None:
+                    break  # a layer more only needs more device and host memory: no larger stage fits either
+                choices[n] = StageChoice(n, best[0], best[1])
+                c_val[n], c_t[n] = best[2], best[1].fwd_s + best[1].bwd_s
             got = self._stage_cache[key] = (choices, c_val, c_t)
         return got
 
@@ -112,8 +113,11 @@ class PipelineModel:
         """
         p, num_layers = len(self.slots), self.model.num_layers
         big = np.inf
-        idx = np.arange(num_layers + 1)
-        n_mat = idx[None, :] - idx[:, None]  # [start a, end j] -> layers in the stage
+        # Stage i can only start at layers i..i+w-1 and end at i+1..i+w (every stage takes at least one layer),
+        # so each DP step is a w x w band, w = L - p + 1: narrow for deep pipelines.
+        w = num_layers - p + 1
+        off = np.arange(w)
+        n_mat = off[None, :] + 1 - off[:, None]  # [start i+a, end i+1+j] -> layers in the stage
         valid = n_mat >= 1
         n_clip = np.where(valid, n_mat, 0)
         prim = np.full(num_layers + 1, big)
@@ -125,22 +129,24 @@ class PipelineModel:
             if self.homogeneous and not self.exact:
                 hi = min(hi, 2 * math.ceil(num_layers / p) + 1)  # a balanced split never goes past 2x
             choices, c_val, c_t = self._stage_vector(i, hi, b, m)
-            cand_p = np.where(valid, np.maximum(prim[:, None], c_val[n_clip]), big)
-            cand_s = np.where(valid, sec[:, None] + c_t[n_clip], big)
+            cand_p = np.where(valid, np.maximum(prim[i:i + w, None], c_val[n_clip]), big)
+            cand_s = np.where(valid, sec[i:i + w, None] + c_t[n_clip], big)
             if i == p - 1:  # the last stage must end at the last layer
-                cand_p[:, :num_layers] = big
+                cand_p[:, :w - 1] = big
             best_p = cand_p.min(axis=0)
             tie = cand_p <= best_p[None, :] * (1 + 1e-12)
             start = np.where(tie, cand_s, big).argmin(axis=0)
-            prim = best_p
-            sec = cand_s[start, idx]
-            backs.append(start)
+            prim = np.full(num_layers + 1, big)
+            prim[i + 1:i + 1 + w] = best_p
+            sec = np.zeros(num_layers + 1)
+            sec[i + 1:i + 1 + w] = cand_s[start, off]
+            backs.append(start + i)
             choices_by_stage.append(choices)
         if not np.isfinite(prim[num_layers]):
             return None
         out, j = [], num_layers
         for i in range(p - 1, -1, -1):
-            a = int(backs[i][j])
+            a = int(backs[i][j - i - 1])
             out.append(choices_by_stage[i][j - a])
             j = a
         return tuple(reversed(out))

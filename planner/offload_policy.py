@@ -31,13 +31,21 @@ def _min_recompute(slot, model, train, shape, b, k, opt, params) -> int | None:
     saving = k * (full - ckpt)
     if n == 0 or saving <= 0:
         return None
-    # Each recomputed layer saves at most `saving`, so this is a lower bound; walk up from it.
-    r = max(1, math.ceil((mem0 - slot.mem_cap_bytes) / saving))
-    while r <= n:
-        if cost.stage_memory(slot, model, train, shape, b, k, cost.Knobs(r, opt, params)) <= slot.mem_cap_bytes:
-            return r
-        r += 1
-    return None
+    def fits(r: int) -> bool:
+        return cost.stage_memory(slot, model, train, shape, b, k, cost.Knobs(r, opt, params)) <= slot.mem_cap_bytes
+
+    # Each recomputed layer saves at most `saving`, so this is a lower bound. Up to n - 1 recomputed layers,
+    # memory only falls with each one more (cost.stage_memory: the stored layers shrink faster than the
+    # checkpoints grow), so the fewest that fit there are found by bisection; recomputing all n can cost a
+    # checkpoint more than n - 1, so it is tried on its own.
+    lo = max(1, math.ceil((mem0 - slot.mem_cap_bytes) / saving))
+    if lo <= n - 1 and fits(n - 1):
+        hi = n - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        return lo
+    return n if lo <= n and fits(n) else None
 
 
 def fitting_policies(

@@ -389,8 +389,11 @@ def _count_sets(groups: list[Group], max_stages: int) -> int:
     return count
 
 
-def _heuristic_sets(search: _Search, groups: list[Group]):
-    """Homogeneous pipelines per type at chosen depths, leftovers pooled into mixed pipelines."""
+def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = None):
+    """Homogeneous pipelines per type at chosen depths, leftovers pooled into mixed pipelines.
+
+    `warm`: the depths this search settled on last time (a re-plan after a loss starts there, not from
+    each type's best depth alone; it holds the new ones when the search is done)."""
     by_type: dict[str, list[Group]] = {}
     for g in sorted(groups, key=lambda g: (-g.slot.flops_per_gpu, g.slot.gpu_type, g.node, g.devices)):
         by_type.setdefault(g.slot.gpu_type, []).append(g)
@@ -455,7 +458,9 @@ def _heuristic_sets(search: _Search, groups: list[Group]):
 
     # Start each type at the depth that is fastest for it alone (HexiScale: intra-type first).
     keys = types + [_POOL]
-    depth = {t: min(depths(t), key=lambda q: alone(t, q), default=0) for t in types} | {_POOL: 1}
+    last = (warm or {}).get("depth", {})
+    depth = {t: last[t] if last.get(t) in options(t) else min(depths(t), key=lambda q: alone(t, q), default=0)
+             for t in types} | {_POOL: last.get(_POOL, 1)}
     seen: dict[tuple, float] = {}
 
     def val(d):
@@ -473,11 +478,15 @@ def _heuristic_sets(search: _Search, groups: list[Group]):
                     depth, improved = trial, True
         if not improved:
             break
+    if warm is not None:
+        warm["depth"] = dict(depth)
     ranked = sorted(seen.items(), key=lambda kv: kv[1])
     for key, v in ranked[:FINALISTS]:
         if v < math.inf:
             yield assemble(dict(zip(keys, key, strict=True)))
 
+
+REPLAN_DEGREE_SLACK = 2.0  # a re-plan searches the TP degrees within this factor of the last plan's best
 
 MIXED_GPUS = 8  # clusters up to here also try plans whose stages take different TP degrees
 MAX_MIXED = 400  # pipeline templates scored per plan at most (in order of their compute bound)
@@ -616,13 +625,25 @@ class Planner:
     """Plans one job's model and training spec, keeping cost caches between calls.
 
     Re-planning after a preemption reuses every pipeline and stage already
-    costed, so it is much faster than the first plan.
+    costed, so it is much faster than the first plan. On large clusters it also
+    starts each TP degree's search where the last one settled, and skips the
+    degrees whose best plan was more than REPLAN_DEGREE_SLACK times slower than
+    the best when the cluster has no GPU type the last one lacked.
     """
 
     def __init__(self, model: ModelSpec, train: TrainSpec):
         self.model, self.train = model, train
         self._pm_cache: dict = {}
         self._stage_cache: dict = {}
+        self._warm: dict[int, dict] = {}  # per TP degree, where the large-cluster search settled last time
+        self._last: tuple[frozenset, dict[int, float]] | None = None  # GPU types and best score per degree
+
+    def sharing_caches(self) -> Planner:
+        """A planner for the same job with these cost caches but no memory of earlier plans (no warm start,
+        no TP degree skipped): a full search that costs less."""
+        other = Planner(self.model, self.train)
+        other._pm_cache, other._stage_cache = self._pm_cache, self._stage_cache
+        return other
 
     def plan(self, cluster: ClusterSpec, objective: str = "throughput") -> Plan:
         return self.candidates(cluster, objective, 1)[0]
@@ -648,14 +669,24 @@ class Planner:
         finalists = []
         keep = max(k, FINALISTS)
         degrees = tp_candidates(cluster, model)
+        types = frozenset(n.gpu_type for n in cluster.nodes)
+        # A re-plan after a loss (no GPU type the last plan lacked) skips the TP degrees whose best plan was
+        # more than REPLAN_DEGREE_SLACK times slower than the best last time: losing nodes does not make TP1
+        # for a 175B model 7x faster, and each degree is seconds of search on thousands of GPUs.
+        last = self._last if objective == "throughput" and self._last is not None and types <= self._last[0] else None
+        best_by_degree: dict[int, float] = {}
         for tp in degrees:
             groups, unused = make_groups(cluster, train, tp)
             if not groups:
                 continue
             exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, model.num_layers) <= MAX_EXHAUSTIVE_SETS
+            if (not exhaustive and last is not None
+                    and last[1].get(tp, math.inf) > REPLAN_DEGREE_SLACK * min(last[1].values(), default=math.inf)):
+                continue
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
-            sets = _exhaustive_sets(groups, model.num_layers) if exhaustive else _heuristic_sets(search, groups)
+            sets = (_exhaustive_sets(groups, model.num_layers) if exhaustive
+                    else _heuristic_sets(search, groups, self._warm.setdefault(tp, {})))
             scored = []
             if exact:
                 # Every variant's lower bound first (`floor` at its fastest sync group's bandwidth, mostly
@@ -690,6 +721,10 @@ class Planner:
                 top = sorted([(*_refine_orders(search, pset, s), i) for s, i, pset in top], key=lambda x: (x[1], x[2]))
                 top = [(s, i, pset) for pset, s, i in top]
             finalists += [(s, tp, i, pset, exact, unused, groups, None) for s, i, pset in top]
+            if top and not exhaustive:
+                best_by_degree[tp] = top[0][0]
+        if objective == "throughput" and _kinds:
+            self._last = (types, best_by_degree) if best_by_degree else None
         if (len(degrees) > 1 and cluster.num_gpus <= MIXED_GPUS and train.global_batch <= EXACT_BATCH
                 and model.num_layers <= EXACT_LAYERS):
             bound = min((f[0] for f in finalists), default=math.inf)

@@ -195,3 +195,29 @@ def test_evaluate_refuses_plans_that_cannot_run():
     roomy = ClusterSpec(nodes=[cluster.nodes[0].model_copy(update={"host_mem_gib": 2000})])
     est = evaluate(one_stage(32, offload_optimizer=True, offload_params=True), roomy, model, train)
     assert est.step_time_s > 0 and 64 < est.host_gib["t"] < 2000
+
+
+def test_fewest_recomputed_layers_match_a_linear_walk():
+    """`_min_recompute` bisects (memory falls with each recomputed layer up to n - 1, and all n is tried on its
+    own): it must find the same fewest layers as trying 0, 1, ..., n in turn."""
+    from planner import cost
+    from planner.offload_policy import _min_recompute
+
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(600):
+        model = ModelSpec.preset(rng.choice(["gpt-1.3b", "7b", "13b", "70b"]))
+        train = TrainSpec(global_batch=64, memory_reserve_gib=rng.choice([0.0, 2.0, 8.0]))
+        tp = rng.choice([1, 2, 4, 8])
+        cluster = ClusterSpec(nodes=[NodeSpec(name="n", gpu_type=rng.choice(["T4", "L4", "A100-40GB", "H100-SXM"]),
+                                              num_gpus=8)])
+        slot = cost.make_slot(cluster, train, "n", tp)
+        n = rng.randint(1, 12)
+        shape = cost.StageShape(n, rng.random() < 0.3, rng.random() < 0.3)
+        b, k = rng.choice([1, 2, 4, 8, 16]), rng.randint(1, 16)
+        for opt, params in ((False, False), (True, False), (True, True)):
+            walk = next((r for r in range(n + 1) if cost.stage_memory(
+                slot, model, train, shape, b, k, cost.Knobs(r, opt, params)) <= slot.mem_cap_bytes), None)
+            assert _min_recompute(slot, model, train, shape, b, k, opt, params) == walk
+            checked += walk not in (None, 0)
+    assert checked > 100  # most draws need some recompute, so the bisection is exercised
