@@ -69,11 +69,15 @@ def hardware(slot: Slot) -> Slot:
 
 
 _HARDWARE_IDS: dict[Slot, int] = {}
+_SLOT_IDS: dict[Slot, int] = {}  # the same, by the slot itself: `replace` is slow and a re-plan asks per group
 
 
 def hardware_id(slot: Slot) -> int:
     """`hardware(slot)` as a small int, for the search's cache keys (an int hashes faster than a slot)."""
-    return _HARDWARE_IDS.setdefault(hardware(slot), len(_HARDWARE_IDS))
+    got = _SLOT_IDS.get(slot)
+    if got is None:
+        got = _SLOT_IDS[slot] = _HARDWARE_IDS.setdefault(hardware(slot), len(_HARDWARE_IDS))
+    return got
 
 
 def device_budget_bytes(gpu_type: str, train: TrainSpec) -> float:

@@ -196,10 +196,13 @@ class PipelineModel:
         last backward).
 
         `sync_bw`: one gradient-sync bandwidth for every layer, or one per sync group as `link_vector` gives
-        them: (embedding, layer 0, ..., layer L-1, LM head)."""
+        them: (embedding, layer 0, ..., layer L-1, LM head), or such a vector per stage (the links each
+        stage's node would give the groups, the other replicas held fixed)."""
         p, slot, shape = len(self.slots), self.slots[i], self._shape(i, nl)
         k = cost.inflight(i, p, m, self.schedule)
         vector = isinstance(sync_bw, tuple)
+        if vector and isinstance(sync_bw[0], tuple):
+            sync_bw = sync_bw[i]
         key = (a if vector else -1, nl, slot.tp, shape.first, shape.last, num_replicas, sync_bw)
         sync = self._syncs.get(key)
         if sync is None:

@@ -198,8 +198,44 @@ class _Search:
             true_t = max(pm.time_at(f, n, len(pset), implied) for pm, f, n in zip(pms, fins, alloc, strict=True))
             tried.append((true_t, alloc, bw))
             bw, prev = implied, bw
+        if tried:
+            tried.append(self._best_response(pset, pms, *min(tried, key=lambda x: x[0])[1:]))
         # No fixed point in a few rounds: the best round's plan stands, at its true time.
         return min(tried, key=lambda x: x[0], default=(math.inf, None, 0.0))
+
+    def _best_response(self, pset: list[list[Group]], pms: list[PipelineModel], alloc: list[int],
+                       bw: float | tuple) -> tuple[float, list[int], list]:
+        """One pass over the replicas, each re-split at the links its own stage nodes would give every sync
+        group with the other replicas' splits held (the fixed-point rounds cost a layer's sync as if a
+        replica's own split did not move it, so a replica that is not the bottleneck can keep breaking the
+        others' links). Returns (true time, samples, each replica's bandwidths) like a round of `score`."""
+        num_layers, r_all = self.model.num_layers, len(pset)
+        fins = [pm.finish(n, r_all, bw) for pm, n in zip(pms, alloc, strict=True)]
+        if any(f is None for f in fins):
+            return math.inf, alloc, bw
+        link = functools.partial(cost.sync_group_bw, self.cluster)
+
+        def holders(groups: list[Group], f) -> list[str]:
+            """The node of each sync group's copy in this replica (embedding, layers, LM head)."""
+            out = [groups[0].node]
+            for g, ch in zip(groups, f.stages, strict=True):
+                out += [g.node] * ch.num_layers
+            return out + [groups[-1].node]
+
+        held = [holders(g, f) for g, f in zip(pset, fins, strict=True)]
+        used: list[tuple] = []
+        for r, (groups, pm, n) in enumerate(zip(pset, pms, alloc, strict=True)):
+            others = [h for q, h in enumerate(held) if q != r]
+            per_stage = tuple(tuple(link({g.node, *(h[x] for h in others)}) for x in range(num_layers + 2))
+                              for g in groups)
+            f = pm.finish(n, r_all, per_stage)
+            if f is None:
+                return math.inf, alloc, bw
+            fins[r], held[r] = f, holders(groups, f)
+            used.append(per_stage)
+        implied = self.link_vector(pset, fins)
+        t = max(pm.time_at(f, n, r_all, implied) for pm, f, n in zip(pms, fins, alloc, strict=True))
+        return t, alloc, used
 
     def bw_ceiling(self, pset: list[list[Group]]) -> tuple[float, ...]:
         """The fastest each gradient-sync group of the set can be, however the layers are split (in
@@ -247,7 +283,7 @@ class _Search:
             return None
         pipes = []
         for groups, n in zip(pset, alloc, strict=True):
-            f = self.pipeline_model(groups, exact, profile).finish(n, len(pset), bw)
+            f = self.pipeline_model(groups, exact, profile).finish(n, len(pset), bw[len(pipes)] if isinstance(bw, list) else bw)
             stages, at = [], 0
             for g, ch in zip(groups, f.stages, strict=True):
                 pol = to_policy(ch.policy, at)
@@ -389,11 +425,12 @@ def _count_sets(groups: list[Group], max_stages: int) -> int:
     return count
 
 
-def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = None):
+def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = None, bound: float = math.inf):
     """Homogeneous pipelines per type at chosen depths, leftovers pooled into mixed pipelines.
 
     `warm`: the depths this search settled on last time (a re-plan after a loss starts there, not from
-    each type's best depth alone; it holds the new ones when the search is done)."""
+    each type's best depth alone; it holds the new ones when the search is done). `bound`: a step time past
+    which a second descent is not worth its time (another TP degree already does much better)."""
     by_type: dict[str, list[Group]] = {}
     for g in sorted(groups, key=lambda g: (-g.slot.flops_per_gpu, g.slot.gpu_type, g.node, g.devices)):
         by_type.setdefault(g.slot.gpu_type, []).append(g)
@@ -459,6 +496,7 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
     # Start each type at the depth that is fastest for it alone (HexiScale: intra-type first).
     keys = types + [_POOL]
     last = (warm or {}).get("depth", {})
+    resumed = all(last.get(t) in options(t) for t in types)  # every type where the last search left it
     depth = {t: last[t] if last.get(t) in options(t) else min(depths(t), key=lambda q: alone(t, q), default=0)
              for t in types} | {_POOL: last.get(_POOL, 1)}
     seen: dict[tuple, float] = {}
@@ -469,15 +507,32 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
             seen[key] = search.score(assemble(d), False)[0]
         return seen[key]
 
-    for _ in range(3):
-        improved = False
-        for t in keys:
-            for q in options(t):
-                trial = dict(depth, **{t: q})
-                if val(trial) < val(depth) * (1 - 1e-9):
-                    depth, improved = trial, True
-        if not improved:
-            break
+    # Coordinate descent moves one type at a time, so it cannot leave a mix whose slowest NICs pace every
+    # replica's gradient sync by dropping two types at once (a 70B on H100 + A100 + L4 + A10G nodes, the L4 and
+    # A10G on slow NICs: adding H100 pipelines to an L4 + A10G plan makes it slower, and the fast types alone
+    # are 5x faster than either). So it also starts from the fastest types alone: the first j types by FLOP/s
+    # at their depths, the others idle, for every j, their leftovers pooled or idle (one short pipeline that
+    # must offload its optimizer paces every replica's step); where the best of these beats where the descent
+    # from the usual start ended, the descent runs from it too, and the better end wins.
+    def descend(depth: dict) -> dict:
+        for _ in range(3):
+            improved = False
+            for t in keys:
+                for q in options(t):
+                    trial = dict(depth, **{t: q})
+                    if val(trial) < val(depth) * (1 - 1e-9):
+                        depth, improved = trial, True
+            if not improved:
+                break
+        return depth
+
+    others = [{t: (depth[t] if i < j else -1) for i, t in enumerate(types)} | {_POOL: pool}
+              for j in range(1, len(types) + 1) for pool in (1, 0)]
+    ends = [descend(depth)]
+    other = min(others, key=val) if not resumed else ends[0]  # a resumed search had these starts last time
+    if val(other) < min(val(ends[0]) * (1 - 1e-9), bound):
+        ends.append(descend(other))
+    depth = min(ends, key=val)
     if warm is not None:
         warm["depth"] = dict(depth)
     ranked = sorted(seen.items(), key=lambda kv: kv[1])
@@ -486,7 +541,7 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
             yield assemble(dict(zip(keys, key, strict=True)))
 
 
-REPLAN_DEGREE_SLACK = 2.0  # a re-plan searches the TP degrees within this factor of the last plan's best
+DEGREE_SLACK = 1.25  # a TP degree this much slower than the best is not refined, nor searched in a re-plan
 
 MIXED_GPUS = 8  # clusters up to here also try plans whose stages take different TP degrees
 MAX_MIXED = 400  # pipeline templates scored per plan at most (in order of their compute bound)
@@ -627,7 +682,7 @@ class Planner:
     Re-planning after a preemption reuses every pipeline and stage already
     costed, so it is much faster than the first plan. On large clusters it also
     starts each TP degree's search where the last one settled, and skips the
-    degrees whose best plan was more than REPLAN_DEGREE_SLACK times slower than
+    degrees whose best plan was more than DEGREE_SLACK times slower than
     the best when the cluster has no GPU type the last one lacked.
     """
 
@@ -671,22 +726,23 @@ class Planner:
         degrees = tp_candidates(cluster, model)
         types = frozenset(n.gpu_type for n in cluster.nodes)
         # A re-plan after a loss (no GPU type the last plan lacked) skips the TP degrees whose best plan was
-        # more than REPLAN_DEGREE_SLACK times slower than the best last time: losing nodes does not make TP1
+        # more than DEGREE_SLACK times slower than the best last time: losing nodes does not make TP1
         # for a 175B model 7x faster, and each degree is seconds of search on thousands of GPUs.
         last = self._last if objective == "throughput" and self._last is not None and types <= self._last[0] else None
         best_by_degree: dict[int, float] = {}
-        for tp in degrees:
+        for tp in sorted(degrees, reverse=True):  # high degrees first: on a large model the fast ones
             groups, unused = make_groups(cluster, train, tp)
             if not groups:
                 continue
             exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, model.num_layers) <= MAX_EXHAUSTIVE_SETS
             if (not exhaustive and last is not None
-                    and last[1].get(tp, math.inf) > REPLAN_DEGREE_SLACK * min(last[1].values(), default=math.inf)):
+                    and last[1].get(tp, math.inf) > DEGREE_SLACK * min(last[1].values(), default=math.inf)):
                 continue
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
             sets = (_exhaustive_sets(groups, model.num_layers) if exhaustive
-                    else _heuristic_sets(search, groups, self._warm.setdefault(tp, {})))
+                    else _heuristic_sets(search, groups, self._warm.setdefault(tp, {}),
+                                         DEGREE_SLACK * min((f[0] for f in finalists), default=math.inf)))
             scored = []
             if exact:
                 # Every variant's lower bound first (`floor` at its fastest sync group's bandwidth, mostly
