@@ -198,8 +198,8 @@ class _Search:
             true_t = max(pm.time_at(f, n, len(pset), implied) for pm, f, n in zip(pms, fins, alloc, strict=True))
             tried.append((true_t, alloc, bw))
             bw, prev = implied, bw
-        if tried:
-            tried.append(self._best_response(pset, pms, *min(tried, key=lambda x: x[0])[1:]))
+        # Each round's splits may sit near a different agreement: a best-response pass from every one.
+        tried += [self._best_response(pset, pms, alloc, bw) for _, alloc, bw in list(tried)]
         # No fixed point in a few rounds: the best round's plan stands, at its true time.
         return min(tried, key=lambda x: x[0], default=(math.inf, None, 0.0))
 
