@@ -735,8 +735,8 @@ class Planner:
             if not groups:
                 continue
             exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, model.num_layers) <= MAX_EXHAUSTIVE_SETS
-            if (not exhaustive and last is not None
-                    and last[1].get(tp, math.inf) > DEGREE_SLACK * min(last[1].values(), default=math.inf)):
+            if (not exhaustive and last is not None and tp in last[1]
+                    and last[1][tp] > DEGREE_SLACK * min(last[1].values())):
                 continue
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
