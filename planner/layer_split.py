@@ -267,16 +267,12 @@ class PipelineModel:
         if num_layers not in fronts:
             return None
 
-        def total(v):
-            t_pipe = v[4] if m == 1 else v[0] + (m - 2) * v[1] + v[2]
-            return t_pipe + v[3]
-
-        vec, ref = min(fronts[num_layers], key=lambda item: total(item[0]))
+        vec, ref = min(fronts[num_layers], key=lambda item: _closed_form(item[0], m))
         chain = []
         while ref is not None:
             ref, ch = ref
             chain.append(ch)
-        return Finish(total(vec), b, m, tuple(reversed(chain)))
+        return Finish(_closed_form(vec, m), b, m, tuple(reversed(chain)))
 
     def time_at(self, f: Finish, n: int, num_replicas: int, sync_bw: tuple[float, ...]) -> float:
         """The closed-form time of `f`'s split and policies (found by `_exact_finish` for n samples) when the
@@ -292,7 +288,7 @@ class PipelineModel:
             s0, s1, s2, s4 = s0 + full, max(s1, full), max(s2, last), s4 + last
             s3 = max(s3, opt + max(0.0, sync - bwd))
             a += ch.num_layers
-        return (s4 if m == 1 else s0 + (m - 2) * s1 + s2) + s3
+        return _closed_form((s0, s1, s2, s3, s4), m)
 
     def _last_times(self, i: int, ch: StageChoice, b: int, m: int) -> cost.StageTimes:
         key = (i, id(ch), b)
@@ -341,6 +337,12 @@ class PipelineModel:
                 opt = max(0.0, d2h - (busy - fwd), h2d_cpu - (fwd if clip else busy)) + tail
             extra = max(extra, max(0.0, sync_bytes * per_byte - lt.bwd_s) + opt)
         return t_pipe + extra
+
+
+def _closed_form(v: tuple[float, float, float, float, float], m: int) -> float:
+    """1F1B's closed form from (sum t, max t, max t_last, max extra, sum t_last) over a pipeline's stages:
+    sum(t) + (m - 2) max(t) + max(t_last) + max(extra), or sum(t_last) + max(extra) for one micro-batch."""
+    return (v[4] if m == 1 else v[0] + (m - 2) * v[1] + v[2]) + v[3]
 
 
 @functools.cache

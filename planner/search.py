@@ -148,15 +148,8 @@ class _Search:
         """Bandwidth of each gradient-sync group of the plan these splits make, as `evaluate` charges it:
         (embedding, layer 0, ..., layer L-1, LM head); one node's group syncs over its intra-node link, a
         group across nodes at the slowest of their NICs."""
-        holders: list[set[str]] = [set() for _ in range(self.model.num_layers)]
-        for groups, f in zip(pset, finishes, strict=True):
-            at = 0
-            for g, ch in zip(groups, f.stages, strict=True):
-                for layer in range(at, at + ch.num_layers):
-                    holders[layer].add(g.node)
-                at += ch.num_layers
-        bw = functools.partial(cost.sync_group_bw, self.cluster)
-        return (bw({p[0].node for p in pset}), *[bw(h) for h in holders], bw({p[-1].node for p in pset}))
+        held = [_group_nodes(groups, f) for groups, f in zip(pset, finishes, strict=True)]
+        return tuple(cost.sync_group_bw(self.cluster, {h[x] for h in held}) for x in range(self.model.num_layers + 2))
 
     def score(self, pset: list[list[Group]], exact: bool,
               profile: tuple[int, ...] | None = None) -> tuple[float, list[int] | None, float | tuple]:
@@ -214,15 +207,7 @@ class _Search:
         if any(f is None for f in fins):
             return math.inf, alloc, bw
         link = functools.partial(cost.sync_group_bw, self.cluster)
-
-        def holders(groups: list[Group], f) -> list[str]:
-            """The node of each sync group's copy in this replica (embedding, layers, LM head)."""
-            out = [groups[0].node]
-            for g, ch in zip(groups, f.stages, strict=True):
-                out += [g.node] * ch.num_layers
-            return out + [groups[-1].node]
-
-        held = [holders(g, f) for g, f in zip(pset, fins, strict=True)]
+        held = [_group_nodes(g, f) for g, f in zip(pset, fins, strict=True)]
         used: list[tuple] = []
         for r, (groups, pm, n) in enumerate(zip(pset, pms, alloc, strict=True)):
             others = [h for q, h in enumerate(held) if q != r]
@@ -231,7 +216,7 @@ class _Search:
             f = pm.finish(n, r_all, per_stage)
             if f is None:
                 return math.inf, alloc, bw
-            fins[r], held[r] = f, holders(groups, f)
+            fins[r], held[r] = f, _group_nodes(groups, f)
             used.append(per_stage)
         implied = self.link_vector(pset, fins)
         t = max(pm.time_at(f, n, r_all, implied) for pm, f, n in zip(pms, fins, alloc, strict=True))
@@ -296,6 +281,15 @@ class _Search:
         plan = Plan(model_name=self.model.name, num_layers=self.model.num_layers,
                     global_batch=self.train.global_batch, pipelines=pipes, unused=list(unused))
         return plan, used
+
+
+def _group_nodes(groups: list[Group], f) -> list[str]:
+    """The node that holds this replica's copy of each gradient-sync group under the split `f` (in
+    `link_vector`'s order: embedding, layer 0, ..., layer L-1, LM head)."""
+    out = [groups[0].node]
+    for g, ch in zip(groups, f.stages, strict=True):
+        out += [g.node] * ch.num_layers
+    return out + [groups[-1].node]
 
 
 def _node_aligned(pset: list[list[Group]]) -> list[list[Group]]:
