@@ -144,7 +144,7 @@ class Controller:
             self.group.start()
             self._launch_s = self.clock.now() - t0
             self._phase("restoring state")
-            restored = self.store.restore(self.group)
+            restored = self.store.restore(self.group, self.doomed)
             step = restored["step"] if restored else -1
             if step != self.progress.committed:  # back to the restored step after a failure, on after a resume
                 self._roll_to(step)
@@ -199,7 +199,7 @@ class Controller:
         log.info("nodes joined (%s): %s, %s", joined, "moving" if d.move else "staying", d.reason)
         self._event("scale-up" if d.move else "scale-up-declined", f"nodes joined ({joined}): {d.reason}", **extra)
         if d.move:
-            self.store.drain(self.group, self.progress.committed, set())  # the committed step, copied out now
+            self.store.drain(self.group, self.progress.committed, set())  # the committed step, kept on its nodes
             self.group.shutdown()
             self.plan, self.cluster = new, cluster
         return d.move
@@ -209,7 +209,8 @@ class Controller:
         now = self.clock.now()
         used = {st.node for p in self.plan.pipelines for st in p.stages}
         got = notice_decision(notices, used, now, self.drain_margin_s,
-                              lambda: drain_copy_s(self.plan, self.model, self.train, self.cluster or self.nodes.discover()))
+                              lambda doomed: drain_copy_s(self.plan, self.model, self.train,
+                                                          self.cluster or self.nodes.discover(), self.doomed | doomed))
         if got is None:
             return False
         drain, mine, left = got
@@ -281,7 +282,7 @@ class Controller:
 
     def _salvage(self) -> None:  # survivors keep their committed state (tier "live") before their group goes
         try:
-            self.store.salvage(self.group)
+            self.store.salvage(self.group, self.doomed)
         except Exception as e:  # the other tiers still hold the state; a failed salvage costs bytes, not the job
             log.warning("salvaging survivors' state failed: %s", e)
 

@@ -36,39 +36,113 @@ def layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
     return params * (train.param_bytes + train.optimizer_bytes_per_param)
 
 
-def stage_layers(p: Plan, model: ModelSpec):
+def stage_layers(p: Plan):
     """(node, extended layers) per stage of plan `p`: a pipeline's first stage holds the embedding, its last the head."""
     for pipe in p.pipelines:
         for i, st in enumerate(pipe.stages):
             lo = -1 if i == 0 else st.layer_start
-            hi = model.num_layers + 1 if i == len(pipe.stages) - 1 else st.layer_end
+            hi = p.num_layers + 1 if i == len(pipe.stages) - 1 else st.layer_end
             yield st.node, range(lo, hi)
 
 
 def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
     """Per node of plan `p`, the state its stages hold (weights and AdamW's state)."""
     out: dict[str, float] = {}
-    for node, layers in stage_layers(p, model):
+    for node, layers in stage_layers(p):
         out[node] = out.get(node, 0.0) + sum(layer_bytes(model, train, x) for x in layers)
     return out
 
 
-def drain_copy_s(p: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> float:
-    """Seconds a drain takes to copy the committed step to keepers off the doomed nodes: the state plane copies
-    every rank's state (state/tiers.py `drain`), each node what its stages hold over its own link, at once."""
+def replicated_off(p: Plan, doomed: set[str]) -> bool:
+    """Whether stages off the `doomed` nodes hold every layer the stages on them hold. A stage's TP ranks share
+    one node, so a surviving stage holds whole layers: other replicas then cover everything the doomed nodes hold
+    at the committed step (data-parallel replicas hold the same state after each step)."""
+    held, needed = set(), set()
+    for node, layers in stage_layers(p):
+        (needed if node in doomed else held).update(layers)
+    return needed <= held
+
+
+def drain_copy_s(p: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec,
+                 doomed: set[str] | None = None) -> float:
+    """Seconds a drain takes to copy the committed step off the `doomed` nodes (state/tiers.py `drain`): none when
+    other replicas hold every layer of theirs (`replicated_off`; survivors keep their own state on their own
+    node); else the state plane copies every rank's state to keepers off them, each node what its stages hold
+    over its own link, at once. `doomed` None: the copy when nothing is known to be covered."""
+    if doomed is not None and replicated_off(p, doomed):
+        return 0.0
     known = {n.name for n in cluster.nodes}
     return max((b / bandwidths(cluster, n if n in known else None)["peer"] for n, b in node_bytes(p, model, train).items()),
                default=0.0)
+
+
+def _kind(node) -> str:
+    """Nodes of one kind are interchangeable to the cost model: every field but the name and the instance."""
+    return node.model_dump_json(exclude={"name", "instance_id"})
+
+
+def relabel(new: Plan, old: Plan | None, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Plan:
+    """`new` with its nodes swapped among nodes of the same kind so that stages land where the running plan held
+    their layers: the planner names nodes of one kind arbitrarily, so a surviving node would otherwise often be
+    handed another node's layers and pull them over its link. The swap changes no estimate (the nodes are alike);
+    it only makes more of the migration local. Greedy by bytes kept in place, largest first (AutoHet's
+    local-first recovery applied to the placement, not only to the sources)."""
+    if old is None:
+        return new
+    held: dict[str, set[int]] = {}
+    for node, layers in stage_layers(old):
+        held.setdefault(node, set()).update(layers)
+    wants: dict[str, list[int]] = {}
+    for node, layers in stage_layers(new):
+        wants.setdefault(node, []).extend(layers)
+    weight = {x: layer_bytes(model, train, x) for x in range(-1, new.num_layers + 1)}
+    kinds: dict[str, list[str]] = {}
+    for n in cluster.nodes:
+        kinds.setdefault(_kind(n), []).append(n.name)
+    rename: dict[str, str] = {}
+    for names in kinds.values():
+        mine = [n for n in names if n in wants]
+        had = [n for n in names if n in held]
+        if not mine or not had:
+            continue
+        pairs = sorted(((sum(weight[x] for x in wants[a] if x in held[b]), a, b) for a in mine for b in had),
+                       reverse=True)
+        free, got = set(names), {}
+        for kept, a, b in pairs:
+            if kept > 0 and a not in got and b in free:
+                got[a] = b
+                free.discard(b)
+        for a in [*mine, *(n for n in names if n not in wants)]:  # the rest: a bijection, in place where free
+            if a not in got:
+                got[a] = a if a in free else min(free)
+                free.discard(got[a])
+        rename.update({a: b for a, b in got.items() if a != b})
+    return _renamed(new, rename) if rename else new
+
+
+def _renamed(p: Plan, rename: dict[str, str]) -> Plan:
+    """`p` with nodes renamed (a permutation): stages, their devices, unused devices, host memory."""
+    def dev(d: str) -> str:
+        node, _, i = d.rpartition("/")
+        return f"{rename.get(node, node)}/{i}"
+
+    pipes = [pipe.model_copy(update={"stages": [st.model_copy(update={
+        "node": rename.get(st.node, st.node), "devices": [dev(d) for d in st.devices]}) for st in pipe.stages]})
+        for pipe in p.pipelines]
+    unused = [u.model_copy(update={"device": dev(u.device)}) for u in p.unused]
+    est = p.estimate.model_copy(update={"host_gib": {rename.get(n, n): g for n, g in p.estimate.host_gib.items()}}) \
+        if p.estimate is not None else None
+    return p.model_copy(update={"pipelines": pipes, "unused": unused, "estimate": est})
 
 
 def node_migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, dict]:
     """Per node of the new plan, the bytes its stages pull, by tier: "live" where the old plan held the layer
     on that node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
     held: dict[str, set[int]] = {}
-    for node, layers in stage_layers(old, model) if old is not None else ():
+    for node, layers in stage_layers(old) if old is not None else ():
         held.setdefault(node, set()).update(layers)
     out: dict[str, dict] = {}
-    for node, layers in stage_layers(new, model):
+    for node, layers in stage_layers(new):
         got = out.setdefault(node, {"live": 0.0, "peer": 0.0})
         for layer in layers:
             got["live" if layer in held.get(node, ()) else "peer"] += layer_bytes(model, train, layer)
@@ -113,7 +187,7 @@ def _numbers(d: ScaleDecision, cands: list[Candidate], steps_left: int) -> dict:
 def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None, cluster: ClusterSpec,
                   steps_left: int, startup_s: float) -> tuple[Plan, dict]:
     """The re-plan after a loss or a drain: (plan, the numbers for the event). Raises PlanningError."""
-    plans = planner.candidates(cluster, k=TOP_K)
+    plans = [relabel(p, old, cluster, model, train) for p in planner.candidates(cluster, k=TOP_K)]
     if old is None or len(plans) == 1:
         return plans[0], {}
     bw = bandwidths(cluster)
@@ -127,7 +201,7 @@ def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, 
                     steps_left: int, startup_s: float) -> tuple[Plan, ScaleDecision, dict] | None:
     """(chosen plan, decision, the numbers for the event), or None when no plan uses the grown cluster."""
     try:
-        plans = planner.candidates(cluster, k=TOP_K)
+        plans = [relabel(p, running, cluster, model, train) for p in planner.candidates(cluster, k=TOP_K)]
         now = evaluate(running, cluster, model, train).tokens_per_s
     except PlanningError as e:
         log.info("nodes joined but no plan uses them: %s", e)

@@ -112,18 +112,19 @@ def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: di
 
 
 def notice_decision(notices: list, used: set[str], now: float, margin_s: float,
-                    copy_s: Callable[[], float]) -> tuple[bool, list, float] | None:
+                    copy_s: Callable[[set[str]], float]) -> tuple[bool, list, float] | None:
     """None when no notice concerns the plan's nodes; else (drain?, those notices, seconds left).
 
     The controller looks at notices at step boundaries, so a drain starts with the step
-    in flight already committed and needs only to copy that step off the doomed nodes:
-    the state plane copies the whole step to keepers off them, each node its own share
-    (`copy_s()`: orchestrator/elastic.py `drain_copy_s`, the slowest node's bytes over its
-    link). With less time left than that copy plus `margin_s`, the job keeps training
-    and the loss is handled as a failure (recovery) instead.
+    in flight already committed and needs only to keep that step off the doomed nodes:
+    nothing to copy when other replicas hold their layers, else the state plane copies
+    the whole step to keepers off them, each node its own share (`copy_s(doomed)`:
+    orchestrator/elastic.py `drain_copy_s`). With less time left than that copy plus
+    `margin_s`, the job keeps training and the loss is handled as a failure (recovery)
+    instead.
     """
     mine = [n for n in notices if n.node in used]
     if not mine:
         return None
     left = min(n.deadline_s for n in mine) - now
-    return left >= margin_s + copy_s(), mine, left
+    return left >= margin_s + copy_s({n.node for n in mine}), mine, left

@@ -35,8 +35,9 @@ class WorkerGroup(Protocol):
 class StatePlane(Protocol):
     def after_step(self, group: WorkerGroup, step: int, avoid: set[str]) -> bool: ...  # True: a snapshot was taken
     def drain(self, group: WorkerGroup, step: int, avoid: set[str]) -> None: ...  # state off the `avoid` nodes, now
-    def salvage(self, group: WorkerGroup) -> None: ...  # a failed group's survivors keep their state
-    def restore(self, group: WorkerGroup) -> dict | None: ...  # {"step", "tier", "bytes", ...}; None: fresh start
+    def salvage(self, group: WorkerGroup, avoid: set[str]) -> None: ...  # survivors off `avoid` keep their state
+    def restore(self, group: WorkerGroup, avoid: set[str]) -> dict | None: ...  # {"step", "tier", "bytes", ...};
+    # None: a fresh start; no source on the `avoid` nodes
     def flush(self) -> None: ...  # uploads in flight complete
 
 

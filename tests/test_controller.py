@@ -154,10 +154,10 @@ def test_notice_drains_when_the_copy_fits_not_by_step_time():
     from orchestrator.protocols import Notice
 
     notice = Notice(node="a", deadline_s=150.0, source="aws")
-    assert notice_decision([notice], {"b"}, 100.0, 1.0, lambda: 0.0) is None  # not the plan's node
-    drain, mine, left = notice_decision([notice], {"a", "b"}, 100.0, 1.0, lambda: 40.0)
+    assert notice_decision([notice], {"b"}, 100.0, 1.0, lambda doomed: 0.0) is None  # not the plan's node
+    drain, mine, left = notice_decision([notice], {"a", "b"}, 100.0, 1.0, lambda doomed: 40.0)
     assert drain and mine == [notice] and left == 50.0  # 100 s steps would not matter: the copy fits
-    assert notice_decision([notice], {"a"}, 100.0, 1.0, lambda: 49.5)[0] is False  # copy + margin > left
+    assert notice_decision([notice], {"a"}, 100.0, 1.0, lambda doomed: 49.5)[0] is False  # copy + margin > left
 
 
 def test_notice_with_a_copy_longer_than_the_deadline_falls_back_to_recovery():

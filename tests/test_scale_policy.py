@@ -112,3 +112,58 @@ def test_nodes_pull_at_once_so_migration_lasts_as_long_as_the_slowest_node():
     assert slowest_pull(None, two_nodes, MODEL, TRAIN, bw) == {"live": 0.0, "peer": full}  # per node, at once
     kept = slowest_pull(_one_stage("a"), two_nodes, MODEL, TRAIN, bw)
     assert kept == {"live": 0.0, "peer": full}  # node a reads its own layers live; node l pulls over the network
+
+
+def test_a_drain_copies_nothing_when_other_replicas_hold_the_doomed_layers():
+    """Replicas on a and l: either may go with nothing copied (the other holds every layer). One pipeline split
+    over a and l: each node holds layers no one else does, so a drain copies every node's state over its link."""
+    from orchestrator.elastic import drain_copy_s, node_bytes, replicated_off
+
+    two_nodes = Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[
+        _one_stage(n).pipelines[0].model_copy(update={"num_samples": 4, "micro_batch_size": 4}) for n in "al"])
+    half = MODEL.num_layers // 2
+    split = Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[Pipeline(
+        num_samples=8, micro_batch_size=8, num_micro_batches=1,
+        stages=[Stage(layer_start=a, layer_end=b, gpu_type="L4", node=n, devices=[f"{n}/0"])
+                for n, a, b in (("a", 0, half), ("l", half, MODEL.num_layers))])])
+    assert replicated_off(two_nodes, {"a"}) and replicated_off(two_nodes, {"l"})
+    assert not replicated_off(two_nodes, {"a", "l"}) and not replicated_off(split, {"a"})
+    assert drain_copy_s(two_nodes, MODEL, TRAIN, TWO, {"a"}) == 0.0
+    link = min(n.inter_node_bw_gb_s for n in TWO.nodes) * 1e9
+    assert drain_copy_s(split, MODEL, TRAIN, TWO, {"a"}) == pytest.approx(max(node_bytes(split, MODEL, TRAIN).values()) / link)
+    assert drain_copy_s(two_nodes, MODEL, TRAIN, TWO) > 0.0  # doomed nodes unknown: the whole copy
+
+
+def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
+    """Five L4 nodes, one pipeline of two stages per pair of nodes. After node n0 goes, the re-plan's nodes are
+    named arbitrarily by the planner (here: rotated on purpose); relabel swaps nodes of the kind so that every
+    survivor keeps its own layers: only the node taking n0's place pulls, and the estimate is unchanged."""
+    from orchestrator.elastic import _renamed, migration_bytes, relabel, slowest_pull
+    from planner import evaluate
+
+    model = ModelSpec.preset("gpt-350m")
+    train = TrainSpec(global_batch=16)
+    nodes = [NodeSpec(name=f"n{i}", gpu_type="L4", num_gpus=1, inter_node_bw_gb_s=10) for i in range(5)]
+    half = model.num_layers // 2
+
+    def pipelines(pairs):
+        return Plan(model_name=model.name, num_layers=model.num_layers, global_batch=16, pipelines=[Pipeline(
+            num_samples=8, micro_batch_size=4, num_micro_batches=2, stages=[
+                Stage(layer_start=a, layer_end=b, gpu_type="L4", node=n, devices=[f"{n}/0"])
+                for n, a, b in ((first, 0, half), (second, half, model.num_layers))]) for first, second in pairs])
+
+    old = pipelines([("n0", "n1"), ("n2", "n3")])
+    survivors = ClusterSpec(nodes=nodes[1:])
+    new = pipelines([("n4", "n1"), ("n2", "n3")])  # the best re-plan: n4 takes n0's stage
+    new.estimate = evaluate(new, survivors, model, train)
+    rotated = _renamed(new, {"n1": "n2", "n2": "n3", "n3": "n4", "n4": "n1"})  # as the planner might name them
+    rotated.estimate = evaluate(rotated, survivors, model, train)
+    got = relabel(rotated, old, survivors, model, train)
+    got.check_structure()
+    assert evaluate(got, survivors, model, train).step_time_s == pytest.approx(new.estimate.step_time_s)
+    assert migration_bytes(old, got, model, train)["peer"] == migration_bytes(old, new, model, train)["peer"]
+    assert migration_bytes(old, rotated, model, train)["peer"] > 2 * migration_bytes(old, got, model, train)["peer"]
+    assert [st.node for p in got.pipelines for st in p.stages if st.node != "n4"] == ["n1", "n2", "n3"]
+    bw = {"live": 40e9, "peer": 10e9, "s3": 1e9}
+    assert slowest_pull(old, got, model, train, bw) == slowest_pull(old, new, model, train, bw)
+    assert relabel(new, None, survivors, model, train) is new  # a first plan: nothing to keep

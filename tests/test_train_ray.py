@@ -452,6 +452,7 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
 
     from orchestrator.controller import State
     from orchestrator.controller_actor import make_controller
+    from orchestrator.elastic import replicated_off
     from orchestrator.preemption.metadata_server import FakeMetadataServer
     from orchestrator.preemption.ray_notices import LABEL_METADATA_URL
 
@@ -464,6 +465,7 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
         c = make_controller(_notice_job(doomed, "none" if cloud == "ray-drain" else cloud), steps=STEPS)
         run_until(c, 1)
         assert any(st.node == name for p in c.plan.pipelines for st in p.stages)
+        assert not replicated_off(c.plan, {name})  # no other node holds its layers: the drain must copy them
         deadline = datetime.now(timezone.utc) + timedelta(seconds=NOTICE_DEADLINE_S)
         if cloud == "aws":
             imds.aws_spot(deadline)
@@ -491,6 +493,8 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
         assert (cloud if cloud != "aws" else "aws") in drain["cause"] and drain["met_deadline"] is True
         assert drain["notice_s"] <= drain["snapshot_s"] <= drain["plan_s"] <= drain["first_step_s"]
         assert all(st.node != name for p in c.plan.pipelines for st in p.stages)
+        restored = [e for e in c.progress.events if e["kind"] == "restore"][-1]["bytes_by_tier"]
+        assert restored["peer"] > 0 and restored["s3"] == 0  # the drain's copies, on a node that stays
         ref_losses, _ = reference(job(8))
         for got, want in zip([c.progress.losses[s] for s in range(STEPS)], ref_losses, strict=True):
             assert abs(got - want) <= 1e-5 * abs(want)

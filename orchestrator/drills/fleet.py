@@ -225,7 +225,7 @@ class FleetSim:
         # boundary and drains when the time left covers copying the step to keepers off the doomed nodes
         # (policies.notice_decision): the share q of the step's phases where that holds is charged a drain,
         # the rest a failure. A drain redoes nothing and reads nothing from S3.
-        copy_s = drain_copy_s(old, self.model, self.train, self.fleet)
+        copy_s = drain_copy_s(old, self.model, self.train, self.fleet, gone)
         step = old.estimate.step_time_s
         q = min(1.0, max(0.0, (self.a.notice_s - DRAIN_MARGIN_S - copy_s) / step)) if self.a.notice_s > 0 else 0.0
         drain_s = copy_s + self.a.startup_s + restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]

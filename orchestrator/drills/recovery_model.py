@@ -47,13 +47,13 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
     ring = sorted(nodes_of(old))
     peer_of = {n: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
     held: dict[int, list[str]] = {}
-    for node, layers in stage_layers(old, model):
+    for node, layers in stage_layers(old):
         for layer in layers:
             held.setdefault(layer, []).append(node)
     per_node: dict[str, float] = {}
     by_tier = {"live": 0.0, "peer": 0.0, "s3": 0.0}
     redo_steps = 0.5 if gone else 0.0  # a preemption loses the step in flight, on average half done
-    for node, layers in stage_layers(new, model):
+    for node, layers in stage_layers(new):
         for layer in layers:
             live = [h for h in held.get(layer, []) if h not in gone]
             if node in live:

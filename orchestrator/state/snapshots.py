@@ -30,10 +30,10 @@ class MemorySnapshots:
         state, optimizer_steps = group.export_state()
         self._latest = (step, state, optimizer_steps)
 
-    def salvage(self, group) -> None:
+    def salvage(self, group, avoid: set[str] = frozenset()) -> None:
         """Nothing to keep from a failed group: the snapshot is already here."""
 
-    def restore(self, group) -> dict | None:
+    def restore(self, group, avoid: set[str] = frozenset()) -> dict | None:
         if self._latest is None:
             return None
         step, state, optimizer_steps = self._latest

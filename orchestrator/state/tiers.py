@@ -22,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.cluster.discovery import node_ids
+from orchestrator.elastic import replicated_off
 from orchestrator.metrics import payload_bytes
 from orchestrator.state.keeper import Keeper
 from orchestrator.state.restore_plan import TIERS, Holding, Need, peer_placement, plan_restore
@@ -85,8 +86,15 @@ class TieredState:
         self.snapshot(group, step, avoid)
         return True
 
-    def drain(self, group, step: int, avoid: set[str]) -> None:  # a notice: copy the step off the doomed nodes
-        self.snapshot(group, step, avoid, wait=True)  # and wait until it is there
+    def drain(self, group, step: int, avoid: set[str]) -> None:
+        """Keep committed step `step` where a restore finds it without the `avoid` nodes (a notice's doomed nodes;
+        none before a move to a larger plan). When stages off them hold every layer the stages on them hold (other
+        replicas do: elastic.replicated_off), nothing crosses a link; else every rank's state is first copied to
+        keepers off them, and waited for. Then the survivors hand their state to their own node's keeper (tier
+        "live"), so a stage that stays where it was reads it from its own node."""
+        if avoid and not replicated_off(group.plan, avoid):
+            self.snapshot(group, step, avoid, wait=True)
+        self.salvage(group, avoid)
 
     def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
         try:
@@ -189,15 +197,17 @@ class TieredState:
         self._queued = []
 
     # -- after a failure ----------------------------------------------------------------
-    def salvage(self, group) -> None:
-        """Survivors hand the committed state they hold to their own node's keeper (tier "live")."""
+    def salvage(self, group, avoid: set[str] = frozenset()) -> None:
+        """Survivors (off the `avoid` nodes) hand the committed state they hold to their own node's keeper (tier
+        "live")."""
         if not getattr(group, "holds_state", False):
             return  # a group that failed before its state was restored holds nothing worth keeping
         ids = self._alive_nodes()
         self._call_keepers("clear", "live")
         ranks = layout.ranks(group.plan)
-        alive = iter(self._keepers_on([r.node for r in ranks if r.node in ids], ids))
-        got = group.hand_over([next(alive) if r.node in ids else None for r in ranks])
+        keep = [r.node in ids and r.node not in avoid for r in ranks]
+        alive = iter(self._keepers_on([r.node for r, k in zip(ranks, keep, strict=True) if k], ids))
+        got = group.hand_over([next(alive) if k else None for k in keep])
         self.received_bytes += payload_bytes(got)
         kept = [g for g in got if g is not None]
         log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
@@ -241,8 +251,9 @@ class TieredState:
                     sources[(piece["key"], m["step"])] = ("s3", piece)
         return holdings, sources, opt
 
-    def restore(self, group) -> dict | None:
-        """Restore the newest step every unit is available at, from the cheapest sources; None: nothing held."""
+    def restore(self, group, avoid: set[str] = frozenset()) -> dict | None:
+        """Restore the newest step every unit is available at, from the cheapest sources, none on the `avoid` nodes
+        (doomed by a notice: they may go during the restore); None: nothing held."""
         t0 = time.perf_counter()
         group.holds_state = False
         needs_by_rank = group.needs()
@@ -251,6 +262,7 @@ class TieredState:
         needs = [Need(i, ranks[i].node, n["unit"], tuple(tuple(r) for r in n["region"]), n["nbytes"])
                  for i, rank_needs in enumerate(needs_by_rank) for n in rank_needs]
         kh, ksrc, kopt, _ = self._keeper_holdings()
+        kh = [h for h in kh if h.node not in avoid]
         # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
         newest_upload = max((u["step"] for u in self.uploads if not u["error"]), default=-1)
         near = plan_restore(needs, kh) if self.restore_from != "s3" else None
