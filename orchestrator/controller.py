@@ -206,11 +206,10 @@ class Controller:
 
     def _heed(self, notices: list) -> bool:
         """Start a drain for notices on the plan's nodes when the deadline leaves time (policies.notice_decision)."""
-        now = self.clock.now()
-        used = {st.node for p in self.plan.pipelines for st in p.stages}
-        got = notice_decision(notices, used, now, self.drain_margin_s,
-                              lambda doomed: drain_copy_s(self.plan, self.model, self.train,
-                                                          self.cluster or self.nodes.discover(), self.doomed | doomed))
+        now, used = self.clock.now(), {st.node for p in self.plan.pipelines for st in p.stages}
+        copy_s = lambda doomed: drain_copy_s(self.plan, self.model, self.train,  # noqa: E731
+                                             self.cluster or self.nodes.discover(), self.doomed | doomed)
+        got = notice_decision(notices, used, now, self.drain_margin_s, copy_s)
         if got is None:
             return False
         drain, mine, left = got

@@ -24,8 +24,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.cluster.discovery import node_ids
 from orchestrator.elastic import replicated_off
 from orchestrator.metrics import payload_bytes
+from orchestrator.state.holdings import keeper_holdings, s3_holdings
 from orchestrator.state.keeper import Keeper
-from orchestrator.state.restore_plan import TIERS, Holding, Need, peer_placement, plan_restore
+from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
 from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
 from workers import layout
 
@@ -216,40 +217,21 @@ class TieredState:
     # -- restore --------------------------------------------------------------------------
     def _keeper_holdings(self, tiers=TIERS, step: int | None = None):
         """The keepers' holdings, as the restore planner's Holdings; their sources, optimizer steps, shapes."""
-        holdings, sources, opt, shapes = [], {}, {}, {}
-        for node, rows in self._call_keepers("inventory").items():
-            for row in rows:
-                if row["tier"] not in tiers or (step is not None and row["step"] != step):
-                    continue
-                holder = f"{row['tier']}:{node}:{row['rank']}"
-                h = Holding(row["tier"], holder, node, row["unit"], tuple(tuple(r) for r in row["region"]), row["step"])
-                holdings.append(h)
-                sources[(holder, row["step"])] = ("keeper", node, row["tier"], row["rank"])
-                shapes[row["unit"]] = row["shape"]
-                opt[row["step"]] = row["optimizer_steps"]
-        return holdings, sources, opt, shapes
+        return keeper_holdings(self._call_keepers("inventory"), tiers, step)
 
     def _s3_holdings(self):
         """The complete S3 steps' pieces as Holdings; their sources and optimizer steps."""
-        holdings, sources, opt = [], {}, {}
         if self.s3 is None:
-            return holdings, sources, opt
+            return [], {}, {}
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             manifests = self.s3.manifests(limit=self.keep)
         except (BotoCoreError, ClientError) as e:
             log.warning("cannot list checkpoints in %s: %s; restoring without the S3 tier", self.s3.uri, e)
-            return holdings, sources, opt
-        for m in manifests:
-            self.received_bytes += payload_bytes(m)
-            opt[m["step"]] = float(m["optimizer_steps"])
-            for unit, u in m["units"].items():
-                for piece in u["pieces"]:
-                    holdings.append(Holding("s3", piece["key"], None, unit, tuple(tuple(r) for r in piece["region"]),
-                                            m["step"]))
-                    sources[(piece["key"], m["step"])] = ("s3", piece)
-        return holdings, sources, opt
+            return [], {}, {}
+        self.received_bytes += sum(payload_bytes(m) for m in manifests)
+        return s3_holdings(manifests)
 
     def restore(self, group, avoid: set[str] = frozenset()) -> dict | None:
         """Restore the newest step every unit is available at, from the cheapest sources, none on the `avoid` nodes
