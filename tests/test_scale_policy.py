@@ -167,3 +167,10 @@ def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
     bw = {"live": 40e9, "peer": 10e9, "s3": 1e9}
     assert slowest_pull(old, got, model, train, bw) == slowest_pull(old, new, model, train, bw)
     assert relabel(new, None, survivors, model, train) is new  # a first plan: nothing to keep
+
+    class Rotating:  # a planner whose one candidate names the nodes as `rotated` does
+        def candidates(self, cluster, k):
+            return [rotated]
+
+    from orchestrator.elastic import choose_replan
+    assert choose_replan(Rotating(), model, train, old, survivors, 100, 4.3)[0].pipelines == got.pipelines
