@@ -223,8 +223,9 @@ class FleetSim:
             return
         # A spot notice arrives at a random point of the step in flight; the controller sees it at the next
         # boundary and drains when the time left covers copying the step to keepers off the doomed nodes
-        # (policies.notice_decision): the share q of the step's phases where that holds is charged a drain,
-        # the rest a failure. A drain redoes nothing and reads nothing from S3.
+        # (policies.notice_decision; no copy when other replicas hold their layers): the share q of the step's
+        # phases where that holds is charged a drain, the rest a failure. A drain redoes nothing and reads
+        # nothing from S3.
         copy_s = drain_copy_s(old, self.model, self.train, self.fleet, gone)
         step = old.estimate.step_time_s
         q = min(1.0, max(0.0, (self.a.notice_s - DRAIN_MARGIN_S - copy_s) / step)) if self.a.notice_s > 0 else 0.0
