@@ -31,9 +31,9 @@ def joined_nodes(known: set[str] | None, cluster: ClusterSpec) -> tuple[set[str]
 
 
 def layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
-    """State of one extended layer (-1 embedding, L head): weights plus AdamW's state."""
+    """State of one extended layer (-1 embedding, L head) as the tiers move it: master weights and AdamW's moments."""
     params = model.embed_params if layer < 0 else model.head_params if layer >= model.num_layers else model.layer_params
-    return params * (train.param_bytes + train.optimizer_bytes_per_param)
+    return params * train.state_bytes_per_param
 
 
 def stage_layers(p: Plan):

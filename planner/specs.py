@@ -272,6 +272,13 @@ class TrainSpec(StrictModel):
         return 4 if self.param_bytes < 4 else self.param_bytes
 
     @property
+    def state_bytes_per_param(self) -> int:
+        """Bytes per parameter the state tiers hold and move (snapshots, drains, restores, S3): the master copy
+        (the parameter itself unless mixed) and AdamW's two moments. A bf16/fp16 working copy is not moved: it
+        is cut from the master on load."""
+        return 3 * self.grad_bytes
+
+    @property
     def optimizer_bytes_per_param(self) -> int:
         """AdamW state: m and v in fp32 (fp64 for fp64), plus an fp32 master copy when mixed."""
         if self.precision == "fp64":

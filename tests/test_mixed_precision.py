@@ -117,3 +117,20 @@ def test_precision_picks_the_compute_dtype_per_gpu_type():
     assert compute_dtype("auto", "bf16", "T4") == "float16"  # no bf16 on Turing: fp16 with a loss scale
     assert compute_dtype("auto", "fp32", "T4") == "float32"
     assert compute_dtype("float64", "bf16", "H100-SXM") == "float64"  # forced, for equivalence checks
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_policy_counts_the_state_bytes_a_restore_moves(precision, dtype):
+    """The bytes the re-plan policy, the drain and the fleet simulator count per layer (elastic.layer_bytes)
+    are what a worker asks for in a restore: master weights and both AdamW moments, no bf16 working copy."""
+    from orchestrator.elastic import layer_bytes
+    from workers.state import needs
+
+    train = TrainSpec(global_batch=B, lr=0.003, precision=precision)
+    e = Engine(_plan({}), 0, MODEL, train, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
+    e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+    try:
+        asked = sum(n["nbytes"] for n in needs(e))
+    finally:
+        e.close()
+    assert asked == sum(layer_bytes(MODEL, train, x) for x in range(-1, MODEL.num_layers + 1))

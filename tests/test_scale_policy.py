@@ -65,7 +65,7 @@ def _one_stage(node: str, replicas: int = 1) -> Plan:
 
 
 def test_migration_bytes_by_where_the_running_plan_held_each_layer():
-    full = MODEL.num_params * (TRAIN.param_bytes + TRAIN.optimizer_bytes_per_param)
+    full = MODEL.num_params * TRAIN.state_bytes_per_param
     assert migration_bytes(_one_stage("l"), _one_stage("l"), MODEL, TRAIN) == {"live": full, "peer": 0.0}
     assert migration_bytes(_one_stage("a"), _one_stage("l"), MODEL, TRAIN) == {"live": 0.0, "peer": full}
     assert migration_bytes(_one_stage("a"), _one_stage("l", 2), MODEL, TRAIN)["peer"] == 2 * full  # each replica pulls
@@ -103,7 +103,7 @@ def test_nodes_pull_at_once_so_migration_lasts_as_long_as_the_slowest_node():
     """Two replicas on two nodes each pull a whole copy: the migration takes one node's pull, not two."""
     from orchestrator.elastic import slowest_pull
 
-    full = MODEL.num_params * (TRAIN.param_bytes + TRAIN.optimizer_bytes_per_param)
+    full = MODEL.num_params * TRAIN.state_bytes_per_param
     two_nodes = Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[
         _one_stage("a").pipelines[0].model_copy(update={"num_samples": 4, "micro_batch_size": 4}),
         _one_stage("l").pipelines[0].model_copy(update={"num_samples": 4, "micro_batch_size": 4})])
