@@ -45,8 +45,16 @@ def stage_layers(p: Plan):
             yield st.node, range(lo, hi)
 
 
+def held_by_node(p: Plan | None) -> dict[str, set[int]]:
+    """Per node of plan `p` (None: nothing), the extended layers its stages hold."""
+    held: dict[str, set[int]] = {}
+    for node, layers in stage_layers(p) if p is not None else ():
+        held.setdefault(node, set()).update(layers)
+    return held
+
+
 def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
-    """Per node of plan `p`, the state its stages hold (weights and AdamW's state)."""
+    """Per node of plan `p`, the state its stages hold (`layer_bytes`)."""
     out: dict[str, float] = {}
     for node, layers in stage_layers(p):
         out[node] = out.get(node, 0.0) + sum(layer_bytes(model, train, x) for x in layers)
@@ -63,13 +71,12 @@ def replicated_off(p: Plan, doomed: set[str]) -> bool:
     return needed <= held
 
 
-def drain_copy_s(p: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec,
-                 doomed: set[str] | None = None) -> float:
+def drain_copy_s(p: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, doomed: set[str]) -> float:
     """Seconds a drain takes to copy the committed step off the `doomed` nodes (state/tiers.py `drain`): none when
     other replicas hold every layer of theirs (`replicated_off`; survivors keep their own state on their own
     node); else the state plane copies every rank's state to keepers off them, each node what its stages hold
-    over its own link, at once. `doomed` None: the copy when nothing is known to be covered."""
-    if doomed is not None and replicated_off(p, doomed):
+    over its own link, at once."""
+    if replicated_off(p, doomed):
         return 0.0
     known = {n.name for n in cluster.nodes}
     return max((b / bandwidths(cluster, n if n in known else None)["peer"] for n, b in node_bytes(p, model, train).items()),
@@ -89,9 +96,7 @@ def relabel(new: Plan, old: Plan | None, cluster: ClusterSpec, model: ModelSpec,
     local-first recovery applied to the placement, not only to the sources)."""
     if old is None:
         return new
-    held: dict[str, set[int]] = {}
-    for node, layers in stage_layers(old):
-        held.setdefault(node, set()).update(layers)
+    held = held_by_node(old)
     wants: dict[str, list[int]] = {}
     for node, layers in stage_layers(new):
         wants.setdefault(node, []).extend(layers)
@@ -138,9 +143,7 @@ def _renamed(p: Plan, rename: dict[str, str]) -> Plan:
 def node_migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, dict]:
     """Per node of the new plan, the bytes its stages pull, by tier: "live" where the old plan held the layer
     on that node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
-    held: dict[str, set[int]] = {}
-    for node, layers in stage_layers(old) if old is not None else ():
-        held.setdefault(node, set()).update(layers)
+    held = held_by_node(old)
     out: dict[str, dict] = {}
     for node, layers in stage_layers(new):
         got = out.setdefault(node, {"live": 0.0, "peer": 0.0})

@@ -131,7 +131,7 @@ def test_a_drain_copies_nothing_when_other_replicas_hold_the_doomed_layers():
     assert drain_copy_s(two_nodes, MODEL, TRAIN, TWO, {"a"}) == 0.0
     link = min(n.inter_node_bw_gb_s for n in TWO.nodes) * 1e9
     assert drain_copy_s(split, MODEL, TRAIN, TWO, {"a"}) == pytest.approx(max(node_bytes(split, MODEL, TRAIN).values()) / link)
-    assert drain_copy_s(two_nodes, MODEL, TRAIN, TWO) > 0.0  # doomed nodes unknown: the whole copy
+    assert drain_copy_s(two_nodes, MODEL, TRAIN, TWO, {"a", "l"}) > 0.0  # both replicas doomed: the whole copy
 
 
 def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
