@@ -9,8 +9,10 @@ Per trial, from the kill: time until the controller sees the failure
 (detection), has a new plan, has restored state, and has committed the first
 new step, and the restore's bytes by tier. Then, in the same run, after a real
 node loss, the same state restored into the same new plan by the restore
-planner (survivors' live state, peer memory) and from S3 only (moto's threaded
-server on 127.0.0.1), alternately, for the small preset and a larger model. Last, an
+planner (survivors' live state, peer memory) with the moments overlapped (the weights
+before training resumes, AdamW's moments beside the first step: also timed until they
+are in) and with every byte first, and from S3 only (moto's threaded server on
+127.0.0.1), in turn, for the small preset and a larger model. Last, an
 AWS spot notice through the fake metadata service with a 20 s deadline:
 notice to drained (the doomed node's state is out) against the deadline.
 Medians; these machines are shared and noisy.
@@ -92,18 +94,23 @@ def tier_restore(ec: EmbeddedCluster, endpoint: str, hidden: int | None, repeats
     ec.remove(doomed.name)
     until(c, lambda c: c.state == State.TRAINING and c.progress.restarts == 1)
     first = next(e for e in reversed(c.progress.events) if e["kind"] == "restore")
-    times: dict[str, list[float]] = {"nearest": [], "s3": []}
+    ways = {"nearest": ("nearest", True), "all-first": ("nearest", False), "s3": ("s3", False)}
+    times: dict[str, list[float]] = {k: [] for k in [*ways, "moments-in"]}
     by_tier: dict[str, dict] = {}
     for _ in range(repeats):
-        for source in ("nearest", "s3"):
+        for way, (source, overlap) in ways.items():
             c.store.salvage(c.group)  # the workers' state becomes survivors' live state again
-            c.store.restore_from = source
+            c.store.restore_from, c.store.overlap = source, overlap
             r = c.store.restore(c.group)
-            times[source].append(r["restore_s"])
-            by_tier[source] = r["bytes_by_tier"]
+            t = time.perf_counter()
+            c.group.settle_restore()  # the overlapped moments: in this long after the restore returned
+            times[way].append(r["restore_s"])
+            if overlap:
+                times["moments-in"].append(r["restore_s"] + time.perf_counter() - t)
+            by_tier[way] = r["bytes_by_tier"]
     c.group.shutdown()
-    return {"first": first, "nearest_s": statistics.median(times["nearest"]), "s3_s": statistics.median(times["s3"]),
-            "by_tier": by_tier, "model": model.get("name", "small")}
+    return {"first": first, "by_tier": by_tier, "model": model.get("name", "small")} | {
+        f"{k}_s": statistics.median(v) for k, v in times.items()}
 
 
 def drain_trial(ec: EmbeddedCluster, deadline_s: float = 20.0) -> dict:
@@ -151,6 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--big-hidden", type=int, default=384, help="hidden size of the larger model of the tier comparison")
+    ap.add_argument("--only-tiers", action="store_true", help="only the tier comparison (no kill, scale-up or notice)")
     args = ap.parse_args()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -163,24 +171,27 @@ def main() -> None:
     ec = EmbeddedCluster(ClusterSpec(nodes=[STAY]), object_store_mb=1024)  # room for the larger model's copies
     ec.connect()
     try:
-        trials = [kill_trial(ec, i) for i in range(args.trials)]
+        trials = [] if args.only_tiers else [kill_trial(ec, i) for i in range(args.trials)]
         print("| kill trial | detect s | new plan s | restored s (restore alone) | first new step s | lost steps "
               "| restored from |")
         print("|---|---|---|---|---|---|---|")
         for i, t in enumerate(trials):
             print(f"| {i} | {t['detect_s']:.2f} | {t['plan_s']:.2f} | {t['restored_s']:.2f} ({t['restore_only_s']:.2f}) | {t['first_step_s']:.2f} "
                   f"| {t['lost_steps']} | {t['tiers']} |")
-        for k in ("detect_s", "plan_s", "restored_s", "first_step_s"):
+        for k in ("detect_s", "plan_s", "restored_s", "first_step_s") if trials else ():
             print(f"median {k}: {statistics.median(t[k] for t in trials):.2f}")
-        print("\n| model | state MiB | first recovery: restored from | hetspot restore s (tiers) | S3-only restore s "
-              "| S3-only / hetspot |")
-        print("|---|---|---|---|---|---|")
+        print("\n| model | state MiB | first recovery: restored from | hetspot restore s (tiers) | moments in by s "
+              "| every byte first s | S3-only restore s | S3-only / hetspot |")
+        print("|---|---|---|---|---|---|---|---|")
         for hidden in (None, args.big_hidden):
             t = tier_restore(ec, endpoint, hidden)
             near, s3 = t["by_tier"]["nearest"], t["by_tier"]["s3"]
             tiers = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in near.items() if v)
             print(f"| {t['model']} | {s3['s3'] / 2**20:.1f} | {fmt_tiers(t['first']['bytes_by_tier'])} "
-                  f"| {t['nearest_s']:.3f} ({tiers} MiB) | {t['s3_s']:.3f} | {t['s3_s'] / t['nearest_s']:.1f}x |")
+                  f"| {t['nearest_s']:.3f} ({tiers} MiB) | {t['moments-in_s']:.3f} | {t['all-first_s']:.3f} "
+                  f"| {t['s3_s']:.3f} | {t['s3_s'] / t['nearest_s']:.1f}x |")
+        if args.only_tiers:
+            return
         u = scale_up_trial(ec)
         print(f"scale-up: an H100 joins an L4 job: {u['before']:,.0f} -> {u['after']:,.0f} tokens/s (measured, "
               f"emulated speeds; predicted {u['predicted']['running']:,} -> {u['predicted']['new']:,}, chosen among "

@@ -4,10 +4,11 @@ Pure (the planner and its cost model, no Ray). On every re-plan the controller
 asks the planner for its best few plans and `policies` picks by throughput minus
 amortized migration cost: after a loss (`choose_replan`, nothing to stay on) and
 when nodes join (`consider_joined`, at a step boundary, staying is a candidate).
-Migration is start-up (as last measured) plus the longest pull of one node: each
-new stage pulls its state from its own node when the running plan held those
-layers there ("live"), else from another node ("peer"), over `bandwidths`; nodes
-pull at once.
+Migration is start-up (as last measured) plus the time the pull holds training
+(`held_s`): each new stage pulls its state from its own node when the running
+plan held those layers there ("live"), else from another node ("peer"), over
+`bandwidths`; nodes pull at once, the weights before the first step and AdamW's
+moments beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
 TOP_K = 4  # candidate plans weighed per re-plan
+WEIGHTS_SHARE = 1 / 3  # of the state a restore moves: the master weights; AdamW's two moments are the rest
+MOMENTS_SLOWDOWN = 2.0  # the moments share the links with the first step's own traffic: counted at half speed
 
 
 def joined_nodes(known: set[str] | None, cluster: ClusterSpec) -> tuple[set[str], str]:
@@ -168,6 +171,32 @@ def slowest_pull(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec
     return max(per_node.values(), key=lambda b: sum(n / bw[t] for t, n in b.items()), default={})
 
 
+def overlap_window_s(p: Plan) -> float:
+    """Seconds of a plan's first step that a restore's moments may arrive in unseen: its forward and backward
+    (the fastest replica's); the update waits for them, and the gradient sync is not counted as room."""
+    return min(p.estimate.pipeline_time_s, default=0.0) if p.estimate is not None else 0.0
+
+
+def held_s(pulls: list[tuple[float, float]], window_s: float) -> float:
+    """Seconds a restore holds training back. `pulls`: per node, the seconds its weights (and whole S3 pieces)
+    take and the seconds its moments take. The first step starts once every node has its weights; each node's
+    moments follow on its link (workers/actor.py `load_state`): at full speed until the step starts, at
+    1 / MOMENTS_SLOWDOWN beside its forward and backward (`window_s`), at full speed again while its update
+    waits for the last of them. Never more than pulling every byte first."""
+    if not pulls:
+        return 0.0
+    first = max(w for w, _ in pulls)
+    left = [max(0.0, m - (first - w)) for w, m in pulls]
+    return first + max(max(0.0, x - window_s / MOMENTS_SLOWDOWN) for x in left)
+
+
+def pull_held_s(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec, bw: dict[str, float]) -> float:
+    """`held_s` of the move from `old` to `new` (`node_migration_bytes`), every node at the bandwidths `bw`."""
+    pulls = [(WEIGHTS_SHARE * t, (1 - WEIGHTS_SHARE) * t) for t in
+             (sum(n / bw[tier] for tier, n in got.items()) for got in node_migration_bytes(old, new, model, train).values())]
+    return held_s(pulls, overlap_window_s(new))
+
+
 def bandwidths(cluster: ClusterSpec, node: str | None = None) -> dict[str, float]:
     """Bytes/s per tier: a node's own keeper, another node over the link (the slowest of the cluster, or
     `node`'s own), S3 at most 1 GB/s."""
@@ -177,8 +206,8 @@ def bandwidths(cluster: ClusterSpec, node: str | None = None) -> dict[str, float
 
 def _candidates(plans: list[Plan], old: Plan | None, model: ModelSpec, train: TrainSpec,
                 startup_s: float, bw: dict[str, float]) -> list[Candidate]:
-    return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s, slowest_pull(old, p, model, train, bw), startup_s)
-            for i, p in enumerate(plans)]
+    return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s, slowest_pull(old, p, model, train, bw), startup_s,
+                      pull_held_s(old, p, model, train, bw)) for i, p in enumerate(plans)]
 
 
 def _numbers(d: ScaleDecision, cands: list[Candidate], steps_left: int) -> dict:

@@ -56,6 +56,8 @@ class Candidate:
     tokens_per_s: float  # the planner's prediction
     migration_bytes: dict[str, int]  # by tier ("live", "peer", "s3"): what the slowest node pulls (nodes pull at once)
     startup_s: float  # placing workers and joining their process group (0 for the plan running now)
+    restore_s: float | None = None  # how long the pull holds training, where known (elastic.held_s: the moments
+    # come beside the first step); None: every byte before it, `migration_bytes` over each tier's bandwidth
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,10 @@ class ScaleDecision:
 
 
 def migration_cost_s(c: Candidate, bandwidth: dict[str, float]) -> float:
-    """Start-up plus each tier's bytes over that tier's bandwidth (bytes/s)."""
+    """Start-up plus the restore: `restore_s` where known, else each tier's bytes over that tier's bandwidth
+    (bytes/s)."""
+    if c.restore_s is not None:
+        return c.startup_s + c.restore_s
     return c.startup_s + sum(n / bandwidth[t] for t, n in c.migration_bytes.items() if n)
 
 

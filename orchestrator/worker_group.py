@@ -268,10 +268,17 @@ class RayWorkerGroup:
     def needs(self) -> list[list[dict]]:
         return self.run._gather([w.needs.remote() for w in self.run.workers], "restore planning", 60.0)
 
-    def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None) -> list[dict]:
-        return self.run._gather([w.load_state.remote(step, optimizer_steps, t, s3)
+    def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None,
+             overlap: bool = True) -> list[dict]:
+        return self.run._gather([w.load_state.remote(step, optimizer_steps, t, s3, overlap)
                                  for w, t in zip(self.run.workers, per_rank, strict=True)], f"restore of step {step}",
                                 300.0)
+
+    def settle_restore(self, timeout_s: float = 60.0) -> None:
+        """Wait for the ranks' overlapped restores to finish pulling (a rank that cannot: its state comes from
+        another tier)."""
+        refs = [w.settle_restore.remote() for w in self.run.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     @property
     def received_bytes(self) -> int:

@@ -160,6 +160,26 @@ def test_node_killed_mid_step_with_a_live_dp_peer_loses_no_step_and_reads_no_s3(
     assert_matches_reference(j, c.progress.losses, final_state(j))
 
 
+def test_moments_restore_beside_the_first_step_and_the_oracle_holds(cluster, endpoint):
+    """An overlapped restore: the new workers start training once they have the weights; AdamW's moments (two
+    thirds of the bytes) come on a thread beside the first step, which waits for them before its update. Their
+    keeper holds every moments answer 3 s: the restore returns sooner than that, the first step takes it, every
+    byte is counted, and the losses and final parameters are the uninterrupted run's."""
+    a, b = nodes(cluster, ("ovl-a", "H100-SXM", 1), ("ovl-b", "L4", 1))
+    j = make_job([a, b], endpoint, "overlap")
+    c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+    run_until(c, 1)
+    ray.get(c.store.keepers["ovl-b"].delay_moments.remote(3.0))
+    kill(cluster, "ovl-a")
+    assert c.run() == State.DONE, c.error
+    (r,) = restore_events(c)
+    params = sum(t.numel() for t in reference(j)[1].values())
+    assert r["step"] == 1 and r["bytes_by_tier"] == {"live": 3 * 8 * params, "peer": 0, "s3": 0}  # float64
+    assert r["overlapped_bytes"] == 2 * 8 * params
+    assert r["restore_s"] < 3.0 <= c.progress.step_time_s[2]
+    assert_matches_reference(j, c.progress.losses, final_state(j))
+
+
 def test_survivor_blocked_in_a_collective_is_released_within_the_collective_timeout(cluster, endpoint):
     """Issue 12, acceptance 6: a rank stalls inside step 2 (its node stays up, so no node death releases
     anyone) while its DP peer waits in the gradient all-reduce. Every process group carries

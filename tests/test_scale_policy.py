@@ -174,3 +174,33 @@ def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
 
     from orchestrator.elastic import choose_replan
     assert choose_replan(Rotating(), model, train, old, survivors, 100, 4.3)[0].pipelines == got.pipelines
+
+
+def test_a_restore_holds_training_for_the_weights_and_any_moments_the_first_step_cannot_hide():
+    """The weights come before the first step, AdamW's moments beside it (at half speed: the step's own traffic
+    shares the link); training waits for the slowest node's weights, plus whatever of any node's moments are
+    still to come when the step's forward and backward are done, and never longer than for every byte."""
+    from orchestrator.elastic import MOMENTS_SLOWDOWN, held_s, pull_held_s, slowest_pull
+    from planner import evaluate
+
+    assert held_s([], 5.0) == 0.0
+    assert held_s([(2.0, 4.0), (3.0, 1.0)], window_s=10.0) == 3.0  # every moment in the window
+    assert held_s([(2.0, 4.0), (3.0, 1.0)], window_s=0.0) == 6.0  # none hidden: as if every byte came first
+    # node 1 has 3 s of moments left when the step starts; 4 s of window at half speed take 2 of them
+    assert held_s([(2.0, 4.0), (3.0, 1.0)], window_s=4.0) == pytest.approx(3.0 + 3 - 4 / MOMENTS_SLOWDOWN)
+
+    bw = {"live": 4e9, "peer": 1e9, "s3": 1e9}
+    new = _one_stage("l")
+    new.estimate = evaluate(new, TWO, MODEL, TRAIN)
+    whole = sum(n / bw[t] for t, n in slowest_pull(None, new, MODEL, TRAIN, bw).items())
+    window = new.estimate.pipeline_time_s[0]
+    expect = held_s([(whole / 3, 2 * whole / 3)], window)
+    assert pull_held_s(None, new, MODEL, TRAIN, bw) == pytest.approx(expect)
+    assert whole / 3 <= expect <= whole  # a third of the bytes hold the step back; the rest hide in part or in all
+
+
+def test_the_policy_charges_the_held_restore_time_where_it_is_known():
+    slow = Candidate("c", 3000.0, {"peer": 30e9}, 5.0)  # 30 s of transfers at 1 GB/s
+    assert migration_cost_s(slow, BW) == pytest.approx(35.0)
+    held = Candidate("c", 3000.0, {"peer": 30e9}, 5.0, restore_s=10.0)
+    assert migration_cost_s(held, BW) == pytest.approx(15.0)

@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
@@ -19,7 +20,15 @@ from workers.engine import Engine, StepResult
 from workers.faults import FaultInjector
 from workers.layout import ranks
 from workers.logs import structured_logger
-from workers.state import export_shards, import_full, import_pieces, needs, to_numpy
+from workers.state import (
+    MOMENTS,
+    export_shards,
+    import_full,
+    import_moments,
+    import_pieces,
+    needs,
+    to_numpy,
+)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +74,7 @@ class TrainWorker:
         self.puts: dict = {}  # step -> (host clone of the shards, pin) waiting to go to the keeper
         self.keeper = None
         self.puts_ready = threading.Condition()
+        self._restore_pool: ThreadPoolExecutor | None = None
 
     def rendezvous_address(self) -> str:
         """Rank 0 picks a free port on its node for torch.distributed's TCP rendezvous."""
@@ -143,34 +153,84 @@ class TrainWorker:
     def needs(self) -> list[dict]:
         return needs(self.engine)
 
-    def load_state(self, step: int, optimizer_steps: float, transfers: list[tuple], s3: tuple | None) -> dict:
+    def load_state(self, step: int, optimizer_steps: float, transfers: list[tuple], s3: tuple | None,
+                   overlap: bool = True) -> dict:
         """Pull this rank's state of `step` from keepers and load it (the restore planner's transfers).
 
         `transfers`: [(unit, region, keeper, request)], the request as `Keeper.get_many` takes it
-        (a shard it holds, or an S3 piece it reads for this node). Returns the bytes read per tier,
+        (a shard it holds, or an S3 piece it reads for this node). With `overlap`, keepers send the
+        master weights now and AdamW's moments (two thirds of the bytes) on a thread beside the first
+        step's forward and backward, which do not read them; the step waits for them before its
+        update (priority by when each tensor is needed, after AutoHete's scheduled offload). S3 pieces
+        come whole. Returns the bytes per tier, those still coming included (the thread checks them),
         or {"error": ...} when an S3 object fails its checksum.
         """
         t0 = time.perf_counter()
+        self.engine.await_restore(raise_error=False)  # a half-done earlier restore is superseded by this one
+        self.engine.incomplete = None
+        later = MOMENTS if overlap and optimizer_steps > 0 else ()
+        got, nbytes, deferred = self._pull(transfers, step, s3, ("param",) if later else None)
+        if "error" in got:
+            return {"error": got["error"], "bytes": nbytes}
+        t1 = time.perf_counter()
+        import_pieces(self.engine, self._pieces(transfers, got), optimizer_steps)
+        self.engine.committed_step = step
+        rest = [t for t in transfers if t[3][0] != "s3"] if any(deferred.values()) else []
+        if rest:
+            self.engine.restoring = self._pool().submit(self._load_moments, step, optimizer_steps, rest, deferred)
+        return {"bytes": {t: nbytes[t] + deferred[t] for t in nbytes}, "pull_s": t1 - t0,
+                "import_s": time.perf_counter() - t1, "deferred_bytes": sum(deferred.values())}
+
+    def _pull(self, transfers: list[tuple], step: int, s3: tuple | None, keys: tuple[str, ...] | None):
+        """({transfer index: tensors} or {"error"}, bytes read per tier, bytes of the other keys per tier)."""
         by_keeper: dict = {}
         for i, (_, _, keeper, request) in enumerate(transfers):
             by_keeper.setdefault(keeper, []).append((i, request))
-        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3)) for k, reqs in by_keeper.items()]
-        nbytes = {"live": 0, "peer": 0, "s3": 0}
-        got: dict[int, dict] = {}
+        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3, keys)) for k, reqs in by_keeper.items()]
+        nbytes, deferred = {"live": 0, "peer": 0, "s3": 0}, {"live": 0, "peer": 0, "s3": 0}
+        got: dict = {}
         for reqs, fut in futures:
             answers = ray.get(fut, timeout=300)
             if answers and "error" in answers[0]:
-                return {"error": answers[0]["error"], "bytes": nbytes}
+                return {"error": answers[0]["error"]}, nbytes, deferred
             for (i, _), a in zip(reqs, answers, strict=True):
                 got[i] = a["tensors"]
                 nbytes[a["tier"]] += a["bytes"]
-        t1 = time.perf_counter()
+                deferred[a["tier"]] += a.get("deferred", 0)
+        return got, nbytes, deferred
+
+    @staticmethod
+    def _pieces(transfers: list[tuple], got: dict) -> dict[str, list]:
         pieces: dict[str, list] = {}
         for i, (unit, region, _, _) in enumerate(transfers):
             pieces.setdefault(unit, []).append((region, got[i]))
-        import_pieces(self.engine, pieces, optimizer_steps)
-        self.engine.committed_step = step
-        return {"bytes": nbytes, "pull_s": t1 - t0, "import_s": time.perf_counter() - t1}
+        return pieces
+
+    def _load_moments(self, step: int, optimizer_steps: float, transfers: list[tuple], expect: dict) -> float:
+        """The overlapped half of `load_state` (on its thread): the moments, checked against what the keepers
+        said they would send."""
+        t0 = time.perf_counter()
+        got, nbytes, _ = self._pull(transfers, step, None, MOMENTS)
+        if nbytes != expect:
+            raise RuntimeError(f"{self.engine.where}: the moments of step {step} came as {nbytes} bytes by tier, "
+                               f"not the {expect} announced")
+        import_moments(self.engine, self._pieces(transfers, got), optimizer_steps)
+        return time.perf_counter() - t0
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._restore_pool is None:
+            self._restore_pool = ThreadPoolExecutor(1, thread_name_prefix="hetspot-restore")
+        return self._restore_pool
+
+    @ray.method(concurrency_group="control")
+    def settle_restore(self) -> bool:
+        """Wait for an overlapped restore's moments (before their source keepers are cleared); False: they failed."""
+        try:
+            self.engine.await_restore()
+            return True
+        except Exception as e:
+            self.log.warning("the overlapped restore failed: %s", e)
+            return False
 
     def inject_fault(self, step_index: int, kind: str = "raise") -> None:
         """Fail this rank at `step_index` (workers/faults.py), for drills and tests."""

@@ -27,6 +27,7 @@ import contextlib
 import resource
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -178,6 +179,8 @@ class Engine:
         self._plan_sync()
         self.meter.set_static(self._device_state())
         self._moments_counted = False  # AdamW's moments join the meter's static state after the first step
+        self.restoring: Future | None = None  # an overlapped restore's second half (AdamW's moments), in flight
+        self.incomplete: str | None = None  # why that half failed: this rank's state is not a step's, nor exported
 
     def _adamw(self, params: list) -> torch.optim.AdamW:
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train.weight_decay},
@@ -318,6 +321,7 @@ class Engine:
             self._unscale()
         if not self._skip:
             self._clip()
+        waited = self.await_restore()
         self._pending = step_index
         report = self.last and self.info.tp_rank == 0
         return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
@@ -327,6 +331,7 @@ class Engine:
                            "device_budget_bytes": self.device_budget,
                            "h2d_fetches": self.store.fetches if self.store is not None else 0,
                            "loss_scale": self.loss_scale, "skipped_update": self._skip,
+                           "restore_wait_s": waited,
                            "device": self.device.type,
                            # the sample ranges whose loss this rank computed: drills check each is seen once
                            "samples": [[a, n] for a, n in zip(starts, sizes, strict=True)] if report else []})
@@ -360,9 +365,29 @@ class Engine:
         return list(self.resident.values()) + masters
 
     def settle(self) -> None:
-        """Wait for an overlapped host update to finish (before reading or replacing state)."""
+        """Wait for an overlapped host update and an overlapped restore to finish (before reading or replacing
+        state)."""
         if self.updater is not None:
             self.updater.join()
+        self.await_restore()
+        if self.incomplete:
+            raise RuntimeError(f"{self.where}: its state is incomplete (an overlapped restore failed: {self.incomplete})")
+
+    def await_restore(self, raise_error: bool = True) -> float:
+        """Wait for the moments of an overlapped restore (workers/state.py `import_moments`); the seconds waited.
+        A failed pull raises here, inside the step that needs them, so the controller treats it as any failure."""
+        if self.restoring is None:
+            return 0.0
+        t0, fut = time.perf_counter(), self.restoring
+        try:
+            fut.result()
+        except Exception as e:
+            self.incomplete = f"{type(e).__name__}: {e}"
+            if raise_error:
+                raise
+        finally:
+            self.restoring = None
+        return time.perf_counter() - t0
 
     def host_state_bytes(self) -> int:
         """Bytes of offloaded state in host memory at the step's peak: the host masters, their gradients

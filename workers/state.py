@@ -16,6 +16,9 @@ import torch
 if TYPE_CHECKING:
     from workers.engine import Engine
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's: needed only at a step's update, so a restore may bring them later
+KEYS = ("param", *MOMENTS)
+
 
 def export_shards(engine: Engine) -> dict[str, dict]:
     """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state."""
@@ -64,14 +67,15 @@ def needs(engine: Engine) -> list[dict]:
     return out
 
 
-def cut(shard: dict, region) -> dict:
-    """The arrays of `shard` (an export_shards entry, torch or numpy) inside `region`, a sub-region of its slice."""
+def cut(shard: dict, region, keys: tuple[str, ...] = KEYS) -> dict:
+    """The arrays `keys` of `shard` (an export_shards entry, torch or numpy) inside `region`, a sub-region of its
+    slice."""
     import numpy as np
 
     idx = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(region, shard["slice"], strict=True))
     whole = all(tuple(r) == tuple(s) for r, s in zip(region, shard["slice"], strict=True))
     out = {}
-    for k in ("param", "exp_avg", "exp_avg_sq"):
+    for k in keys:
         if whole and isinstance(shard.get(k), np.ndarray):  # all of it: no copy here (Ray copies it once)
             out[k] = shard[k]
             continue
@@ -87,26 +91,39 @@ def to_numpy(shards: dict[str, dict]) -> dict[str, dict]:
 
 def import_pieces(engine: Engine, pieces: dict[str, list[tuple]], optimizer_steps: float) -> None:
     """Load this rank's state from pieces: {unit: [(region, {"param", "exp_avg", "exp_avg_sq"}), ...]}
-    whose regions tile the rank's own region of each unit (the restore planner's transfers)."""
+    whose regions tile the rank's own region of each unit (the restore planner's transfers). Pieces without
+    the moments load the weights only; `import_moments` brings those later."""
     engine.settle()
     for name in engine.module.params:
-        mine = local_region(engine, name)
-        shape = [b - a for a, b in mine]
-        local: dict[str, torch.Tensor | None] = {}
-        if len(pieces[name]) == 1 and tuple(map(tuple, pieces[name][0][0])) == tuple(mine):  # one piece: as it is
-            _set_local(engine, name, {k: _tensor(v) for k, v in pieces[name][0][1].items()}, optimizer_steps)
-            continue
-        for region, tensors in pieces[name]:
-            tensors = {k: _tensor(v) for k, v in tensors.items()}
-            idx = tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(region, mine, strict=True))
-            for k, t in tensors.items():
-                if t is None:
-                    local.setdefault(k, None)
-                    continue
-                if local.get(k) is None:
-                    local[k] = torch.empty(shape, dtype=t.dtype)
-                local[k][idx] = t
-        _set_local(engine, name, local, optimizer_steps)
+        _set_local(engine, name, _local(engine, name, pieces[name]), optimizer_steps)
+
+
+def import_moments(engine: Engine, pieces: dict[str, list[tuple]], optimizer_steps: float) -> None:
+    """The second half of an overlapped restore: AdamW's moments from pieces as `import_pieces` takes them
+    ({"exp_avg", "exp_avg_sq"} only), for the units that have pieces. It runs beside a step's forward and
+    backward, which read the weights only; the step waits for it before its update (Engine.await_restore)."""
+    for name, got in pieces.items():
+        _set_moments(engine, name, _local(engine, name, got), optimizer_steps)
+
+
+def _local(engine: Engine, name: str, pieces: list[tuple]) -> dict:
+    """One unit's tensors in this rank's region, from pieces that tile it."""
+    mine = local_region(engine, name)
+    if len(pieces) == 1 and tuple(map(tuple, pieces[0][0])) == tuple(mine):  # one piece: as it is
+        return {k: _tensor(v) for k, v in pieces[0][1].items()}
+    shape = [b - a for a, b in mine]
+    local: dict[str, torch.Tensor | None] = {}
+    for region, tensors in pieces:
+        idx = tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(region, mine, strict=True))
+        for k, t in tensors.items():
+            t = _tensor(t)
+            if t is None:
+                local.setdefault(k, None)
+                continue
+            if local.get(k) is None:
+                local[k] = torch.empty(shape, dtype=t.dtype)
+            local[k][idx] = t
+    return local
 
 
 def _tensor(v):
@@ -121,19 +138,24 @@ def _tensor(v):
 
 
 def _set_local(engine: Engine, name: str, src: dict, optimizer_steps: float) -> None:
-    """Set one parameter (and its AdamW state) from tensors already cut to this rank's region."""
+    """Set one parameter (and its AdamW state, where `src` has it) from tensors already cut to this rank's region."""
     with torch.no_grad():
         p = engine.module.params[name]
         p.copy_(src["param"])
         q = engine.opt_params[name]
         if q is not p:  # the master (host under offload, fp32 under mixed precision)
             q.copy_(src["param"])
-        if src.get("exp_avg") is not None and optimizer_steps > 0:
-            engine.set_optimizer_state(q, {
-                "step": torch.tensor(optimizer_steps, dtype=torch.float32),
-                "exp_avg": src["exp_avg"].to(q.device, q.dtype).clone(),
-                "exp_avg_sq": src["exp_avg_sq"].to(q.device, q.dtype).clone(),
-            })
+    _set_moments(engine, name, src, optimizer_steps)
+
+
+def _set_moments(engine: Engine, name: str, src: dict, optimizer_steps: float) -> None:
+    if src.get("exp_avg") is not None and optimizer_steps > 0:
+        q = engine.opt_params[name]
+        engine.set_optimizer_state(q, {
+            "step": torch.tensor(optimizer_steps, dtype=torch.float32),
+            "exp_avg": src["exp_avg"].to(q.device, q.dtype).clone(),
+            "exp_avg_sq": src["exp_avg_sq"].to(q.device, q.dtype).clone(),
+        })
 
 
 def assemble(shards: list[dict[str, dict]], key: str = "param") -> dict[str, torch.Tensor]:
@@ -150,6 +172,6 @@ def assemble(shards: list[dict[str, dict]], key: str = "param") -> dict[str, tor
 
 def full_state(shards: list[dict[str, dict]]) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
     """{name: {"param", "exp_avg", "exp_avg_sq"}} of full tensors, and the optimizer step count."""
-    parts = {k: assemble(shards, k) for k in ("param", "exp_avg", "exp_avg_sq")}
+    parts = {k: assemble(shards, k) for k in KEYS}
     steps = max((s["optimizer_steps"] for shard in shards for s in shard.values()), default=0.0)
     return {n: {k: parts[k].get(n) for k in parts} for n in parts["param"]}, steps

@@ -8,7 +8,8 @@ trains at its plan's predicted tokens/s (planner.evaluate):
   candidates with the migration-aware policy (orchestrator/elastic.py); the
   recovery costs detection + start-up + the restore (the bytes each new stage
   pulls, by tier, over that tier's bandwidth: live from its own node, peer from
-  a surviving holder, S3 only for layers no survivor or peer copy holds) + the
+  a surviving holder, S3 only for layers no survivor or peer copy holds; the
+  weights before the first step, AdamW's moments beside it: elastic.held_s) + the
   work since the newest step every layer is held at (the step in flight; a peer
   snapshot interval when a layer's only copies were peers; an S3 interval when
   S3 is needed). On a join it moves only when that finishes the trace's

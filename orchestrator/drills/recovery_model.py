@@ -2,7 +2,8 @@
 
 Detection and start-up default to bench/recovery.py's medians on the test cluster;
 bytes move by tier (elastic.bandwidths, S3 per node at `s3_gb_s`), nodes pull at
-once and the slowest sets the time; work is redone back to the newest step every
+once; the weights come before the first step and AdamW's moments beside it, as
+the workers restore (elastic.held_s); work is redone back to the newest step every
 layer is held at.
 """
 
@@ -10,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.elastic import bandwidths, layer_bytes, node_bytes, stage_layers
+from orchestrator.elastic import (
+    WEIGHTS_SHARE,
+    bandwidths,
+    held_s,
+    layer_bytes,
+    node_bytes,
+    overlap_window_s,
+    stage_layers,
+)
 from planner import ClusterSpec, Plan
 from planner.specs import ModelSpec, TrainSpec
 
@@ -23,6 +32,7 @@ class Assumptions:
     s3_every: int = 10  # of those, every k-th goes to S3 (checkpoint.s3_every)
     ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
     s3_gb_s: float = 1.0  # per node, S3 read and write
+    overlap: bool = True  # restores bring AdamW's moments beside the first step (workers/actor.py load_state)
     notice_s: float = 120.0  # spot notice before a preemption (AWS's two minutes; 0: none): hetspot drains when
     # the time left at the next step boundary covers the copy (policies.notice_decision); s3-only restarts regardless
 
@@ -41,8 +51,9 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
     Each layer's source: a surviving live holder (the stage's own node: live tier, another: peer), else the
     peer copy of a lost holder (kept on the next node of the old plan in name order, a stand-in for
     peer_placement) when that node survived, else S3. Nodes pull at once, each over its own link (the
-    controller's policy assumes the cluster's slowest link for all; elastic.bandwidths); the slowest node
-    sets the time.
+    controller's policy assumes the cluster's slowest link for all; elastic.bandwidths). With `a.overlap`, the
+    restore holds training for `elastic.held_s` (S3 pieces come whole before the first step), else until the
+    slowest node has every byte.
     """
     ring = sorted(nodes_of(old))
     peer_of = {n: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
@@ -50,7 +61,7 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
     for node, layers in stage_layers(old):
         for layer in layers:
             held.setdefault(layer, []).append(node)
-    per_node: dict[str, float] = {}
+    per_node: dict[str, list[float]] = {}  # (seconds before the first step, seconds beside it)
     by_tier = {"live": 0.0, "peer": 0.0, "s3": 0.0}
     redo_steps = 0.5 if gone else 0.0  # a preemption loses the step in flight, on average half done
     for node, layers in stage_layers(new):
@@ -69,8 +80,12 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
             nbytes = layer_bytes(model, train, layer)
             by_tier[tier] += nbytes
             bw = bandwidths(cluster, node) | {"s3": a.s3_gb_s * 1e9}  # each node over its own link
-            per_node[node] = per_node.get(node, 0.0) + nbytes / bw[tier]
-    return max(per_node.values(), default=0.0), redo_steps * old.estimate.step_time_s, by_tier
+            first = nbytes / bw[tier] * (WEIGHTS_SHARE if a.overlap and tier != "s3" else 1.0)
+            got = per_node.setdefault(node, [0.0, 0.0])
+            got[0], got[1] = got[0] + first, got[1] + nbytes / bw[tier] - first
+    held = held_s(list(map(tuple, per_node.values())), overlap_window_s(new)) if a.overlap else \
+        max((sum(x) for x in per_node.values()), default=0.0)
+    return held, redo_steps * old.estimate.step_time_s, by_tier
 
 
 def state_io_s(plan: Plan, model: ModelSpec, train: TrainSpec, a: Assumptions) -> float:

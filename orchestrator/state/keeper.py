@@ -27,8 +27,16 @@ import ray
 log = logging.getLogger("hetspot.keeper")
 
 
-def shard_nbytes(shard: dict) -> int:
-    return sum(shard[k].nbytes for k in ("param", "exp_avg", "exp_avg_sq") if shard.get(k) is not None)
+def shard_nbytes(shard: dict, keys: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")) -> int:
+    return sum(shard[k].nbytes for k in keys if shard.get(k) is not None)
+
+
+def region_nbytes(shard: dict, region, keys: tuple[str, ...]) -> int:
+    """The bytes `cut(shard, region, keys)` would give, without cutting."""
+    numel = 1
+    for a, b in region:
+        numel *= b - a
+    return sum(numel * shard[k].itemsize for k in keys if shard.get(k) is not None)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -40,6 +48,7 @@ class Keeper:
         self.lock = threading.Lock()
         self.held: dict[tuple[str, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
         self.upload_delay_s = 0.0
+        self.moments_delay_s = 0.0
         self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
         self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
         self.s3_lock = threading.Lock()
@@ -88,17 +97,23 @@ class Keeper:
                  "shape": list(s["shape"]), "nbytes": shard_nbytes(s), "optimizer_steps": opt, "node": self.node}
                 for (tier, step, rank), (shards, opt) in items for unit, s in shards.items()]
 
-    def get_many(self, requests: list[tuple], step: int, s3: tuple | None = None) -> list[dict]:
+    def get_many(self, requests: list[tuple], step: int, s3: tuple | None = None,
+                 keys: tuple[str, ...] | None = None) -> list[dict]:
         """The tensors of each requested region of `step`, cut here so only those bytes move.
 
-        A request is ("live" | "peer", rank, unit, region): a shard this keeper holds;
-        or ("s3", entry, region): a piece of the S3 checkpoint (s3 = (uri, endpoint)),
-        read once per keeper and verified against the manifest's SHA256. Each answer is
-        {"tier", "tensors", "bytes"}; a checksum mismatch answers {"error": ...} instead.
+        A request is ("live" | "peer", rank, unit, region): a shard this keeper holds, only its
+        tensors `keys` (None: all; an overlapped restore asks for the moments later, and
+        "deferred" says how many bytes the keys left out hold); or ("s3", entry, region): a piece of the S3
+        checkpoint (s3 = (uri, endpoint)), whole, read once per keeper and verified against the
+        manifest's SHA256. Each answer is {"tier", "tensors", "bytes", "deferred"}; a checksum
+        mismatch answers {"error": ...} instead.
         """
         from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
-        from workers.state import cut
+        from workers.state import KEYS, MOMENTS, cut
 
+        keys = KEYS if keys is None else tuple(keys)
+        if self.moments_delay_s and keys == MOMENTS:
+            time.sleep(self.moments_delay_s)
         out = []
         for req in requests:
             if req[0] == "s3":
@@ -115,18 +130,23 @@ class Keeper:
                             return [{"error": str(e)}]
                 tensors = cut({k: v.numpy() for k, v in self.s3_read[entry["key"]].items()} | {"slice": entry["region"]},
                               region)
-                out.append({"tier": "s3", "tensors": tensors, "bytes": read})
+                out.append({"tier": "s3", "tensors": tensors, "bytes": read, "deferred": 0})
                 continue
             tier, rank, unit, region = req
             with self.lock:
                 shard = self.held[(tier, step, rank)][0][unit]
-            tensors = cut(shard, region)
-            out.append({"tier": tier, "tensors": tensors, "bytes": shard_nbytes(tensors)})
+            tensors = cut(shard, region, keys)
+            out.append({"tier": tier, "tensors": tensors, "bytes": shard_nbytes(tensors),
+                        "deferred": region_nbytes(shard, region, tuple(k for k in KEYS if k not in keys))})
         return out
 
     def delay_uploads(self, seconds: float) -> None:
         """Drills: hold every later upload this long first, so a test can kill a node mid-upload."""
         self.upload_delay_s = seconds
+
+    def delay_moments(self, seconds: float) -> None:
+        """Tests: hold every later answer of an overlapped restore's moments this long first."""
+        self.moments_delay_s = seconds
 
     def upload(self, step: int, pieces: list[tuple], uri: str, endpoint_url: str | None) -> list[dict]:
         """Upload [(tier, rank, unit, region)] of `step` as S3 objects; their manifest entries (metadata only)."""

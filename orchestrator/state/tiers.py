@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.cluster.discovery import node_ids
 from orchestrator.elastic import replicated_off
 from orchestrator.metrics import payload_bytes
-from orchestrator.state.holdings import keeper_holdings, s3_holdings
+from orchestrator.state.holdings import keeper_holdings, rank_spans, s3_holdings
 from orchestrator.state.keeper import Keeper
 from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
 from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
@@ -36,9 +36,10 @@ RPC_TIMEOUT_S = 60.0
 
 class TieredState:
     def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, s3_every: int = 10, keep: int = 3,
-                 meta: dict | None = None, restore_from: str = "nearest"):
+                 meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True):
         self.peer_every, self.s3, self.s3_every, self.keep = peer_every, s3, s3_every, keep
-        self.meta, self.restore_from = meta or {}, restore_from
+        self.meta, self.restore_from, self.overlap = meta or {}, restore_from, overlap
+        self._sourcing = False  # a restore's moments may still be pulled from the keepers (until the next step)
         self.keepers: dict[str, ray.actor.ActorHandle] = {}
         self.received_bytes = 0  # what the controller took in for state: metadata only
         self.uploads: list[dict] = []  # per S3 step: step, bytes, seconds, error
@@ -82,6 +83,9 @@ class TieredState:
 
     # -- snapshots ------------------------------------------------------------------------
     def after_step(self, group, step: int, avoid: set[str] = frozenset()) -> bool:
+        if self._sourcing:  # a step is committed: every rank has its moments, the live copies can go
+            self._sourcing = False
+            self._call_keepers("clear", "live")
         if (step + 1) % self.peer_every:
             return False
         self.snapshot(group, step, avoid)
@@ -128,12 +132,7 @@ class TieredState:
             return self._placed[3]
         if not candidates:
             return None
-        plan = group.plan
-        spans = []
-        for r in layout.ranks(plan):
-            st = plan.pipelines[r.pipeline].stages[r.stage]
-            spans.append((r.node, st.layer_start - (st.layer_start == 0),
-                          st.layer_end + (st.layer_end == plan.num_layers)))
+        spans = rank_spans(group.plan)
         targets = peer_placement(spans, candidates, [b - a for _, a, b in spans])  # bytes ~ layers held
         self._keepers_on([n for n, _, _ in spans if n in ids], ids, wait=False)  # for a salvage, later
         self._placed = (group, (avoid, tuple(candidates)), targets, self._keepers_on(targets, ids))
@@ -204,6 +203,9 @@ class TieredState:
         if not getattr(group, "holds_state", False):
             return  # a group that failed before its state was restored holds nothing worth keeping
         ids = self._alive_nodes()
+        if self._sourcing:  # the moments of the restore still being pulled come from the live tier
+            group.settle_restore()
+            self._sourcing = False
         self._call_keepers("clear", "live")
         ranks = layout.ranks(group.plan)
         keep = [r.node in ids and r.node not in avoid for r in ranks]
@@ -274,7 +276,7 @@ class TieredState:
                 per_rank[t.need.rank].append((t.need.unit, t.region, keeper, request))
             s3cfg = (self.s3.uri, self.s3.endpoint_url) if self.s3 is not None else None
             t_load = time.perf_counter()
-            results = group.load(per_rank, rp.step, opt[rp.step], s3cfg)
+            results = group.load(per_rank, rp.step, opt[rp.step], s3cfg, self.overlap)
             self.received_bytes += payload_bytes(results)
             errors = [r["error"] for r in results if r.get("error")]
             if not errors:
@@ -287,8 +289,9 @@ class TieredState:
             "bytes": sum(by_tier.values()), "bytes_by_tier": by_tier, "refused_steps": sorted(refused),
             "s3_units": sorted({t.need.unit for t in rp.transfers if t.source.tier == "s3"}),
             "plan_s": round(t_load - t0, 3), "restore_s": round(time.perf_counter() - t0, 3)} | {
-            k: round(max(r.get(k, 0.0) for r in results), 3) for k in ("pull_s", "import_s")}
-        group.holds_state = True
-        self._call_keepers("clear", "live")  # the new workers hold it now; salvage refills it on a failure
+            k: round(max(r.get(k, 0.0) for r in results), 3) for k in ("pull_s", "import_s")} | {
+            "overlapped_bytes": sum(r.get("deferred_bytes", 0) for r in results)}
+        group.holds_state = self._sourcing = True  # the new workers hold it (the moments once the first step waited
+        # for them: `after_step` clears the live tier then); salvage refills it on a failure
         log.info("restored step %d: bytes by tier %s in %.2f s", rp.step, by_tier, self.last_restore["restore_s"])
         return self.last_restore

@@ -1,0 +1,89 @@
+"""An overlapped restore on one rank (gloo, world size 1, no Ray): the weights load before the first step,
+AdamW's moments on a thread beside it (workers/actor.py `load_state`), and the step waits for them before
+its update. The resumed run must be the uninterrupted one, step for step, in every optimizer placement."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from orchestrator.elastic import WEIGHTS_SHARE
+from planner import TrainSpec
+from tests.test_mixed_precision import MODEL, B, _plan, _port
+from workers.data import make_dataset
+from workers.engine import Engine, StepError
+from workers.state import (
+    MOMENTS,
+    cut,
+    export_shards,
+    import_moments,
+    import_pieces,
+    local_region,
+    needs,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def engine(precision: str, dtype: torch.dtype, offload: dict) -> Engine:
+    e = Engine(_plan(offload), 0, MODEL, TrainSpec(global_batch=B, lr=0.01, precision=precision),
+               make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
+    e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+    return e
+
+
+def pieces(shards: dict, e: Engine, keys) -> dict:
+    return {n: [(local_region(e, n), cut(s, local_region(e, n), keys))] for n, s in shards.items()}
+
+
+PLACEMENTS = [("fp32", torch.float32, {}), ("bf16", torch.bfloat16, {}),
+              ("bf16", torch.bfloat16, {"offload_optimizer": True})]
+
+
+@pytest.mark.parametrize("precision, dtype, offload", PLACEMENTS, ids=["fp32", "bf16", "bf16-optimizer-offload"])
+def test_moments_that_arrive_during_the_first_step_resume_the_same_training(precision, dtype, offload):
+    ref = engine(precision, dtype, offload)  # one engine at a time: each is the process group's world
+    try:
+        want = [ref.step(s).loss for s in range(2)]
+        shards, opt = export_shards(ref), 2.0
+        want += [ref.step(s).loss for s in range(2, 5)]
+    finally:
+        ref.close()
+    b = engine(precision, dtype, offload)
+    pool = ThreadPoolExecutor(1)
+    try:
+        weights = sum(s["param"].nbytes for s in shards.values())
+        assert weights == pytest.approx(WEIGHTS_SHARE * sum(n["nbytes"] for n in needs(b)))  # the policy's share
+        import_pieces(b, pieces(shards, b, ("param",)), opt)
+        assert all(not st for st in b.optimizer_states())  # no moments yet
+
+        def later():
+            time.sleep(0.5)
+            import_moments(b, pieces(shards, b, MOMENTS), opt)
+
+        b.restoring = pool.submit(later)
+        first = b.step(2)
+        assert first.extra["restore_wait_s"] > 0.1  # the step's update waited for them
+        got = [first.loss] + [b.step(s).loss for s in (3, 4)]
+    finally:
+        b.close(), pool.shutdown()
+    assert got == want[2:]  # bit for bit: the moments were in place before the update
+
+
+def test_a_failed_moments_pull_fails_the_step_and_the_rank_exports_nothing():
+    """A keeper lost mid-pull: the step raises (the controller's failure path), and the half-restored rank
+    refuses to export (a hand-over or snapshot of it would hold weights without their moments)."""
+    e = engine("fp32", torch.float32, {})
+    try:
+        e.step(0)
+        shards = export_shards(e)
+        import_pieces(e, pieces(shards, e, ("param",)), 1.0)
+        failed = ThreadPoolExecutor(1).submit(lambda: (_ for _ in ()).throw(ConnectionError("keeper gone")))
+        e.restoring = failed
+        with pytest.raises(StepError, match="keeper gone"):
+            e.step(1)
+        with pytest.raises(RuntimeError, match="incomplete"):
+            export_shards(e)
+    finally:
+        e.close()
