@@ -168,8 +168,8 @@ class TrainWorker:
         t0 = time.perf_counter()
         self.engine.await_restore(raise_error=False)  # a half-done earlier restore is superseded by this one
         self.engine.incomplete = None
-        later = MOMENTS if overlap and optimizer_steps > 0 else ()
-        got, nbytes, deferred = self._pull(transfers, step, s3, ("param",) if later else None)
+        split = overlap and optimizer_steps > 0  # no moments before the first update
+        got, nbytes, deferred = self._pull(transfers, step, s3, ("param",) if split else None)
         if "error" in got:
             return {"error": got["error"], "bytes": nbytes}
         t1 = time.perf_counter()

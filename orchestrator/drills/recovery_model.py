@@ -61,7 +61,7 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
     for node, layers in stage_layers(old):
         for layer in layers:
             held.setdefault(layer, []).append(node)
-    per_node: dict[str, list[float]] = {}  # (seconds before the first step, seconds beside it)
+    per_node: dict[str, tuple[float, float]] = {}  # (seconds before the first step, seconds beside it)
     by_tier = {"live": 0.0, "peer": 0.0, "s3": 0.0}
     redo_steps = 0.5 if gone else 0.0  # a preemption loses the step in flight, on average half done
     for node, layers in stage_layers(new):
@@ -80,11 +80,11 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
             nbytes = layer_bytes(model, train, layer)
             by_tier[tier] += nbytes
             bw = bandwidths(cluster, node) | {"s3": a.s3_gb_s * 1e9}  # each node over its own link
-            first = nbytes / bw[tier] * (WEIGHTS_SHARE if a.overlap and tier != "s3" else 1.0)
-            got = per_node.setdefault(node, [0.0, 0.0])
-            got[0], got[1] = got[0] + first, got[1] + nbytes / bw[tier] - first
-    held = held_s(list(map(tuple, per_node.values())), overlap_window_s(new)) if a.overlap else \
-        max((sum(x) for x in per_node.values()), default=0.0)
+            t = nbytes / bw[tier]
+            first = t * WEIGHTS_SHARE if a.overlap and tier != "s3" else t  # S3 pieces come whole
+            w, m = per_node.get(node, (0.0, 0.0))
+            per_node[node] = (w + first, m + t - first)
+    held = held_s(list(per_node.values()), overlap_window_s(new) if a.overlap else 0.0)
     return held, redo_steps * old.estimate.step_time_s, by_tier
 
 
