@@ -30,6 +30,9 @@ def drill(
     nodes: int = typer.Option(6, "--nodes", help="test nodes a trace maps onto (GPU types cycle L4, T4, T4)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     plot: Path = typer.Option(None, "--plot", help="write a PNG: both loss curves, faults, tokens/s over time"),
+    reference: str = typer.Option("auto", "--reference", help="the run without faults: fixed (the first plan "
+                                  "throughout), replayed (the drill's plans, step for step), auto (fixed for a "
+                                  "scenario file, replayed for --trace)"),
 ) -> None:
     """Run a job on the embedded test cluster with faults injected, and hold it to a run without them.
 
@@ -39,10 +42,14 @@ def drill(
     import logging
 
     from orchestrator.drills.report import _pyplot, drill_plot, drill_tables
-    from orchestrator.drills.runner import Drill
+    from orchestrator.drills.runner import REFERENCES, Drill
 
     if (scenario is None) == (trace is None):
         raise ConfigError("pass a scenario file (hetspot drill drills/preempt.yaml) or --trace FILE, not both")
+    if reference not in ("auto", *REFERENCES):
+        raise ConfigError(f"--reference {reference!r}: use auto, {', '.join(REFERENCES)}")
+    if reference == "auto":
+        reference = "fixed" if trace is None else "replayed"
     if plot is not None:
         _pyplot()  # the extra is missing: say so before minutes of training
         if plot.parent and not plot.parent.exists():
@@ -63,8 +70,9 @@ def drill(
 
         sc = load_scenario(scenario)
     logging.getLogger("hetspot").setLevel(logging.ERROR)
-    result = Drill(sc, on_line=None if as_json else lambda m: err_console.print(f"[dim]{m}[/]", highlight=False)
-                   ).run(until_s=until)
+    # progress on stderr in both modes: --json keeps stdout to the one object
+    result = Drill(sc, on_line=lambda m: err_console.print(f"[dim]{m}[/]", highlight=False),
+                   reference=reference).run(until_s=until)
     out = result.to_json()
     if trace is not None:
         out["trace"] = {"file": str(trace), "time_scale": time_scale, "nodes": nodes,

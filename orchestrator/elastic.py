@@ -86,7 +86,7 @@ def drain_copy_s(p: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSp
                default=0.0)
 
 
-def _kind(node) -> str:
+def node_kind(node) -> str:
     """Nodes of one kind are interchangeable to the cost model: every field but the name and the instance."""
     return node.model_dump_json(exclude={"name", "instance_id"})
 
@@ -106,7 +106,7 @@ def relabel(new: Plan, old: Plan | None, cluster: ClusterSpec, model: ModelSpec,
     weight = {x: layer_bytes(model, train, x) for x in range(-1, new.num_layers + 1)}
     kinds: dict[str, list[str]] = {}
     for n in cluster.nodes:
-        kinds.setdefault(_kind(n), []).append(n.name)
+        kinds.setdefault(node_kind(n), []).append(n.name)
     rename: dict[str, str] = {}
     for names in kinds.values():
         mine = [n for n in names if n in wants]
@@ -125,11 +125,11 @@ def relabel(new: Plan, old: Plan | None, cluster: ClusterSpec, model: ModelSpec,
                 got[a] = a if a in free else min(free)
                 free.discard(got[a])
         rename.update({a: b for a, b in got.items() if a != b})
-    return _renamed(new, rename) if rename else new
+    return renamed(new, rename) if rename else new
 
 
-def _renamed(p: Plan, rename: dict[str, str]) -> Plan:
-    """`p` with nodes renamed (a permutation): stages, their devices, unused devices, host memory."""
+def renamed(p: Plan, rename: dict[str, str]) -> Plan:
+    """`p` with nodes renamed (one-to-one): stages, their devices, unused devices, host memory."""
     def dev(d: str) -> str:
         node, _, i = d.rpartition("/")
         return f"{rename.get(node, node)}/{i}"

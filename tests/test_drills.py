@@ -236,3 +236,76 @@ def test_simulate_cli_json_and_bad_fleet(tmp_path):
     r = subprocess.run([HETSPOT, "simulate", "--trace", str(trace), "--cluster", str(fleet)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "fleet.0.nodes" in r.stderr and "Traceback" not in r.stderr
+
+
+def _one_gpu_plan(nodes: list[str], gpu: str = "T4"):
+    from planner import Pipeline, Plan, Stage
+
+    return Plan(model_name="m", num_layers=4, global_batch=8, pipelines=[Pipeline(
+        num_samples=8 // len(nodes), micro_batch_size=8 // len(nodes), num_micro_batches=1,
+        stages=[Stage(layer_start=0, layer_end=4, gpu_type=gpu, node=n, devices=[f"{n}/0"])]) for n in nodes])
+
+
+def test_replayed_reference_segments_the_committed_plans_and_places_them_on_like_nodes():
+    """Steps group into runs of one plan; a plan's gone nodes map onto up nodes of the same kind (a node it
+    already uses keeps its place), and nodes are added only where too few of a kind are up."""
+    from orchestrator.drills.replay import place, plan_nodes, plan_segments
+    from planner import NodeSpec
+
+    a, ab, bc = _one_gpu_plan(["a"]), _one_gpu_plan(["a", "b"]), _one_gpu_plan(["b", "c"])
+    segs = plan_segments({0: a, 1: a, 2: ab, 3: ab, 4: a, 5: bc}, 6)
+    assert [(x, y) for x, y, _ in segs] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    with pytest.raises(ValueError, match="step"):
+        plan_segments({0: a, 2: a}, 3)
+    declared = [NodeSpec(name=n, gpu_type="T4", num_gpus=1) for n in ("a", "b", "c")]
+    added, placed = place([a, ab, bc], declared, alive=["b"])
+    assert [n.name for n in added] == ["ref0"] and added[0].gpu_type == "T4"
+    assert [plan_nodes(p) for p in placed] == [["b"], ["b", "ref0"], ["b", "ref0"]]
+    assert placed[2].pipelines[0].stages[0].devices == ["b/0"]  # b kept its place in the third plan
+    added, placed = place([ab], declared + [NodeSpec(name="l", gpu_type="L4", num_gpus=1)], alive=["l", "c"])
+    assert [n.name for n in added] == ["ref0"] and plan_nodes(placed[0]) == ["c", "ref0"]  # an L4 is no T4
+
+
+SMALL_TRACE_JOB = {
+    "name": "trace-test",
+    "model": {"name": "gpt-trace-test", "num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 64,
+              "seq_len": 64},
+    "train": {"global_batch": 128, "lr": 0.01, "precision": "fp32"},  # every slot gets a share (drills/job-mixed3)
+    "runtime": {"dtype": "float64", "emulate_speed": False, "collective_timeout_s": 10, "snapshot_every": 1,
+                "scale_check_every": 1},
+    "checkpoint": {"uri": "s3://hetspot-drill/trace-test", "s3_every": 5, "keep": 2},
+    "steps": 1,
+}
+
+
+@pytest.mark.ray
+def test_trace_replay_holds_the_replayed_plans_reference_bit_for_bit(shared):
+    """A trace drill (a preemption, then a join) on three test nodes, held to the drill's own plans run without
+    faults: the recovery leaves the losses bit for bit as that run, and every sample is seen once."""
+    from orchestrator.drills.runner import Drill
+    from orchestrator.drills.trace import trace_scenario
+
+    ec, s3 = shared
+    tr = parse_trace("\n".join(json.dumps(x) for x in [
+        [0, "add", {"nodes": [f"node-{i}" for i in range(6)]}],
+        [8000, "remove", {"nodes": ["node-1"]}],
+        [16000, "add", {"nodes": ["node-7"], "duration": 8000}],
+    ]))
+    sc, events = trace_scenario(tr, k=3, time_scale=1.0, job=SMALL_TRACE_JOB)
+    assert [e.kind for e in events] == ["preempt", "add-node"]
+    lines: list[str] = []
+    r = Drill(sc, cluster=ec, s3=s3, on_line=lines.append, reference="replayed").run(until_s=tr.end_s)
+    out = r.to_json()
+    assert r.error is None, r.error
+    assert out["reference_kind"] == "replayed" and len(r.reference) == r.steps >= 6
+    assert r.max_rel_diff == 0.0, (r.losses, r.reference)
+    assert r.samples["exactly_once"], r.samples
+    assert [e["kind"] for e in r.events if e["kind"] in ("re-plan", "scale-up")] == ["re-plan", "scale-up"]
+    assert any("plan 3 of 3" in m for m in lines), lines  # start, after the loss, after the join
+    assert r.oracle_holds
+
+
+def test_unknown_reference_kind_exits_2(tmp_path):
+    r = _run_cli(tmp_path, "t.jsonl", TRACE, ["drill", "--trace", "{}", "--reference", "oracle"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--reference 'oracle'" in r.stderr and "replayed" in r.stderr

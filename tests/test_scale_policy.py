@@ -138,7 +138,7 @@ def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
     """Five L4 nodes, one pipeline of two stages per pair of nodes. After node n0 goes, the re-plan's nodes are
     named arbitrarily by the planner (here: rotated on purpose); relabel swaps nodes of the kind so that every
     survivor keeps its own layers: only the node taking n0's place pulls, and the estimate is unchanged."""
-    from orchestrator.elastic import _renamed, migration_bytes, relabel, slowest_pull
+    from orchestrator.elastic import migration_bytes, relabel, renamed, slowest_pull
     from planner import evaluate
 
     model = ModelSpec.preset("gpt-350m")
@@ -156,7 +156,7 @@ def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
     survivors = ClusterSpec(nodes=nodes[1:])
     new = pipelines([("n4", "n1"), ("n2", "n3")])  # the best re-plan: n4 takes n0's stage
     new.estimate = evaluate(new, survivors, model, train)
-    rotated = _renamed(new, {"n1": "n2", "n2": "n3", "n3": "n4", "n4": "n1"})  # as the planner might name them
+    rotated = renamed(new, {"n1": "n2", "n2": "n3", "n3": "n4", "n4": "n1"})  # as the planner might name them
     rotated.estimate = evaluate(rotated, survivors, model, train)
     got = relabel(rotated, old, survivors, model, train)
     got.check_structure()

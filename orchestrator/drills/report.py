@@ -9,6 +9,8 @@ from rich.table import Table
 
 from orchestrator.errors import ConfigError
 
+REFERENCE_KINDS = {"fixed": "the first plan throughout", "replayed": "the drill's plans, without faults"}
+
 
 def _s(x) -> str:
     return "-" if x is None else f"{x:.2f}"
@@ -43,7 +45,8 @@ def drill_tables(r: dict, console: Console) -> None:
     s = r["samples"]
     tiers = ", ".join(f"{k} {_mib(v)}" for k, v in r["bytes_by_tier"].items())
     console.print(f"losses: {sum(v is not None for v in r['losses'])} of {r['steps']} steps, largest relative "
-                  f"difference from the reference run {r['max_rel_diff']:.2e} (limit 1e-4)")
+                  f"difference from the reference run {r['max_rel_diff']:.2e} (limit 1e-4; reference: "
+                  f"{REFERENCE_KINDS.get(r.get('reference_kind'), 'the first plan throughout')})")
     console.print(f"samples: {s['seen']} of {s['expected']} seen, {s['missing']} missing, {s['repeated']} repeated"
                   f"{'' if s['exactly_once'] else ' [red](not exactly once)[/]'}")
     console.print(f"restored by tier: {tiers}; lost (redone) steps: {r['lost_steps']}; failed uploads: "
@@ -69,7 +72,8 @@ def drill_plot(r: dict, path: str | Path) -> None:
     plt = _pyplot()
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
     steps = list(range(r["steps"]))
-    a.plot(steps, r["reference_losses"], "-", color="0.6", lw=3, label="reference (no faults)")
+    same = ", the drill's plans" if r.get("reference_kind") == "replayed" else ""
+    a.plot(steps, r["reference_losses"], "-", color="0.6", lw=3, label=f"reference (no faults{same})")
     got = [(s, x) for s, x in zip(steps, r["losses"], strict=True) if x is not None]
     a.plot([s for s, _ in got], [x for _, x in got], "o", ms=4, color="tab:blue", label="drill")
     kinds: set[str] = set()

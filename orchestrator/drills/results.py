@@ -28,6 +28,7 @@ class DrillResult:
     uploads: list[dict]
     expect_failures: list[str] = field(default_factory=list)
     error: str | None = None
+    reference_kind: str = "fixed"  # runner.REFERENCES
 
     @property
     def goodput(self) -> float:
@@ -41,6 +42,7 @@ class DrillResult:
     def to_json(self) -> dict:
         return {"name": self.name, "oracle_holds": self.oracle_holds, "error": self.error, "steps": self.steps,
                 "losses": [self.losses.get(s) for s in range(self.steps)], "reference_losses": self.reference,
+                "reference_kind": self.reference_kind,
                 "max_rel_diff": self.max_rel_diff, "faults": self.faults, "recoveries": self.recoveries,
                 "events": self.events, "bytes_by_tier": self.bytes_by_tier, "lost_steps": self.lost_steps,
                 "samples": self.samples, "goodput": round(self.goodput, 4), "wall_s": round(self.wall_s, 3),

@@ -11,7 +11,9 @@ while a recovery restores state.
 The oracle (`DrillResult.oracle_holds`): every step's loss matches the reference
 run's (relative 1e-4), every sample of the job was trained exactly once in the
 committed steps (as the loss-reporting ranks list them), and the scenario's
-expectations (lost steps, re-plans, bytes per tier, ...) hold.
+expectations (lost steps, re-plans, bytes per tier, ...) hold. The reference is
+the job's first plan throughout ("fixed"), or the plans the drill committed each
+step under, run without faults after the drill ("replayed", replay.py).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from collections.abc import Callable
 from orchestrator.drills.inject import FaultInjection, S3Server
 from orchestrator.drills.results import DrillResult, check_samples, recovery_timeline
 from orchestrator.drills.scenario import Fault, Scenario, check_expect
+from orchestrator.errors import ConfigError
 from orchestrator.job_spec import CheckpointSpec, JobSpec
-from planner import ClusterSpec, NodeSpec
+from planner import ClusterSpec, NodeSpec, Plan
 
 log = logging.getLogger("hetspot.drill")
+REFERENCES = ("fixed", "replayed")  # the reference run: the first plan throughout, or the drill's plans (replay.py)
 BUCKET = "hetspot-drill"
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -49,10 +53,12 @@ class Drill(FaultInjection):
     """One scenario on a fresh embedded cluster (or `cluster`, an EmbeddedCluster already connected)."""
 
     def __init__(self, sc: Scenario, cluster=None, s3: S3Server | None = None,
-                 on_line: Callable[[str], None] | None = None):
+                 on_line: Callable[[str], None] | None = None, reference: str = "fixed"):
         for k, v in CREDS.items():
             os.environ.setdefault(k, v)  # the nodes' processes read S3 with these, as with an instance role
-        self.sc, self.say = sc, on_line or (lambda m: None)
+        if reference not in REFERENCES:
+            raise ConfigError(f"--reference {reference!r}: use one of {', '.join(REFERENCES)}")
+        self.sc, self.say, self.reference_kind = sc, on_line or (lambda m: None), reference
         self.own_s3 = s3 is None
         self.s3 = s3 or S3Server()
         self.job = drill_job(sc, self.s3.url)
@@ -70,6 +76,7 @@ class Drill(FaultInjection):
         self.fired: list[dict] = []
         self.main_queue: list[Fault] = []
         self.threads: list[threading.Thread] = []
+        self.ref_nodes: list[str] = []  # nodes started for the replayed reference
         self.c = None
         self.t0 = 0.0
 
@@ -130,7 +137,8 @@ class Drill(FaultInjection):
 
     def run(self, reference: list[float] | None = None, steps: int | None = None, timed: list[Fault] | None = None,
             until_s: float | None = None) -> DrillResult:
-        """Reference run, then the drill. `until_s`: end the job at the first commit after this time (traces)."""
+        """The fixed reference run, then the drill (then the replayed reference, or the fixed one after a trace).
+        `until_s`: end the job at the first commit after this time (traces)."""
         from orchestrator.cluster.node_sources import DeclaredNodes
         from orchestrator.controller import State
         from orchestrator.controller_actor import make_controller
@@ -138,9 +146,11 @@ class Drill(FaultInjection):
 
         steps = steps or self.job.steps
         error, commits, wall = None, [], 0.0
+        plans: dict[int, Plan] = {}  # the plan each step was (last) committed under
+        replayed = self.reference_kind == "replayed"
         try:
             self._start_nodes()
-            if reference is None and until_s is None:
+            if reference is None and until_s is None and not replayed:
                 reference, _ = self.reference(steps)
             self.nodes = DeclaredNodes(self.job.cluster)
             self.recovery_armed: list[str] | None = None
@@ -163,10 +173,12 @@ class Drill(FaultInjection):
                 if c.state == State.TRAINING:
                     while by_step and by_step[0].at_step <= c.progress.committed + 1:
                         after_commit += self._fire(by_step.pop(0)) or []
+                plan = c.plan  # a scale-up after the commit changes c.plan within the same call
                 c.step()
                 if c.progress.committed != last:
                     if c.progress.committed > last:
                         s = c.progress.committed
+                        plans[s] = plan
                         commits.append((s, c.clock.now() - c.started_at, c.progress.step_time_s.get(s, 0.0)))
                         for at, action in [a for a in after_commit if a[0] <= s]:
                             after_commit.remove((at, action))
@@ -177,15 +189,34 @@ class Drill(FaultInjection):
             if c.state == State.FAILED:
                 error = c.error
             wall = c.clock.now() - c.started_at
-        finally:
+        except BaseException:
             self._stop()
-        done = c.progress.committed + 1 if self.c is not None else 0
-        if until_s is not None and error is None:
-            steps = done
-            reference, _ = self.reference(steps)
-        if self.own_cluster:
-            self.cluster.shutdown()
+            self._release()
+            raise
+        self._stop()
+        try:
+            if error is None and (until_s is not None or replayed):
+                steps = c.progress.committed + 1 if until_s is not None else steps
+                reference = self.replayed(plans, steps) if replayed else self.reference(steps)[0]
+        finally:
+            self._release()
         return self._result(steps, reference or [], commits, wall, error, tokens_per_step(c.model, c.train.global_batch))
+
+    def replayed(self, plans: dict[int, Plan], steps: int) -> list[float]:
+        """The drill's plans, step for step, without faults (replay.py), on the nodes up now and like ones."""
+        from orchestrator.drills.replay import place, plan_segments, replay
+
+        segments = plan_segments(plans, steps)
+        declared = {n.name: n for n in self.job.cluster.nodes}
+        alive = [n for n in self.cluster.nodes if n in declared]
+        added, placed = place([p for _, _, p in segments], list(declared.values()), alive)
+        for n in added:
+            self._add(n)
+            self.ref_nodes.append(n.name)
+        self.say(f"reference run: the drill's {steps} steps on its {len(segments)} plan(s), without faults")
+        job = self.job.model_copy(update={"checkpoint": None, "cluster": ClusterSpec(
+            nodes=[declared[n] for n in alive] + added)})
+        return replay(job, [(a, b, p) for (a, b, _), p in zip(segments, placed, strict=True)], self.say)[0]
 
     def _stop(self) -> None:
         for t in self.timers:
@@ -196,8 +227,12 @@ class Drill(FaultInjection):
             s.stop()
         if self.own_s3:
             self.s3.stop()
-        if not self.own_cluster:  # a shared cluster: this scenario's nodes go, the next one adds its own
-            self.kill([n.name for n in self.job.cluster.nodes])
+
+    def _release(self) -> None:
+        if self.own_cluster:
+            self.cluster.shutdown()
+        else:  # a shared cluster: this scenario's nodes go, the next one adds its own
+            self.kill([n.name for n in self.job.cluster.nodes] + self.ref_nodes)
 
     # -- the result -----------------------------------------------------------------------------
     def _result(self, steps: int, reference: list[float], commits, wall: float, error: str | None,
@@ -228,7 +263,7 @@ class Drill(FaultInjection):
             reference=list(reference), max_rel_diff=max(diffs, default=float("inf")), commits=commits, events=events,
             faults=self.fired, recoveries=recoveries, bytes_by_tier=by_tier, lost_steps=lost,
             samples=check_samples(final, steps, c.train.global_batch), wall_s=wall, useful_s=useful,
-            uploads=list(c.store.uploads), error=error)
+            uploads=list(c.store.uploads), error=error, reference_kind=self.reference_kind)
         res.expect_failures = check_expect(self.sc.expect, got) if error is None else []
         return res
 
