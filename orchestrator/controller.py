@@ -206,7 +206,7 @@ class Controller:
 
     def _heed(self, notices: list) -> bool:
         """Start a drain for notices on the plan's nodes when the deadline leaves time (policies.notice_decision)."""
-        now, used = self.clock.now(), {st.node for p in self.plan.pipelines for st in p.stages}
+        now, used = self.clock.now(), set(self.plan.nodes())
         copy_s = lambda doomed: drain_copy_s(self.plan, self.model, self.train,  # noqa: E731
                                              self.cluster or self.nodes.discover(), self.doomed | doomed)
         got = notice_decision(notices, used, now, self.drain_margin_s, copy_s)

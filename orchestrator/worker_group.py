@@ -79,7 +79,7 @@ class PlanRun:
         from orchestrator.cluster.discovery import node_ids
 
         ids = node_ids()
-        missing = sorted({st.node for p in self.plan.pipelines for st in p.stages} - set(ids))
+        missing = sorted(set(self.plan.nodes()) - set(ids))
         if missing:
             raise WorkerFailure("start-up", f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
                             f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST.value)
@@ -110,7 +110,7 @@ class PlanRun:
         lost), not after `timeout_s`: its bundles could never be placed."""
         pending = [pg.ready() for pg in self.pgs]
         until = time.monotonic() + timeout_s
-        used = {st.node for p in self.plan.pipelines for st in p.stages}
+        used = set(self.plan.nodes())
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             gone = sorted(used - set(node_ids())) if pending else []
@@ -187,7 +187,7 @@ class PlanRun:
 
         if kind == FailureKind.DETERMINISTIC:
             return WorkerFailure(where, cause, kind.value)
-        gone = sorted({st.node for p in self.plan.pipelines for st in p.stages} - set(node_ids()))
+        gone = sorted(set(self.plan.nodes()) - set(node_ids()))
         return WorkerFailure(where, cause, (FailureKind.NODE_LOST if gone else kind).value, gone)
 
     def _describe(self, rank: int) -> str:

@@ -152,7 +152,7 @@ def preemption_loss(plan: Plan, cluster: ClusterSpec, step_s: float) -> float:
     """Expected share of wall time lost to preemptions (AutoHet's observation: on spot GPUs the cheapest
     plan per hour can be the dearest per token once recoveries are paid): every preemption of a node the
     plan uses costs cost.RECOVERY_S plus half a step of redone work. Capped at 1."""
-    used = {st.node for p in plan.pipelines for st in p.stages}
+    used = plan.nodes()
     per_hour = sum(cluster.node(n).preemptions_per_hour for n in used)
     return min(1.0, per_hour * (cost.RECOVERY_S + step_s / 2) / 3600.0)
 
@@ -160,7 +160,7 @@ def preemption_loss(plan: Plan, cluster: ClusterSpec, step_s: float) -> float:
 def _cost_per_mtok(plan: Plan, cluster: ClusterSpec, step_s: float, tokens: int) -> float | None:
     """Hourly price of every node the plan touches, per million tokens trained (idle GPUs still bill, and the
     time lost to expected preemptions trains nothing)."""
-    used = {st.node for p in plan.pipelines for st in p.stages}
+    used = plan.nodes()
     prices = [cluster.node(n).price_per_hour for n in used]
     if any(p is None for p in prices):
         return None

@@ -119,6 +119,10 @@ class Plan(_Model):
         """All devices in rank order: pipeline, then stage, then TP rank."""
         return [d for p in self.pipelines for s in p.stages for d in s.devices]
 
+    def nodes(self) -> list[str]:
+        """The nodes the plan's stages run on, sorted."""
+        return sorted({s.node for p in self.pipelines for s in p.stages})
+
     def sample_offsets(self) -> list[int]:
         """Start of each replica's contiguous range within a step's global batch."""
         offsets, acc = [], 0

@@ -249,7 +249,7 @@ def _one_gpu_plan(nodes: list[str], gpu: str = "T4"):
 def test_replayed_reference_segments_the_committed_plans_and_places_them_on_like_nodes():
     """Steps group into runs of one plan; a plan's gone nodes map onto up nodes of the same kind (a node it
     already uses keeps its place), and nodes are added only where too few of a kind are up."""
-    from orchestrator.drills.replay import place, plan_nodes, plan_segments
+    from orchestrator.drills.replay import place, plan_segments
     from planner import NodeSpec
 
     a, ab, bc = _one_gpu_plan(["a"]), _one_gpu_plan(["a", "b"]), _one_gpu_plan(["b", "c"])
@@ -260,10 +260,10 @@ def test_replayed_reference_segments_the_committed_plans_and_places_them_on_like
     declared = [NodeSpec(name=n, gpu_type="T4", num_gpus=1) for n in ("a", "b", "c")]
     added, placed = place([a, ab, bc], declared, alive=["b"])
     assert [n.name for n in added] == ["ref0"] and added[0].gpu_type == "T4"
-    assert [plan_nodes(p) for p in placed] == [["b"], ["b", "ref0"], ["b", "ref0"]]
+    assert [p.nodes() for p in placed] == [["b"], ["b", "ref0"], ["b", "ref0"]]
     assert placed[2].pipelines[0].stages[0].devices == ["b/0"]  # b kept its place in the third plan
     added, placed = place([ab], declared + [NodeSpec(name="l", gpu_type="L4", num_gpus=1)], alive=["l", "c"])
-    assert [n.name for n in added] == ["ref0"] and plan_nodes(placed[0]) == ["c", "ref0"]  # an L4 is no T4
+    assert [n.name for n in added] == ["ref0"] and placed[0].nodes() == ["c", "ref0"]  # an L4 is no T4
 
 
 SMALL_TRACE_JOB = {

@@ -41,7 +41,7 @@ class Assumptions:
 
 
 def nodes_of(plan: Plan | None) -> set[str]:
-    return {st.node for p in plan.pipelines for st in p.stages} if plan is not None else set()
+    return set(plan.nodes()) if plan is not None else set()
 
 
 def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,

@@ -25,10 +25,6 @@ from orchestrator.job_spec import JobSpec
 from planner import NodeSpec, Plan
 
 
-def plan_nodes(p: Plan) -> list[str]:
-    return sorted({st.node for pipe in p.pipelines for st in pipe.stages})
-
-
 def plan_segments(plans: dict[int, Plan], steps: int) -> list[tuple[int, int, Plan]]:
     """[(first step, end step, plan)]: the longest runs of steps committed under one layout."""
     missing = [s for s in range(steps) if s not in plans]
@@ -53,7 +49,7 @@ def place(plans: list[Plan], declared: list[NodeSpec], alive: list[str]) -> tupl
     replaced by a like one: the reduction order depends on ranks, not on hosts), and the nodes to add
     where too few of a kind are up."""
     spec = {n.name: n for n in declared}
-    unknown = sorted({n for p in plans for n in plan_nodes(p)} - set(spec))
+    unknown = sorted({n for p in plans for n in p.nodes()} - set(spec))
     if unknown:
         raise ConfigError(f"the plans name node(s) {', '.join(unknown)} that the job does not declare")
     pool: dict[str, list[str]] = {}
@@ -62,7 +58,7 @@ def place(plans: list[Plan], declared: list[NodeSpec], alive: list[str]) -> tupl
     added: list[NodeSpec] = []
     out: list[Plan] = []
     for p in plans:
-        used = plan_nodes(p)
+        used = p.nodes()
         rename: dict[str, str] = {}
         for kind in sorted({node_kind(spec[n]) for n in used}):
             mine = [n for n in used if node_kind(spec[n]) == kind]

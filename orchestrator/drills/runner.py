@@ -255,7 +255,7 @@ class Drill(FaultInjection):
                "refused_steps": sum(len(e.get("refused_steps", [])) for e in restores),
                "scale_ups": sum(e["kind"] == "scale-up" for e in events),
                "failed_uploads": sum(1 for u in c.store.uploads if u["error"]), "bytes_by_tier": by_tier,
-               "final_nodes": sorted({st.node for p in c.plan.pipelines for st in p.stages}) if c.plan else []}
+               "final_nodes": c.plan.nodes() if c.plan else []}
         final = {s: c.progress.samples.get(s, []) for s in range(steps)}
         useful = sum(c.progress.step_time_s.get(s, 0.0) for s in range(steps))
         res = DrillResult(
