@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import ConfigError, JobFailed
+from orchestrator.errors import ConfigError, ControllerLost, JobFailed
 from orchestrator.job_spec import JobSpec, format_validation, load_job, require_cluster
 from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
@@ -91,29 +91,67 @@ def check_data(job: JobSpec, source: str) -> None:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None = None) -> None:
-    """The `checkpoint:` section against its bucket, before any worker starts (exit 2 on a problem)."""
+def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None = None,
+                     auto: bool = False) -> bool:
+    """The `checkpoint:` section against its bucket, before any worker starts (exit 2 on a problem). Returns
+    whether the job goes on from a step there: `resume` (--resume), or with `auto` (the Ray Jobs driver) when
+    `checkpoint.resume` is auto and the prefix holds this job's steps. A prefix holding another job's steps is
+    refused either way: it is never resumed silently."""
     from orchestrator.state.s3_store import check_access
 
     c = job.checkpoint
     if c is None:
         if resume:
             raise ConfigError(f"{source}: --resume needs a 'checkpoint:' section whose uri holds the job's steps")
-        return
+        return False
     try:
-        done = check_access(c.uri, c.endpoint_url).complete_steps()
+        store = check_access(c.uri, c.endpoint_url)
+        done = store.complete_steps()
+        newest = store.newest_whole() if done else None
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
-    if resume and not done:
-        raise ConfigError(f"{source}: --resume: no complete step under {c.uri}; run without --resume to start the job")
+    if newest is not None:
+        owner, model = newest[1].get("job"), newest[1].get("model")
+        if owner is not None and owner != job.name:
+            raise ConfigError(f"{source}: checkpoint.uri {c.uri} holds steps of job {owner!r} (newest {newest[0]}), "
+                              f"not of {job.name!r}; give this job its own prefix (s3://{store.bucket}/{job.name}) "
+                              f"or name it {owner!r} to go on with that job")
+        if model is not None and model != job.model_spec.model_dump():
+            raise ConfigError(f"{source}: checkpoint.uri {c.uri} holds steps of job {job.name!r} for another model "
+                              f"({model.get('name')}, {model.get('num_layers')} layers); give this run its own prefix")
+    resume = resume or (auto and c.resume == "auto" and newest is not None)
+    if resume and newest is None:
+        raise ConfigError(f"{source}: --resume: no complete step under {c.uri}"
+                          + (f" (steps {done[:3]} are not whole)" if done else "")
+                          + "; run without --resume to start the job")
     total = steps or job.steps
-    if resume and done[0] + 1 >= total:
-        raise ConfigError(f"{source}: --resume: {c.uri} already holds step {done[0]}, the job's last of {total}; "
-                          f"pass --steps above {done[0] + 1} to train further")
+    if resume and newest[0] + 1 >= total:
+        raise ConfigError(f"{source}: --resume: {c.uri} already holds step {newest[0]}, the job's last of {total}; "
+                          f"pass --steps above {newest[0] + 1} to train further")
     if not resume and done:
         raise ConfigError(f"{source}: checkpoint.uri {c.uri} already holds steps (newest {done[0]}); pass --resume "
                           f"to go on from step {done[0] + 1}, give checkpoint.uri a new prefix, or delete them "
                           f"(`hetspot checkpoints rm {c.uri} --all`)")
+    return resume
+
+
+def lost_controller_message(job: JobSpec, source: str, cause: str, steps: int | None = None) -> str:
+    """One line for a controller that died: what happened, the newest complete step, the exact resume command."""
+    head = f"the job's controller died ({cause})"
+    if job.checkpoint is None:
+        return f"{head}; the job has no checkpoint: section, so it starts over: hetspot submit {source}"
+    from orchestrator.state.s3_store import S3Checkpoints
+
+    try:
+        newest = S3Checkpoints(job.checkpoint.uri, job.checkpoint.endpoint_url).newest_whole()
+    except Exception as e:  # the message must still come out; say why the step is unknown
+        return (f"{head}; the newest complete step under {job.checkpoint.uri} could not be read ({type(e).__name__}); "
+                f"go on with: hetspot submit {source} --resume")
+    if newest is None:
+        return f"{head}; no complete step under {job.checkpoint.uri} yet, so it starts over: hetspot submit {source}"
+    more = f" --steps {steps}" if steps else ""
+    return (f"{head}; newest complete step {newest[0]} under {job.checkpoint.uri}; "
+            f"go on from it with: hetspot submit {source} --resume{more}")
 
 
 def with_restore_from(job: JobSpec, restore_from: str | None, source: str) -> JobSpec:
@@ -146,24 +184,27 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     steps = steps or job.steps
     from orchestrator.cluster.embedded import EmbeddedCluster
     from orchestrator.controller import State
-    from orchestrator.controller_actor import ControllerActor, drive, on_head
+    from orchestrator.controller_actor import ControllerActor, controller_name, drive, on_head
 
     status = on_status or (lambda m: None)
     status(f"starting embedded Ray cluster: {len(cluster.nodes)} nodes, {cluster.num_gpus} fake GPUs")
+    from ray.exceptions import RayActorError
     t0 = time.perf_counter()
     ec = EmbeddedCluster(cluster)
     try:
         ec.connect()
         cluster_s = time.perf_counter() - t0
-        actor = ControllerActor.options(**on_head()).remote(job.model_dump_json(), steps, job.name, True,
-                                                            plan.model_dump_json(), plan_path is not None,
-                                                            replan_on_loss)
+        actor = ControllerActor.options(name=controller_name(job.name), **on_head()).remote(
+            job.model_dump_json(), steps, job.name, True, plan.model_dump_json(), plan_path is not None, replan_on_loss)
 
         def on_row(row: dict) -> None:
             if on_step is not None:
                 on_step(row["step"], row["loss"], row["tokens_per_s"])
 
-        summary = drive(actor, on_row, on_phase=status)
+        try:
+            summary = drive(actor, on_row, on_phase=status)
+        except RayActorError:
+            raise ControllerLost(lost_controller_message(job, source, "its Ray actor died", steps)) from None
         wall = time.perf_counter() - t0
         if summary["state"] != State.DONE.value:
             raise JobFailed(summary["error"])

@@ -164,6 +164,10 @@ def status(
     if p:
         console.print(f"  step {p['step'] + 1}/{p['steps']}: loss {p['loss']:.4f}, {p['tokens_per_s']:,.0f} tokens/s, "
                       f"MFU {format_mfu(p['mfu'])}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
+        if "upload_lag_steps" in p:
+            s3 = "none yet" if p["s3_step"] is None else f"step {p['s3_step']}"
+            console.print(f"  S3: newest {s3}, {p['upload_lag_steps']} steps behind, {p['upload_backlog']} "
+                          f"upload(s) in flight or waiting, {p['failed_uploads']} failed")
     else:
         console.print("  no step committed yet")
     for e in st.get("events", []):

@@ -55,6 +55,15 @@ def render(
     out: str | None = typer.Option(None, "--out", help="write to this file instead of standard output"),
 ) -> None:
     """Write a spot-fleet config for your GPU mix, from the same templates as the files in deploy/."""
+    if out and not Path(out).resolve().parent.is_dir():
+        from orchestrator.errors import ConfigError
+
+        raise ConfigError(f"--out {out}: the directory {str(Path(out).parent)!r} does not exist; create it first "
+                          "(nothing was written)")
+    if out and Path(out).is_dir():
+        from orchestrator.errors import ConfigError
+
+        raise ConfigError(f"--out {out} is a directory; name the file to write, e.g. {Path(out) / 'cluster.yaml'}")
     text = render_text(cloud, mix, region, platform, install, image, rayjob)
     if out:
         Path(out).write_text(text)

@@ -1,11 +1,15 @@
 """The job controller: an explicit state machine that can be stepped; it executes the policies' decisions.
 
 States (one job):
-  DISCOVERING -> PLANNING -> LAUNCHING -> TRAINING -> DONE
+  [WAITING ->] DISCOVERING -> PLANNING -> LAUNCHING -> TRAINING -> DONE
        ^                         ^            |   \\
        |                         |            |    v  spot notice for a node of the plan
        |                     RECOVERING <-----+  DRAINING: snapshot now, drop the node
        +--------------------------------------------+
+  WAITING (jobs with a `fleet:`): the fleet's demand stands on Ray's autoscaler (orchestrator/cluster/capacity.py)
+  until every type's minimum is up; past `fleet.wait_s` the job fails with exit code 2 naming the missing types.
+  The demand stands while the job runs (a preempted node is replaced; a scale check moves onto it) and is
+  withdrawn at DONE or FAILED.
   A worker failure goes to the failure policy (orchestrator/policies.py): re-plan (RECOVERING) or abort
   (FAILED). A job started with a user's plan begins at LAUNCHING. Every side effect sits behind a protocol
   (orchestrator/protocols.py): unit tests drive `step()` with orchestrator/fakes.py.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,7 +48,7 @@ from planner.specs import ModelSpec, TrainSpec
 
 log = logging.getLogger("hetspot.controller")
 State = enum.Enum("State", {s.upper(): s for s in (
-    "discovering", "planning", "launching", "training", "recovering", "draining", "done", "failed")})
+    "waiting", "discovering", "planning", "launching", "training", "recovering", "draining", "done", "failed")})
 
 
 @dataclass
@@ -67,7 +72,8 @@ class Controller:
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
                  max_restarts: int = 3, snapshot_every: int = 1, drain_margin_s: float = 1.0,
-                 on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0):
+                 on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0,
+                 capacity=None, sleep: Callable[[float], None] | None = None):
         self.model, self.train, self.steps = model, train, steps
         self.nodes, self.make_group = nodes, make_group
         self.store = store or MemorySnapshots(snapshot_every)
@@ -77,6 +83,9 @@ class Controller:
         self.planner = Planner(model, train)  # keeps its cost caches across re-plans
         self.progress = Progress()
         self.cluster, self.group, self.error = None, None, None  # ClusterSpec, WorkerGroup, str
+        self.exit_code = 0  # 1 for a failed job; 2 when the fleet's minimum never came up (a user's fix)
+        self.capacity = capacity  # cluster/capacity.Capacity: the fleet's standing demand; None: take what is there
+        self.sleep = sleep or time.sleep
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
@@ -87,12 +96,14 @@ class Controller:
         self.plan: Plan | None = first_plan
         self.user_plan = user_plan and first_plan is not None
         self.state = State.LAUNCHING if first_plan is not None else State.DISCOVERING
+        if capacity is not None and first_plan is None:
+            self.state = State.WAITING
 
     # -- the state machine -------------------------------------------------------
     def step(self) -> State:
         """Run one transition and return the new state."""
         handler = {
-            State.DISCOVERING: self._discover, State.PLANNING: self._plan, State.LAUNCHING: self._launch,
+            State.WAITING: self._wait_for_capacity, State.DISCOVERING: self._discover, State.PLANNING: self._plan, State.LAUNCHING: self._launch,
             State.TRAINING: self._train, State.RECOVERING: self._recover, State.DRAINING: self._drain,
         }.get(self.state)
         if handler is not None:
@@ -113,6 +124,26 @@ class Controller:
         self.progress.phase = phase
         log.info("phase: %s", phase)
         self.on_phase(phase)
+
+    def _wait_for_capacity(self) -> State:
+        """One look at the fleet against its minimums; the demand is (re)stated when it changed."""
+        view = self.capacity.tick()
+        self._substitutions(view)
+        if view.ready:
+            log.info("capacity: %s", view.line)
+            return State.DISCOVERING
+        if self.capacity.timed_out():
+            from orchestrator.cluster.capacity import timeout_message
+
+            return self._fail(timeout_message(self.capacity.fleet, view), exit_code=2)
+        self._phase(f"waiting for capacity: {view.line}")
+        self.sleep(self.capacity.fleet.poll_s)
+        return State.WAITING
+
+    def _substitutions(self, view) -> None:
+        for dry, sub, n in view.substituted:
+            self._event("substitute", f"{dry} stayed short of its max_nodes for {self.capacity.fleet.substitute_after_s:.0f}"
+                        f" s: asking for {n} {sub} node(s) instead", dry=dry, substitute=sub, nodes=n)
 
     def _discover(self) -> State:
         self._phase("discovering GPUs")
@@ -165,6 +196,7 @@ class Controller:
             self.store.flush()  # the last checkpoint upload completes (from the workers' copies) before the end
             self.group.shutdown()
             self._close_interruptions()
+            self._withdraw()
             self._phase("done")
             return State.DONE
         if self._heed(self.interruptions.poll()):
@@ -189,6 +221,8 @@ class Controller:
 
     def _scale_up(self) -> bool:
         """Nodes joined: move at this step boundary only when the new plan finishes sooner, migration included."""
+        if self.capacity is not None:  # substitutes for types that stay dry while the job runs
+            self._substitutions(self.capacity.tick())
         cluster = self.nodes.discover().without_nodes(self.doomed)
         self._known_nodes, joined = joined_nodes(self._known_nodes, cluster)
         got = joined and consider_joined(self.planner, self.model, self.train, self.plan, cluster,
@@ -292,9 +326,17 @@ class Controller:
     def _close_interruptions(self) -> None:  # the notice pollers on the nodes
         getattr(self.interruptions, "close", lambda: None)()
 
-    def _fail(self, reason: str) -> State:
+    def _withdraw(self) -> None:  # the job's demand goes, so the autoscaler can scale its GPU nodes down
+        if self.capacity is not None and self.capacity.withdraw is not None:
+            try:
+                self.capacity.withdraw()
+            except Exception as e:  # the job's outcome stands; an idle node costs money, so say so
+                log.warning("could not withdraw the demand for GPU nodes (%s): scale them down by hand", e)
+
+    def _fail(self, reason: str, exit_code: int = 1) -> State:
         self._close_interruptions()
-        self.error = reason
+        self._withdraw()
+        self.error, self.exit_code = reason, exit_code
         self._phase("failed")
         log.error("job failed: %s", reason)
         return State.FAILED

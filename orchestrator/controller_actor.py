@@ -26,10 +26,11 @@ from planner import Plan
 
 
 def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | None = None, user_plan: bool = False,
-                    replan_user_plan: bool = False, on_step=None, on_phase=None) -> Controller:
+                    replan_user_plan: bool = False, on_step=None, on_phase=None, capacity=None) -> Controller:
     """A Controller over the connected Ray cluster: one TrainWorker per GPU.
 
-    Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster).
+    Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster); `capacity`
+    (cluster/capacity.Capacity) makes it ask the autoscaler for the job's fleet first.
     """
     from orchestrator.cluster.node_sources import DeclaredNodes
 
@@ -39,21 +40,35 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
                                                job.runtime.notice_poll_s),
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
                       on_phase=on_phase, scale_check_every=job.runtime.scale_check_every,
-                      max_restarts=job.runtime.max_restarts)
+                      max_restarts=job.runtime.max_restarts, capacity=capacity)
 
 
-def make_store(job: JobSpec, restore_from: str | None = None):
-    """The tiered state plane: live and peer tiers always, S3 when the job has a `checkpoint:` section."""
+def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None = None):
+    """The tiered state plane: live and peer tiers always, S3 when the job has a `checkpoint:` section.
+
+    Each S3 manifest names the job (`job`, what a resume and a shared bucket are checked against), the run that
+    wrote it (`run_id`: one per controller) and the model, whose whole unit list every manifest must cover."""
+    import uuid
+
     from orchestrator.state.tiers import TieredState
+    from workers.model import all_params
 
     c = job.checkpoint
     if c is None:
         return TieredState(job.runtime.snapshot_every)
     from orchestrator.state.s3_store import S3Checkpoints
 
-    meta = {"job": job.name, "model": job.model_spec.model_dump(), "global_batch": job.train.global_batch}
+    model = job.model_spec
+    meta = {"job": job.name, "run_id": run_id or uuid.uuid4().hex[:12], "model": model.model_dump(),
+            "global_batch": job.train.global_batch}
     return TieredState(c.peer_every or job.runtime.snapshot_every, S3Checkpoints(c.uri, c.endpoint_url), c.s3_every,
-                       c.keep, meta, restore_from or c.restore_from)
+                       c.keep, meta, restore_from or c.restore_from,
+                       model_units={p.name: list(p.shape) for p in all_params(model)})
+
+
+def controller_name(job_id: str) -> str:
+    """The controller actor's name (one per job): drills and tests find it with `ray.get_actor`."""
+    return f"hetspot-controller-{job_id}"
 
 
 def on_head() -> dict:
@@ -71,8 +86,15 @@ class ControllerActor:
         self.job = JobSpec.model_validate_json(job_json)
         nodes = DeclaredNodes(self.job.cluster) if embedded else LiveNodes(self.job.runtime.profile)
         first = Plan.model_validate_json(first_plan_json) if first_plan_json else None
+        capacity = None
+        if self.job.fleet is not None and not embedded:  # a real cluster: ask its autoscaler for the fleet
+            import time
+
+            from orchestrator.cluster.capacity import ray_capacity
+
+            capacity = ray_capacity(self.job.fleet, time.monotonic)
         self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
-                                          replan_user_plan=replan_user_plan)
+                                          replan_user_plan=replan_user_plan, capacity=capacity)
         self.metrics = StepMetrics(job_id)
         self.tb = TensorBoardLog(self.job.runtime.tensorboard_dir) if self.job.runtime.tensorboard_dir else None
         self.reported = -1
@@ -96,9 +118,15 @@ class ControllerActor:
                            "unused": [u.model_dump() for u in c.plan.unused],
                            "profiling": dict(getattr(c.nodes, "notes", {}))}
         self.reported = min(self.reported, c.progress.committed)  # a rollback re-runs steps
+        lag = c.store.upload_lag(c.progress.committed) if hasattr(c.store, "upload_lag") else None
         for s in range(self.reported + 1, c.progress.committed + 1):
+            if s not in c.progress.losses:  # committed by an earlier run: a resume starts after its checkpoint
+                continue
             row = step_row(c.model, c.plan, s, c.progress.losses[s], c.progress.step_time_s[s],
                            c.group.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
+            if lag is not None and c.store.s3 is not None:
+                row |= {"upload_lag_steps": lag["lag_steps"], "upload_backlog": lag["backlog"],
+                        "s3_step": lag["newest_step"], "failed_uploads": lag["failed"]}
             self.metrics.record(row)
             if self.tb is not None:
                 self.tb.record(row)
@@ -111,11 +139,13 @@ class ControllerActor:
     def summary(self) -> dict:
         c = self.controller
         steps = sorted(c.progress.losses)  # a resumed job starts after its checkpoint's step
-        return {"state": c.state.value, "error": c.error, "plan": c.plan.model_dump() if c.plan else None,
+        return {"state": c.state.value, "error": c.error, "exit_code": c.exit_code,
+                "plan": c.plan.model_dump() if c.plan else None,
                 "first_step": steps[0] if steps else c.progress.committed + 1,
                 "losses": [c.progress.losses[s] for s in steps],
                 "step_time_s": [c.progress.step_time_s[s] for s in steps],
                 "uploads": getattr(c.store, "uploads", []),
+                "upload_lag": c.store.upload_lag(c.progress.committed) if hasattr(c.store, "upload_lag") else None,
                 "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
                 "events": c.progress.events, "history": c.progress.history}
 

@@ -17,7 +17,7 @@ import time
 import ray
 
 from orchestrator.controller import State
-from orchestrator.controller_actor import ControllerActor, drive, on_head
+from orchestrator.controller_actor import ControllerActor, controller_name, drive, on_head
 from orchestrator.progress_lines import (
     ENV_ID,
     ENV_JOB,
@@ -52,14 +52,17 @@ def main() -> int:
 
         check_data(job, "submitted job")
         steps = int(os.environ.get(ENV_STEPS) or job.steps)
-        check_checkpoint(job, "submitted job", resume, steps)
+        resumed = check_checkpoint(job, "submitted job", resume, steps, auto=True)
     except ConfigError as e:
         _print(f"hetspot driver: {e}", True)
         return 2
     job_id = os.environ.get(ENV_ID, "local")
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
     _print(f"hetspot: job {job_id}: {job.name}, {steps} steps, model {job.model_spec.name}")
-    actor = ControllerActor.options(name=f"hetspot-controller-{job_id}", **on_head()).remote(
+    if resumed and not resume:
+        _print(f"hetspot: {job.checkpoint.uri} holds this job's steps: going on from the newest complete one "
+               "(checkpoint.resume: auto)")
+    actor = ControllerActor.options(name=controller_name(job_id), **on_head()).remote(
         job.model_dump_json(), steps, job_id, False)
     t0 = time.perf_counter()
 
@@ -81,10 +84,17 @@ def main() -> int:
     def on_row(row: dict) -> None:
         _print(progress_line(row | {"steps": steps, "elapsed_s": round(time.perf_counter() - t0, 3)}))
 
-    summary = drive(actor, on_row, on_event, lambda ph: _print(phase_line(ph, time.perf_counter() - t0)))
+    from ray.exceptions import RayActorError
+
+    try:
+        summary = drive(actor, on_row, on_event, lambda ph: _print(phase_line(ph, time.perf_counter() - t0)))
+    except RayActorError:
+        _print("hetspot: job failed: the job's controller died; run the driver again (a RayJob retry or a restarted "
+               "head does) and it goes on from the newest complete step (checkpoint.resume: auto)", True)
+        return 1
     if summary["state"] != State.DONE.value:
         _print(f"hetspot: job failed: {summary['error']}", True)
-        return 1
+        return summary.get("exit_code") or 1
     _print(f"hetspot: done: {len(summary['losses'])} steps, loss {summary['losses'][0]:.4f} -> "
            f"{summary['losses'][-1]:.4f}, {summary['restarts']} re-plans")
     return 0

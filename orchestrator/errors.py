@@ -30,3 +30,10 @@ class WorkerFailure(JobFailed):
     def __init__(self, where: str, cause: str, kind: str = "error", nodes: list[str] | tuple = ()):
         super().__init__(f"{where}: {cause}")
         self.where, self.cause, self.kind, self.nodes = where, cause, kind, list(nodes)
+
+
+class ControllerLost(HetspotError):
+    """The job's controller (its Ray actor or process) died: what happened, the newest complete step, and the
+    command that goes on from it. Exit code 1."""
+
+    exit_code = 1

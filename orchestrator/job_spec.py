@@ -113,6 +113,11 @@ class CheckpointSpec(_Section):
                                    "node every k committed steps; default runtime.snapshot_every")
     restore_from: Literal["nearest", "s3"] = Field(default="nearest", description="nearest: survivors, then peer "
                                                    "memory, then S3; s3: S3 only (for comparison)")
+    resume: Literal["auto", "never"] = Field(default="auto", description="auto: a job run through Ray Jobs "
+                                             "(--address) whose prefix holds this job's steps goes on from the newest "
+                                             "complete one by itself (a restarted driver or head carries on); never: "
+                                             "such a prefix is refused unless --resume is given. A local submit "
+                                             "always asks for --resume")
 
     @field_validator("uri")
     @classmethod
@@ -130,6 +135,77 @@ class CheckpointSpec(_Section):
         return v
 
 
+class FleetType(_Section):
+    """One GPU type the job may run on, in nodes of `gpus_per_node` GPUs (an autoscaler node type)."""
+
+    gpu_type: str = Field(description="a catalog GPU type (planner/catalog.py), as Ray's accelerator_type names it")
+    gpus_per_node: int = Field(default=1, ge=1, le=64, description="GPUs per node of this type")
+    min_nodes: int = Field(default=0, ge=0, description="nodes of this type the job needs before it trains")
+    max_nodes: int = Field(default=1, ge=1, description="nodes of this type hetspot asks the autoscaler for")
+    market: Literal["spot", "on-demand"] = Field(default="spot", description="for people and the planner's prices")
+    ray_resource: str | None = Field(default=None, description="the accelerator_type:<NAME> resource this type's "
+                                     "nodes carry (default: Ray's own name for the GPU, e.g. A100, L4, T4; A100-40GB "
+                                     "and A100-80GB share 'A100', so give each its own name on a fleet with both)")
+    substitutes: list[str] = Field(default=[], description="types asked for instead, in this order, when this "
+                                   "one stays short of max_nodes past fleet.substitute_after_s (a dry spot pool)")
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from planner.catalog import canonical_gpu_type
+
+        return canonical_gpu_type(v)
+
+    @model_validator(mode="after")
+    def _range(self) -> FleetType:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"{self.gpu_type}: min_nodes {self.min_nodes} is above max_nodes {self.max_nodes}; "
+                             "raise max_nodes or lower min_nodes")
+        return self
+
+
+class FleetSpec(_Section):
+    """The GPUs hetspot asks Ray's autoscaler for (orchestrator/cluster/capacity.py): demand that stands while
+    the job runs, so a preempted node is replaced, and is withdrawn when the job ends."""
+
+    types: list[FleetType] = Field(min_length=1, description="the GPU types the job may use")
+    wait_s: float = Field(default=900.0, gt=0, le=86400, description="fail (exit 2) when the types' min_nodes are "
+                          "not up after this many seconds")
+    substitute_after_s: float = Field(default=300.0, gt=0, description="a type short of max_nodes this long is "
+                                      "asked for as its substitutes instead")
+    poll_s: float = Field(default=2.0, gt=0, le=60, description="seconds between two looks at the cluster")
+
+    @model_validator(mode="after")
+    def _substitutes(self) -> FleetSpec:
+        from planner.catalog import canonical_gpu_type
+
+        names = [t.gpu_type for t in self.types]
+        if len(set(names)) != len(names):
+            raise ValueError(f"types: {names} lists a GPU type twice; give each type once")
+        graph: dict[str, list[str]] = {}
+        for t in self.types:
+            subs = [canonical_gpu_type(x) for x in t.substitutes]
+            unknown = [x for x in subs if x not in names]
+            if unknown:
+                raise ValueError(f"{t.gpu_type}.substitutes: {unknown} are not fleet types; add them to "
+                                 "fleet.types (with min_nodes 0) or remove them")
+            if t.gpu_type in subs:
+                raise ValueError(f"{t.gpu_type}.substitutes names the type itself; remove it")
+            t.substitutes[:] = subs
+            graph[t.gpu_type] = subs
+        for start in graph:  # a type may not stand in, through others, for itself: a substitute cycle
+            seen, todo = set(), list(graph[start])
+            while todo:
+                x = todo.pop()
+                if x == start:
+                    raise ValueError(f"substitutes form a cycle through {start}; a type may stand in for another, "
+                                     "not back again: remove one direction")
+                if x not in seen:
+                    seen.add(x)
+                    todo += graph[x]
+        return self
+
+
 class JobSpec(_Section):
     name: str = "hetspot-job"
     model: ModelSection
@@ -138,6 +214,7 @@ class JobSpec(_Section):
     data: DataSpec = DataSpec()
     runtime: RuntimeSpec = RuntimeSpec()
     checkpoint: CheckpointSpec | None = Field(default=None, description="S3 checkpoints; none: snapshots in memory only")
+    fleet: FleetSpec | None = Field(default=None, description="GPUs to ask Ray's autoscaler for (--address jobs)")
     steps: int = Field(default=10, ge=1)
 
     @property

@@ -22,6 +22,7 @@ GAUGES = {
     "device_memory_bytes": ("hetspot_device_memory_bytes", "largest per-worker peak memory in the last step"),
     "step": ("hetspot_step", "index of the last committed step"),
     "restarts": ("hetspot_restarts", "re-plans after failures so far"),
+    "upload_lag_steps": ("hetspot_upload_lag_steps", "committed steps since the newest step in S3 (jobs with S3)"),
 }
 
 
@@ -51,7 +52,7 @@ class StepMetrics:
 
     def record(self, row: dict) -> None:
         for key, g in self.gauges.items():
-            if row[key] is not None:  # no MFU on fake GPUs
+            if row.get(key) is not None:  # no MFU on fake GPUs, no upload lag without S3
                 g.set(float(row[key]))
 
 

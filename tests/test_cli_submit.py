@@ -154,3 +154,28 @@ def test_plan_that_does_not_fit_fails_before_actors(tmp_path):
     msg = " ".join(res.output.split())
     assert "does not fit: device b/0 needs" in msg and "has 24" in msg and "Traceback" not in res.output
     assert not ray.is_initialized()
+
+
+def test_status_shows_where_the_s3_tier_stands(monkeypatch):
+    """Issue 30, acceptance 5: the upload lag a committed step's row carries (controller_actor) goes through the
+    driver's progress line to `hetspot status`."""
+    from orchestrator import ray_jobs
+    from orchestrator.progress_lines import last_progress, progress_line
+
+    row = {"step": 41, "loss": 2.5, "tokens_per_s": 1000.0, "mfu": None, "step_time_s": 0.5, "restarts": 1,
+           "device_memory_bytes": 0, "steps": 100, "upload_lag_steps": 3, "upload_backlog": 2, "s3_step": 38,
+           "failed_uploads": 1}
+    log = "hetspot: job x\n" + progress_line(row) + "\n"
+
+    class FakeJobs:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def status(self, job_id):
+            return {"job_id": job_id, "status": "RUNNING", "message": "", "progress": last_progress(log),
+                    "phase": "training", "events": []}
+
+    monkeypatch.setattr(ray_jobs, "RayJobs", FakeJobs)
+    res = runner.invoke(app, ["status", "job-1", "--address", "http://127.0.0.1:1"])
+    assert res.exit_code == 0, res.output
+    assert "S3: newest step 38, 3 steps behind, 2 upload(s) in flight or waiting, 1 failed" in res.output

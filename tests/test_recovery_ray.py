@@ -108,6 +108,18 @@ def final_state(j: JobSpec) -> dict:
     return state
 
 
+def run_flushing(c) -> State:
+    """Run to the end, waiting for each step's upload, so every step lands in S3 (the uploader drops a waiting
+    step for a newer one when S3 is slower than training)."""
+    last = c.progress.committed
+    while c.state not in (State.DONE, State.FAILED):
+        c.step()
+        if c.progress.committed != last:
+            last = c.progress.committed
+            c.store.flush()
+    return c.state
+
+
 def run_until(c, step: int) -> None:
     while c.progress.committed < step:
         assert c.step() not in (State.DONE, State.FAILED), c.error
@@ -216,33 +228,42 @@ def unit_layer(name: str, num_layers: int = 4) -> int:
     return -1 if name.startswith(("wte", "wpe")) else num_layers
 
 
-def test_two_nodes_killed_restore_exactly_the_lost_units_from_s3(cluster, endpoint):
-    """Acceptance 2: two nodes killed at once, taking every live holder and the peer copy of some units:
-    exactly those units come from S3, and the S3 bytes read are their objects' sizes."""
-    m1, m2, m3 = nodes(cluster, ("pp-1", "H100-SXM", 1), ("pp-2", "L4", 1), ("pp-3", "A100-80GB", 1))
-
+def three_stage_plan(m1: NodeSpec, m2: NodeSpec, m3: NodeSpec) -> Plan:
     def st(a, b, n):
         return Stage(layer_start=a, layer_end=b, gpu_type=n.gpu_type, node=n.name, devices=[f"{n.name}/0"])
-    plan = Plan(model_name="gpt-32", num_layers=4, global_batch=8, pipelines=[Pipeline(
+    return Plan(model_name="gpt-32", num_layers=4, global_batch=8, pipelines=[Pipeline(
         num_samples=8, micro_batch_size=4, num_micro_batches=2, stages=[st(0, 1, m1), st(1, 3, m2), st(3, 4, m3)])])
-    j = make_job([m1, m2, m3], endpoint, "two-lost")
-    c = make_controller(j, STEPS, first_plan=plan)
-    run_until(c, 1)
-    c.store.flush()
-    # Who holds what at step 1: live on the ranks' nodes, peer copies where the keepers say.
+
+
+def first_stage_and_its_peer(c, step: int) -> tuple[set[str], list[str]]:
+    """The first stage's node and the node keeping its peer copy of `step`, and the units only they hold."""
+    nodes_ = [s.node for s in c.plan.pipelines[0].stages]
     holders: dict[str, set[str]] = {}
-    for rank_needs, node in zip(c.group.needs(), ["pp-1", "pp-2", "pp-3"], strict=True):
+    for rank_needs, node in zip(c.group.needs(), nodes_, strict=True):
         for n in rank_needs:
             holders.setdefault(n["unit"], set()).add(node)
     for node, k in c.store.keepers.items():
         for row in ray.get(k.inventory.remote()):
-            if row["tier"] == "peer" and row["step"] == 1:
+            if row["tier"] == "peer" and row["step"] == step:
                 holders[row["unit"]].add(node)
-    peer_of_first = {n for u, h in holders.items() if unit_layer(u) == -1 for n in h} - {"pp-1"}
-    doomed = {"pp-1", *peer_of_first}
+    peer_of_first = {n for u, h in holders.items() if unit_layer(u) == -1 for n in h} - {nodes_[0]}
+    doomed = {nodes_[0], *peer_of_first}
     assert len(doomed) == 2
     lost = sorted(u for u, h in holders.items() if h <= doomed)
     assert lost and len(lost) < len(holders)  # some units, not all
+    return doomed, lost
+
+
+def test_two_nodes_killed_restore_exactly_the_lost_units_from_s3(cluster, endpoint):
+    """Acceptance 2: two nodes killed at once, taking every live holder and the peer copy of some units:
+    exactly those units come from S3, and the S3 bytes read are their objects' sizes."""
+    m1, m2, m3 = nodes(cluster, ("pp-1", "H100-SXM", 1), ("pp-2", "L4", 1), ("pp-3", "A100-80GB", 1))
+    plan = three_stage_plan(m1, m2, m3)
+    j = make_job([m1, m2, m3], endpoint, "two-lost")
+    c = make_controller(j, STEPS, first_plan=plan)
+    run_until(c, 1)
+    c.store.flush()
+    doomed, lost = first_stage_and_its_peer(c, 1)
     manifest = S3Checkpoints(j.checkpoint.uri, endpoint).manifest(1)  # read now: `keep` prunes it later
     kill(cluster, *doomed)
     assert c.run() == State.DONE, c.error
@@ -311,7 +332,7 @@ def test_corrupt_newest_step_is_refused_and_the_previous_one_resumes(cluster, en
     first_node, = nodes(cluster, (f"cr-{damage}-a", "H100-SXM", 1))
     j1 = make_job([first_node], endpoint, f"corrupt-{damage}")
     first = make_controller(j1, 3)
-    assert first.run() == State.DONE, first.error
+    assert run_flushing(first) == State.DONE, first.error
     store = S3Checkpoints(j1.checkpoint.uri, endpoint)
     assert store.complete_steps() == [2, 1, 0]
     if damage == "flipped-byte":
@@ -336,6 +357,9 @@ def test_corrupt_newest_step_is_refused_and_the_previous_one_resumes(cluster, en
     losses = {s: first.progress.losses[s] for s in (0, 1)} | second.progress.losses
     assert sorted(second.progress.losses) == [2, 3, 4]
     assert_matches_reference(j1, losses, final_state(j2))
+    redo = next(u for u in second.store.uploads if u["step"] == 2)  # the redone step 2 replaced the refused one
+    assert redo["status"] == "written", second.store.uploads
+    assert all(store.verify(s) == [] for s in store.complete_steps())
 
 
 def test_controller_receives_metadata_only_whatever_the_model_size(cluster):
@@ -402,3 +426,100 @@ def test_scale_up_moves_onto_a_faster_joining_node_and_declines_a_late_one(clust
     assert "below its migration cost" in no["cause"] and no["steps_left"] <= 3
     assert {s.node for p in c.plan.pipelines for s in p.stages} == {slow.name}
     assert_matches_reference(j, c.progress.losses)
+
+
+def every_step_is_whole(j: JobSpec) -> list[int]:
+    """Every manifest under the job's prefix covers the whole model and verifies; the steps, newest first."""
+    store = S3Checkpoints(j.checkpoint.uri, j.checkpoint.endpoint_url)
+    steps = store.complete_steps()
+    for s in steps:
+        assert store.verify(s) == [], (s, store.verify(s))
+        assert sorted(store.manifest(s)["units"]) == sorted(reference(j)[1]), s
+    return steps
+
+
+def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cluster, endpoint):
+    """Issue 30, acceptance 3: step 2's upload is held at S3 (a slow proxy) when the first stage's node and its
+    peer keeper die. The old uploader then wrote a manifest of what the surviving keepers held (half the model);
+    now step 2 is not written, every manifest in the bucket covers the whole model and verifies, no whole step
+    is pruned for a partial one, and the oracle holds."""
+    from orchestrator.drills.s3_proxy import S3FaultProxy
+
+    proxy = S3FaultProxy(endpoint)
+    try:
+        m1, m2, m3 = nodes(cluster, ("hm-1", "H100-SXM", 1), ("hm-2", "L4", 1), ("hm-3", "A100-80GB", 1))
+        j = make_job([m1, m2, m3], proxy.url, "half-model", keep=2)
+        c = make_controller(j, STEPS, first_plan=three_stage_plan(m1, m2, m3))
+        run_until(c, 1)
+        c.store.flush()
+        doomed, lost = first_stage_and_its_peer(c, 1)
+        proxy.delay_s = 3.0  # step 2's upload waits at S3 while the nodes go
+        run_until(c, 2)
+        kill(cluster, *doomed)
+        proxy.delay_s = 0.0
+        assert c.run() == State.DONE, c.error
+        first_try = next(u for u in c.store.uploads if u["step"] == 2)
+        assert first_try["status"] == "failed" and "not written" in first_try["error"], c.store.uploads
+        assert any(u in first_try["error"] for u in lost)
+        steps = every_step_is_whole(j)
+        assert steps == [STEPS - 1, STEPS - 2]  # keep: 2, both whole
+        assert_matches_reference(j, c.progress.losses, final_state(j))
+    finally:
+        proxy.stop()
+
+
+def test_uploads_coalesce_when_s3_is_slower_than_training(cluster, endpoint):
+    """Issue 30, acceptance 5: with `s3_every: 1` and every S3 request slowed, the uploader keeps at most two
+    steps (one in flight, one waiting): older waiting steps are dropped, not written late. Through the controller
+    actor the CLI uses: each committed step's row carries the lag and the backlog (what `status` prints), the
+    end waits for those two at most, and the last step is in S3, whole."""
+    from orchestrator.controller_actor import ControllerActor, drive, on_head
+    from orchestrator.drills.s3_proxy import S3FaultProxy
+
+    proxy = S3FaultProxy(endpoint)
+    proxy.delay_s = 0.02  # about 150 requests an upload: several steps' time
+    try:
+        a, b = nodes(cluster, ("lag-a", "H100-SXM", 1), ("lag-b", "L4", 1))
+        steps = 12
+        j = make_job([a, b], proxy.url, "lag").model_copy(update={"steps": steps})
+        actor = ControllerActor.options(**on_head()).remote(j.model_dump_json(), steps, "lag", True,
+                                                            dp_plan(a, b).model_dump_json())
+        rows: list[dict] = []
+        summary = drive(actor, rows.append)
+        assert summary["state"] == "done", summary["error"]
+        assert [r["step"] for r in rows] == list(range(steps))
+        assert all(r["upload_backlog"] <= 2 for r in rows), [r["upload_backlog"] for r in rows]
+        assert max(r["upload_lag_steps"] for r in rows) >= 2  # S3 really was slower than training...
+        status = {u["status"] for u in summary["uploads"]}
+        by = {k: [u["step"] for u in summary["uploads"] if u["status"] == k] for k in status}
+        assert by.get("dropped"), summary["uploads"]  # ...so waiting steps were dropped for newer ones
+        assert not by.get("failed") and len(by["written"]) + len(by["dropped"]) == steps
+        assert max(by["written"]) == steps - 1 and summary["upload_lag"]["lag_steps"] == 0
+        assert summary["upload_lag"]["backlog"] == 0
+        every_step_is_whole(j)
+        assert_matches_reference(j, {s: x for s, x in enumerate(summary["losses"][:STEPS])})
+    finally:
+        proxy.stop()
+
+
+def test_a_503_slowdown_period_loses_no_step_and_no_upload(cluster, endpoint):
+    """Issue 30, acceptance 6: S3 answers 503 SlowDown for 4 s during training. botocore's standard retry mode
+    backs off and retries: no upload fails, training does not wait, the newest step lands after the period."""
+    from orchestrator.drills.s3_proxy import S3FaultProxy
+
+    proxy = S3FaultProxy(endpoint)
+    try:
+        a, b = nodes(cluster, ("slow-a", "H100-SXM", 1), ("slow-b", "L4", 1))
+        j = make_job([a, b], proxy.url, "slowdown")
+        c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+        run_until(c, 0)
+        c.store.flush()
+        proxy.slowdown(4.0)
+        assert c.run() == State.DONE, c.error
+        assert proxy.counts["throttled"] > 0
+        assert not [u for u in c.store.uploads if u["status"] == "failed"], c.store.uploads
+        assert max(u["step"] for u in c.store.uploads if u["status"] == "written") == STEPS - 1
+        assert every_step_is_whole(j)[0] == STEPS - 1
+        assert_matches_reference(j, c.progress.losses, final_state(j))
+    finally:
+        proxy.stop()

@@ -127,3 +127,83 @@ def test_malformed_uri(uri):
 def test_uri_parts():
     assert parse_uri("s3://my-bucket/runs/a/") == ("my-bucket", "runs/a")
     assert parse_uri("s3://my-bucket") == ("my-bucket", "")
+
+
+def _meta(job: str) -> dict:
+    return {"job": job, "run_id": "r1"}
+
+
+def test_prefixes_are_directories_job1_never_sees_job10(endpoint):
+    """Issue 30, acceptance 2: each job lists, prunes, verifies and resumes only its own steps."""
+    client = boto3.client("s3", region_name="us-east-1", endpoint_url=endpoint, aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    client.create_bucket(Bucket="shared")
+    job1 = S3Checkpoints("s3://shared/job1", client=client)
+    job10 = S3Checkpoints("s3://shared/job10", client=client)
+    for s in (1, 2):
+        job1.save(s, state(s), float(s), _meta("job1"))
+    for s in (5, 6, 7, 8):  # newer steps next door
+        job10.save(s, state(s + 10), float(s), _meta("job10"))
+    assert job1.complete_steps() == [2, 1] and job10.complete_steps() == [8, 7, 6, 5]
+    assert job1.newest_whole() == (2, _meta("job1"))
+    assert job1.keep_newest(1) == [1]  # job10's newer steps neither count nor go
+    assert job10.complete_steps() == [8, 7, 6, 5] and job1.complete_steps() == [2]
+    assert job10.keep_newest(2) == [5, 6] and job1.complete_steps() == [2]
+    assert job1.verify(2) == [] and job1.load_latest()[0] == 2
+    assert_same(job1.load(2)[0], state(2))
+    job1.delete_step(2)
+    assert job10.complete_steps() == [8, 7]
+    root = S3Checkpoints("s3://shared", client=client)  # the bucket's root holds no step of its own
+    assert root.steps() == []
+
+
+def test_a_manifest_short_of_the_model_is_never_written(store):
+    s = state(1)
+    pieces = {"wte.weight": [store.put_piece(3, "wte.weight", ((0, 8), (0, 1024)), s["wte.weight"])]}
+    model_units = {"wte.weight": [8, 1024], "ln_f.bias": [4]}
+    with pytest.raises(CheckpointError, match=r"covers? 1 of the model's 2 units \(missing ln_f.bias\)"):
+        store.write_manifest(3, {"wte.weight": [8, 1024]}, pieces, 1.0, _meta("tiny"), model_units)
+    half = {"wte.weight": [store.put_piece(3, "wte.weight", ((0, 4), (0, 1024)),
+                                           {k: v[:4] for k, v in s["wte.weight"].items()})]}
+    with pytest.raises(CheckpointError, match="missing wte.weight"):  # a unit's pieces must tile it
+        store.write_manifest(3, {"wte.weight": [8, 1024]}, half, 1.0, _meta("tiny"), {"wte.weight": [8, 1024]})
+    assert store.complete_steps() == []
+
+
+def _half_manifest(store, step: int, job: str = "tiny") -> None:
+    """A manifest as the old uploader wrote after a node loss: it lists fewer units than the model has."""
+    import json
+    import time
+
+    s = state(step)
+    piece = store.put_piece(step, "wte.weight", ((0, 8), (0, 1024)), s["wte.weight"])
+    units = {"wte.weight": {"shape": [8, 1024], "pieces": [piece], "bytes": piece["bytes"]}}
+    m = {"format": "hetspot-checkpoint/3", "step": step, "optimizer_steps": float(step), "written_at": time.time(),
+         "meta": _meta(job), "model_units": {"wte.weight": [8, 1024], "ln_f.bias": [4]}, "units": units}
+    store.client.put_object(Bucket=store.bucket, Key=store.manifest_key(step), Body=json.dumps(m).encode())
+
+
+def test_half_steps_never_count_for_keep_and_their_redo_replaces_them(store):
+    for s in (1, 2):
+        store.save(s, state(s), float(s), _meta("tiny"))
+    for s in (3, 4):
+        _half_manifest(store, s)
+    assert "not whole" in store.verify(3)[0] and "ln_f.bias" in store.verify(3)[0]
+    with pytest.raises(CheckpointError, match="not whole"):
+        store.load(4)
+    assert store.load_latest()[0] == 2 and [m["step"] for m in store.manifests()] == [2, 1]
+    assert store.newest_whole()[0] == 2
+    # keep 1: the half steps go, and the last whole step stays whatever is newer
+    assert store.keep_newest(1) == [1, 3, 4]
+    assert store.complete_steps() == [2]
+    _half_manifest(store, 3)
+    assert store.prepare_step(3, "tiny") == "new"  # the redo of a half step replaces it
+    assert store.complete_steps() == [2]
+    store.save(3, state(3), 3.0, _meta("tiny"))
+    assert store.verify(3) == [] and store.load_latest()[0] == 3
+    assert store.prepare_step(3, "tiny") == "exists"  # a whole step is never touched
+    assert store.prepare_step(3, "tiny", bad=True) == "new"  # unless a restore refused it as corrupt
+    assert store.complete_steps() == [2]
+    store.save(3, state(3), 3.0, _meta("tiny"))
+    with pytest.raises(CheckpointError, match="belongs to job 'tiny', not 'other'"):
+        store.prepare_step(3, "other")

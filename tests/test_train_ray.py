@@ -410,7 +410,8 @@ def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
         first = make_controller(with_cluster([CLUSTER.nodes[0]]), steps=3)  # the A100 node
         assert first.run() == State.DONE, first.error
         store = S3Checkpoints(ckpt["uri"], endpoint)
-        assert store.complete_steps() == [2, 1]  # keep: 2
+        steps = store.complete_steps()  # keep: 2; step 1 may have been dropped for step 2 (a slower upload)
+        assert steps[0] == 2 and len(steps) <= 2 and all(store.verify(s) == [] for s in steps)
         step2_bytes = sum(u["bytes"] for u in store.manifest(2)["units"].values())
         second = make_controller(with_cluster(CLUSTER.nodes[1:]), steps=STEPS)  # L4 and T4 nodes only
         assert second.run() == State.DONE, second.error

@@ -21,7 +21,10 @@ log = logging.getLogger("hetspot.drill")
 
 
 class S3Server:
-    """moto's threaded S3 server; `outage(s)` stops it and starts it again on the same port (state kept)."""
+    """moto's threaded S3 server behind the drills' fault proxy (orchestrator/drills/s3_proxy.py): jobs reach
+    it at `url`, the proxy's. `outage(s)` stops moto and starts it again on the same port (state kept; the
+    proxy drops connections meanwhile); `slowdown(s)` has the proxy answer 503 SlowDown; `proxy.delay_s` slows
+    every request."""
 
     def __init__(self):
         try:
@@ -36,13 +39,17 @@ class S3Server:
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         host, self.port = self.server.get_host_and_port()
-        self.url = f"http://{host}:{self.port}"
+        self.backend_url = f"http://{host}:{self.port}"
+        from orchestrator.drills.s3_proxy import S3FaultProxy
+
+        self.proxy = S3FaultProxy(self.backend_url)
+        self.url = self.proxy.url
         self.down_s = 0.0
 
     def bucket(self, name: str) -> None:
         import boto3
 
-        boto3.client("s3", endpoint_url=self.url, region_name="us-east-1").create_bucket(Bucket=name)
+        boto3.client("s3", endpoint_url=self.backend_url, region_name="us-east-1").create_bucket(Bucket=name)
 
     def outage(self, seconds: float) -> threading.Thread:
         self.server.stop()
@@ -59,7 +66,11 @@ class S3Server:
         t.start()
         return t
 
+    def slowdown(self, seconds: float) -> None:
+        self.proxy.slowdown(seconds)
+
     def stop(self) -> None:
+        self.proxy.stop()
         self.server.stop()
 
 
@@ -105,6 +116,9 @@ class FaultInjection:
             self._corrupt(f)
         elif f.kind == "s3-outage":
             self.threads.append(self.s3.outage(f.for_s))
+            self._record(f, for_s=f.for_s)
+        elif f.kind == "s3-slowdown":
+            self.s3.slowdown(f.for_s)
             self._record(f, for_s=f.for_s)
         elif f.kind == "add-node":
             if threading.current_thread() is not threading.main_thread():

@@ -51,6 +51,10 @@ def drill_tables(r: dict, console: Console) -> None:
                   f"{'' if s['exactly_once'] else ' [red](not exactly once)[/]'}")
     console.print(f"restored by tier: {tiers}; lost (redone) steps: {r['lost_steps']}; failed uploads: "
                   f"{r['failed_uploads']}")
+    lag = r.get("upload_lag") or {}
+    if lag:
+        console.print(f"S3 uploads: newest step {lag['newest_step']}, at most {lag['max_lag_steps']} steps behind and "
+                      f"{lag['max_backlog']} in flight or waiting at a commit, {lag['dropped']} dropped for a newer step")
     console.print(f"goodput: {r['goodput'] * 100:.1f}% (useful step time {r['useful_s']:.1f} s of {r['wall_s']:.1f} s)")
     for bad in r["expect_failures"]:
         console.print(f"[red]expectation not met[/]: {bad}")

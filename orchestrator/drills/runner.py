@@ -77,6 +77,7 @@ class Drill(FaultInjection):
         self.main_queue: list[Fault] = []
         self.threads: list[threading.Thread] = []
         self.ref_nodes: list[str] = []  # nodes started for the replayed reference
+        self.lags: list[dict] = []  # the S3 tier's standing at each commit (TieredState.upload_lag)
         self.c = None
         self.t0 = 0.0
 
@@ -180,6 +181,7 @@ class Drill(FaultInjection):
                         s = c.progress.committed
                         plans[s] = plan
                         commits.append((s, c.clock.now() - c.started_at, c.progress.step_time_s.get(s, 0.0)))
+                        self.lags.append(c.store.upload_lag(s))
                         for at, action in [a for a in after_commit if a[0] <= s]:
                             after_commit.remove((at, action))
                             action()
@@ -255,6 +257,7 @@ class Drill(FaultInjection):
                "refused_steps": sum(len(e.get("refused_steps", [])) for e in restores),
                "scale_ups": sum(e["kind"] == "scale-up" for e in events),
                "failed_uploads": sum(1 for u in c.store.uploads if u["error"]), "bytes_by_tier": by_tier,
+               "s3_last_step": c.store.upload_lag(c.progress.committed)["newest_step"] == steps - 1,
                "final_nodes": c.plan.nodes() if c.plan else []}
         final = {s: c.progress.samples.get(s, []) for s in range(steps)}
         useful = sum(c.progress.step_time_s.get(s, 0.0) for s in range(steps))
@@ -263,9 +266,18 @@ class Drill(FaultInjection):
             reference=list(reference), max_rel_diff=max(diffs, default=float("inf")), commits=commits, events=events,
             faults=self.fired, recoveries=recoveries, bytes_by_tier=by_tier, lost_steps=lost,
             samples=check_samples(final, steps, c.train.global_batch), wall_s=wall, useful_s=useful,
-            uploads=list(c.store.uploads), error=error, reference_kind=self.reference_kind)
+            uploads=list(c.store.uploads), error=error, reference_kind=self.reference_kind,
+            upload_lag=upload_summary(self.lags, c.store.upload_lag(c.progress.committed)))
         res.expect_failures = check_expect(self.sc.expect, got) if error is None else []
         return res
+
+
+def upload_summary(lags: list[dict], end: dict) -> dict:
+    """The S3 tier over a drill: the largest lag (steps since the newest step in S3) and backlog (uploads in
+    flight or waiting) seen at a commit, and at the end the newest step, dropped and failed uploads."""
+    return {"max_lag_steps": max((x["lag_steps"] for x in lags), default=0),
+            "max_backlog": max((x["backlog"] for x in lags), default=0)} | {
+        k: end[k] for k in ("newest_step", "dropped", "failed")}
 
 
 def run_scenario(sc: Scenario, on_line: Callable[[str], None] | None = None) -> DrillResult:

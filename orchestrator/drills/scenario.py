@@ -15,8 +15,9 @@ through the node's fake metadata service, or a Ray drain; the node is killed at
 `deadline_s`), preempt-during-upload (the step's S3 upload is held in the
 keepers when the node dies), preempt-during-recovery (`then` nodes die while
 the first recovery restores state), corrupt-s3 (one byte flipped in the newest
-complete S3 step), s3-outage (the S3 endpoint stops for `for_s` seconds), and
-add-node (declared nodes that start absent and join).
+complete S3 step), s3-outage (the S3 endpoint stops for `for_s` seconds),
+s3-slowdown (every S3 request is answered 503 SlowDown for `for_s` seconds, as a
+real bucket throttles), and add-node (declared nodes that start absent and join).
 
 Every error names the scenario's line and the fix (exit code 2 from the CLI).
 """
@@ -33,7 +34,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.job_spec import JobSpec, _cluster_file, _read_yaml, format_validation, parse_job
 
 KINDS = ("preempt", "notice", "preempt-during-upload", "preempt-during-recovery", "corrupt-s3", "s3-outage",
-         "add-node")
+         "s3-slowdown", "add-node")
 NEEDS_NODES = {"preempt", "notice", "preempt-during-upload", "preempt-during-recovery", "add-node"}
 TIER_NAMES = ("live", "peer", "s3")
 
@@ -48,7 +49,7 @@ class Fault(BaseModel):
     deadline_s: float = Field(default=20.0, gt=0, le=600, description="notice: seconds until the node is killed")
     then: list[str] = Field(default=[], description="preempt-during-recovery: killed while the first recovery "
                             "restores state; default: a node of the new plan")
-    for_s: float = Field(default=5.0, gt=0, le=600, description="s3-outage: seconds without S3")
+    for_s: float = Field(default=5.0, gt=0, le=600, description="s3-outage, s3-slowdown: seconds without S3, or of 503 SlowDown")
     unit: str | None = Field(default=None, description="corrupt-s3: the unit to damage; default the first")
     line: int = 0  # the scenario line it came from (set by the loader)
 
@@ -63,6 +64,8 @@ class Expect(BaseModel):
     scale_ups: int | None = Field(default=None, ge=0)
     failed_uploads: str | int | None = Field(default=None, description="count, or '>0'")
     final_nodes: list[str] | None = Field(default=None, description="the nodes the last plan trains on")
+    s3_last_step: bool | None = Field(default=None, description="true: the job's last step is in S3 at the end, "
+                                      "whole (no fault kept the newest state from landing)")
     bytes: dict[Literal["live", "peer", "s3"], int | str] = Field(
         default={}, description="bytes restored per tier: an exact count, 0, or '>0'")
 
@@ -238,6 +241,8 @@ def check_expect(expect: Expect, got: dict) -> list[str]:
         bad.append(f"final plan's nodes: expected {sorted(expect.final_nodes)}, got {got['final_nodes']}")
     if expect.failed_uploads is not None and not _matches(expect.failed_uploads, got["failed_uploads"]):
         bad.append(f"failed_uploads: expected {expect.failed_uploads}, got {got['failed_uploads']}")
+    if expect.s3_last_step is not None and got["s3_last_step"] != expect.s3_last_step:
+        bad.append(f"the job's last step in S3: expected {expect.s3_last_step}, got {got['s3_last_step']}")
     for tier, want in expect.bytes.items():
         if not _matches(want, got["bytes_by_tier"][tier]):
             bad.append(f"bytes from {tier}: expected {want}, got {got['bytes_by_tier'][tier]}")

@@ -3,12 +3,17 @@
 Layout under `s3://BUCKET/PREFIX/`:
     step-0000000041/units/<parameter name>/<region>.safetensors   tensors "param", "exp_avg", "exp_avg_sq"
     step-0000000041/manifest.json                                  written last, with If-None-Match: *
-A region is the slice of the full tensor an object holds (`0-64.0-32`: rows
+The prefix is a directory: `s3://b/job1` is `job1/` and never sees `job10/`. A region is the slice of the full tensor an object holds (`0-64.0-32`: rows
 0-64, columns 0-32), so the keepers upload the TP shards they hold without
 gathering them anywhere, and a reader cuts out what its own layout needs. The
 manifest lists, per unit, its full shape and its pieces (key, region, SHA256,
-size). A step without a manifest does not exist: a writer that dies mid-upload leaves
-objects no reader will use. The manifest holds every object's SHA256 and size,
+size), the model's whole unit list (`model_units`, from the job's model, not from
+whoever answered) and the job that wrote it (`meta.job`, `meta.run_id`). A step
+without a manifest does not exist: a writer that dies mid-upload leaves objects no
+reader will use; and a manifest is written only when its pieces cover every unit of
+`model_units` (`write_manifest` refuses otherwise), so a step that exists is whole.
+A step found not whole or refused as corrupt is replaced by deleting it (manifest
+first) before its redo is uploaded (`prepare_step`). The manifest holds every object's SHA256 and size,
 and every read is verified against it (moto, like some S3-compatible stores,
 does not check checksums, so the client must); a mismatch or an unreadable
 manifest refuses that step with a log line naming the object, and
@@ -28,9 +33,11 @@ import re
 import time
 from dataclasses import dataclass
 
-FORMAT = "hetspot-checkpoint/2"
+FORMAT = "hetspot-checkpoint/3"
+READ_FORMATS = ("hetspot-checkpoint/2", FORMAT)  # /2 has no model_units: they come from meta.model
 MULTIPART_BYTES = 8 << 20
 _STEP = re.compile(r"step-(\d{10})/(.+)$")
+RETRIES = {"mode": "standard", "max_attempts": 8}  # 503 SlowDown and throttling back off with jitter
 log = logging.getLogger("hetspot.checkpoints")
 
 
@@ -64,6 +71,11 @@ class S3Checkpoints:
         self.multipart_bytes = multipart_bytes
 
     # -- keys ---------------------------------------------------------------------
+    @property
+    def dir(self) -> str:
+        """The prefix as a directory ("job1/"; "" for the bucket's root): `job1` never lists `job10`'s keys."""
+        return f"{self.prefix}/" if self.prefix else ""
+
     def _key(self, step: int, rest: str) -> str:
         return "/".join(x for x in (self.prefix, f"step-{step:010d}", rest) if x)
 
@@ -72,8 +84,11 @@ class S3Checkpoints:
 
     # -- write --------------------------------------------------------------------
     def save(self, step: int, state: dict[str, dict], optimizer_steps: float, meta: dict | None = None) -> dict:
-        """Upload full canonical tensors (one piece per unit), then the manifest. Returns the manifest."""
-        self.refuse_existing(step)
+        """Upload full canonical tensors (one piece per unit), then the manifest. Returns the manifest.
+        The state's units are the model's: a direct save is whole by construction."""
+        if self.prepare_step(step, (meta or {}).get("job")) == "exists":
+            raise CheckpointError(f"step {step} already exists at s3://{self.bucket}/{self.manifest_key(step)}; "
+                                  "a step is written once")
         pieces, shapes = {}, {}
         for name, tensors in sorted(state.items()):
             shapes[name] = list(tensors["param"].shape)
@@ -81,10 +96,30 @@ class S3Checkpoints:
             pieces[name] = [self.put_piece(step, name, region, tensors)]
         return self.write_manifest(step, shapes, pieces, optimizer_steps, meta)
 
-    def refuse_existing(self, step: int) -> None:
-        if self._exists(self.manifest_key(step)):  # never touch the objects of a complete step
-            raise CheckpointError(f"step {step} already exists at s3://{self.bucket}/{self.manifest_key(step)}; "
-                                  "a step is written once")
+    def prepare_step(self, step: int, job: str | None = None, bad: bool = False) -> str:
+        """Before uploading `step`: "exists" when a whole, readable manifest of this job (`job`; None: any) is
+        there and not known `bad` (a complete step is never touched); else "new", after deleting what stood
+        there (a step left not whole, refused as corrupt, or unreadable), its manifest first."""
+        if not self._exists(self.manifest_key(step)):
+            return "new"
+        try:
+            m, why = self.manifest(step), None
+        except CheckpointError as e:
+            m, why = None, str(e)
+        if m is not None:
+            owner = m.get("meta", {}).get("job")
+            if job is not None and owner not in (None, job):
+                raise CheckpointError(f"step {step} at {self.uri} belongs to job {owner!r}, not {job!r}")
+            missing = missing_units(m)
+            if bad:
+                why = "refused as corrupt"
+            elif missing:
+                why = f"not whole (missing {len(missing)} units: {', '.join(missing[:3])})"
+        if why is None:
+            return "exists"
+        log.warning("replacing checkpoint step %d in %s: %s", step, self.uri, why)
+        self.delete_step(step)
+        return "new"
 
     def put_piece(self, step: int, unit: str, region, tensors: dict) -> dict:
         """Upload one unit's tensors over `region`; the manifest entry for it."""
@@ -97,12 +132,22 @@ class S3Checkpoints:
                 "bytes": len(data)}
 
     def write_manifest(self, step: int, shapes: dict[str, list[int]], pieces: dict[str, list[dict]],
-                       optimizer_steps: float, meta: dict | None = None) -> dict:
-        """The step's manifest, written last and only once (If-None-Match: *): the step now exists."""
+                       optimizer_steps: float, meta: dict | None = None,
+                       model_units: dict[str, list[int]] | None = None) -> dict:
+        """The step's manifest, written last and only once (If-None-Match: *): the step now exists.
+
+        `model_units` ({unit: full shape}, default `shapes`) is the job's whole model: a manifest whose pieces
+        do not cover every one of them is refused with CheckpointError and never written."""
         units = {n: {"shape": list(shapes[n]), "pieces": pieces[n], "bytes": sum(p["bytes"] for p in pieces[n])}
                  for n in sorted(pieces)}
+        model_units = {n: list(v) for n, v in sorted((model_units or shapes).items())}
         manifest = {"format": FORMAT, "step": step, "optimizer_steps": optimizer_steps, "written_at": time.time(),
-                    "meta": meta or {}, "units": units}
+                    "meta": meta or {}, "model_units": model_units, "units": units}
+        missing = missing_units(manifest)
+        if missing:
+            raise CheckpointError(f"step {step} not written: its pieces cover {len(model_units) - len(missing)} of "
+                                  f"the model's {len(model_units)} units (missing {', '.join(missing[:5])}"
+                                  f"{', ...' if len(missing) > 5 else ''})")
         self.client.put_object(Bucket=self.bucket, Key=self.manifest_key(step), IfNoneMatch="*",
                                Body=json.dumps(manifest).encode(), ContentType="application/json")
         return manifest
@@ -131,10 +176,10 @@ class S3Checkpoints:
     def steps(self) -> list[StepInfo]:
         """Every step under the prefix, newest first, complete or not."""
         found: dict[int, list] = {}
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.dir)
         for page in pages:
             for obj in page.get("Contents", []):
-                m = _STEP.search(obj["Key"])
+                m = _STEP.fullmatch(obj["Key"][len(self.dir):])  # directly under the prefix, not a sub-folder
                 if m:
                     found.setdefault(int(m.group(1)), []).append((m.group(2), obj["Size"]))
         return [StepInfo(s, any(rest == "manifest.json" for rest, _ in objs), len(objs), sum(n for _, n in objs))
@@ -149,8 +194,18 @@ class S3Checkpoints:
             m = json.loads(self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"s3://{self.bucket}/{key} is not valid JSON (truncated?): {e.msg}") from None
-        if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("units"), dict):
+        if not isinstance(m, dict) or m.get("format") not in READ_FORMATS or not isinstance(m.get("units"), dict):
             raise CheckpointError(f"s3://{self.bucket}/{key} is not a {FORMAT} manifest")
+        return m
+
+    def whole_manifest(self, step: int) -> dict:
+        """The manifest of `step` when it covers its whole model; CheckpointError naming the missing units if not."""
+        m = self.manifest(step)
+        missing = missing_units(m)
+        if missing:
+            raise CheckpointError(f"step {step} is not whole: {len(missing)} of the model's "
+                                  f"{len(expected_units(m))} units are missing ({', '.join(missing[:5])}"
+                                  f"{', ...' if len(missing) > 5 else ''})")
         return m
 
     def manifests(self, limit: int | None = None) -> list[dict]:
@@ -158,7 +213,7 @@ class S3Checkpoints:
         out = []
         for step in self.complete_steps():
             try:
-                out.append(self.manifest(step))
+                out.append(self.whole_manifest(step))
             except CheckpointError as e:
                 log.warning("refusing checkpoint step %d: %s", step, e)
             if limit is not None and len(out) >= limit:
@@ -170,9 +225,11 @@ class S3Checkpoints:
         from safetensors.torch import load as from_safetensors
 
         data = self.client.get_object(Bucket=self.bucket, Key=entry["key"])["Body"].read()
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != entry["bytes"] or digest != entry["sha256"]:
             raise CheckpointError(f"s3://{self.bucket}/{entry['key']} does not match its SHA256 in the manifest "
-                                  f"of step {step} ({len(data)} bytes, manifest says {entry['bytes']})")
+                                  f"of step {step} (read {len(data)} bytes with SHA256 {digest[:12]}...; the "
+                                  f"manifest says {entry['bytes']} bytes with SHA256 {entry['sha256'][:12]}...)")
         return from_safetensors(data), len(data)
 
     def read_unit(self, manifest: dict, name: str) -> tuple[dict, int]:
@@ -191,8 +248,8 @@ class S3Checkpoints:
         return full, nbytes
 
     def load(self, step: int, names: list[str] | None = None) -> tuple[dict, float, int]:
-        """(state by unit name, optimizer steps, bytes read) of a complete step; CheckpointError if unusable."""
-        m = self.manifest(step)
+        """(state by unit name, optimizer steps, bytes read) of a whole step; CheckpointError if unusable."""
+        m = self.whole_manifest(step)
         state, nbytes = {}, 0
         for name in names if names is not None else sorted(m["units"]):
             tensors, n = self.read_unit(m, name)
@@ -212,12 +269,15 @@ class S3Checkpoints:
         return None
 
     def verify(self, step: int) -> list[str]:
-        """Problems found re-reading every object of a step against its checksum (empty: the step is sound)."""
+        """Problems found checking a step: its manifest against the model's unit list (every unit, every region
+        covered), then every object re-read against its checksum (empty: the step is sound)."""
         try:
             m = self.manifest(step)
         except CheckpointError as e:
             return [str(e)]
-        problems = []
+        missing = missing_units(m)
+        problems = [f"step {step} is not whole: the manifest lacks {len(missing)} of the model's "
+                    f"{len(expected_units(m))} units: {', '.join(missing)}"] if missing else []
         for name in sorted(m["units"]):
             try:
                 self.read_unit(m, name)
@@ -229,7 +289,7 @@ class S3Checkpoints:
     def delete_step(self, step: int) -> int:
         """Delete a step's objects, the manifest first (so the step stops existing before its data goes)."""
         keys = [self.manifest_key(step)]
-        prefix = self._key(step, "")
+        prefix = self._key(step, "") + "/"
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             keys += [o["Key"] for o in page.get("Contents", []) if o["Key"] != keys[0]]
         for i in range(0, len(keys), 1000):
@@ -237,15 +297,77 @@ class S3Checkpoints:
         return len(keys)
 
     def keep_newest(self, keep: int) -> list[int]:
-        """Delete complete steps past the newest `keep`, and half-written steps older than the newest complete."""
+        """Keep the newest `keep` whole steps; delete older whole steps, every manifest that is not whole or not
+        readable (it cannot be restored), and half-written steps older than the newest whole one (newer ones
+        may be uploads in flight). A step that is not whole never counts toward `keep`."""
         infos = self.steps()
-        complete = [s.step for s in infos if s.complete]
-        if not complete:
-            return []
-        doomed = complete[keep:] + [s.step for s in infos if not s.complete and s.step < complete[0]]
+        whole, doomed = [], []
+        for info in infos:  # newest first
+            if not info.complete:
+                continue
+            try:
+                self.whole_manifest(info.step)
+            except CheckpointError as e:
+                log.warning("deleting checkpoint step %d: %s", info.step, e)
+                doomed.append(info.step)
+                continue
+            (whole if len(whole) < keep else doomed).append(info.step)
+        if whole:
+            doomed += [i.step for i in infos if not i.complete and i.step < whole[0]]
         for step in doomed:
             self.delete_step(step)
         return sorted(doomed)
+
+    def newest_whole(self) -> tuple[int, dict] | None:
+        """(newest whole, readable step, its manifest's meta: whose step it is); None when there is none."""
+        for step in self.complete_steps():
+            try:
+                return step, self.whole_manifest(step).get("meta", {})
+            except CheckpointError:
+                continue
+        return None
+
+
+def expected_units(manifest: dict) -> dict[str, list[int]]:
+    """The model's units ({name: full shape}) a manifest must cover: its own `model_units`, or for a format-2
+    manifest the units of the model its meta records (empty when it records none)."""
+    if "model_units" in manifest:
+        return manifest["model_units"]
+    model = manifest.get("meta", {}).get("model")
+    if not model:
+        return {n: u["shape"] for n, u in manifest["units"].items()}
+    from planner.specs import ModelSpec
+    from workers.model import all_params
+
+    return {p.name: list(p.shape) for p in all_params(ModelSpec(**model))}
+
+
+def missing_units(manifest: dict) -> list[str]:
+    """The model's units a manifest does not cover whole: absent, of another shape, or with pieces whose regions
+    do not tile the full tensor (they must lie inside it, not overlap, and add up to it)."""
+    out = []
+    for name, shape in sorted(expected_units(manifest).items()):
+        u = manifest["units"].get(name)
+        if u is None or list(u["shape"]) != list(shape) or not _tiles([p["region"] for p in u["pieces"]], shape):
+            out.append(name)
+    return out
+
+
+def _tiles(regions: list, shape: list[int]) -> bool:
+    def volume(r):
+        v = 1
+        for a, b in r:
+            v *= b - a
+        return v
+
+    full = 1
+    for n in shape:
+        full *= n
+    inside = all(len(r) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(r, shape, strict=True))
+                 for r in regions)
+    disjoint = all(any(b1 <= a2 or b2 <= a1 for (a1, b1), (a2, b2) in zip(r, q, strict=True))
+                   for i, r in enumerate(regions) for q in regions[i + 1:])
+    return inside and disjoint and sum(volume(r) for r in regions) == full
 
 
 def region_tag(region) -> str:
@@ -257,8 +379,11 @@ def new_client(endpoint_url: str | None = None, config=None):
     """An S3 client from a fresh boto3 session: credentials are looked up now (boto3's default
     session would keep the first ones it found for the life of the process)."""
     import boto3
+    from botocore.config import Config
 
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+    retries = Config(retries=RETRIES)
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url,
+                                          config=retries if config is None else retries.merge(config))
 
 
 def check_access(uri: str, endpoint_url: str | None = None, timeout_s: float = 5.0) -> S3Checkpoints:

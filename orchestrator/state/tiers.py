@@ -5,6 +5,11 @@ shards, handed to their own node's keeper after a failure (`salvage`); 2. peer: 
 copies its shards to a keeper on another node (`after_step`; placement by `restore_plan.peer_placement`, again when
 nodes join or go); 3. S3: every `s3_every`-th snapshot, the keepers upload one object per unit slice (a cover chosen
 by the restore planner, so replicas are not uploaded twice), then the controller writes the manifest, last and once.
+The cover is of the job's whole model (`model_units`), not of whatever the keepers still answer for: when a node's
+loss took every copy of some unit, that step is not written (a step that exists is whole). One uploader thread
+works the newest step only: a step due while another uploads waits in a single slot, and a newer one replaces it
+(the older is dropped and its keepers' pins released), so uploads never fall behind by more than the one in flight
+and the one waiting (`upload_lag`), and the job's end waits for those two at most.
 After a (re)start, `restore` asks the new workers what they need and the keepers and S3 manifests what they hold,
 runs the pure restore planner (orchestrator/state/restore_plan.py) and hands each worker its transfers; the workers
 pull the bytes themselves (keeper -> worker through Ray's object store, S3 -> worker through boto3). The controller
@@ -15,8 +20,8 @@ refuses that S3 step (a log line names the object); the restore plans again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -36,16 +41,23 @@ RPC_TIMEOUT_S = 60.0
 
 class TieredState:
     def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, s3_every: int = 10, keep: int = 3,
-                 meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True):
+                 meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True,
+                 model_units: dict[str, list[int]] | None = None):
+        if s3 is not None and not model_units:
+            raise ValueError("an S3 tier needs the model's units (model_units): a step is written only when whole")
         self.peer_every, self.s3, self.s3_every, self.keep = peer_every, s3, s3_every, keep
         self.meta, self.restore_from, self.overlap = meta or {}, restore_from, overlap
+        self.model_units = dict(sorted((model_units or {}).items()))  # {unit: full shape}: the job's whole model
+        self.bad_steps: set[int] = set()  # S3 steps a restore refused: their redo replaces them
         self._sourcing = False  # a restore's moments may still be pulled from the keepers (until the next step)
         self.keepers: dict[str, ray.actor.ActorHandle] = {}
         self.received_bytes = 0  # what the controller took in for state: metadata only
-        self.uploads: list[dict] = []  # per S3 step: step, bytes, seconds, error
+        self.uploads: list[dict] = []  # per S3 step: step, status (written, exists, failed, dropped), bytes, seconds, error
         self.last_restore: dict | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetspot-s3") if s3 is not None else None
-        self._queued: list[Future] = []
+        self._cv = threading.Condition()  # guards the uploader's slot and the step in flight
+        self._pending: tuple[int, list] | None = None  # the newest step waiting for the uploader
+        self._inflight: int | None = None
+        self._uploader: threading.Thread | None = None
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
         self._placed: tuple | None = None  # (group, (avoided, alive nodes), target nodes, keeper handles)
         self._starting: dict[str, ray.ObjectRef] = {}  # keepers started and not yet seen running
@@ -112,7 +124,7 @@ class TieredState:
         if keepers is None:
             log.warning("no node outside %s to keep a snapshot of step %d on", sorted(avoid), step)
             return
-        upload = self._pool is not None and (step + 1) % (self.s3_every * self.peer_every) == 0
+        upload = self.s3 is not None and (step + 1) % (self.s3_every * self.peer_every) == 0
         refs = group.snapshot(step, keepers, pin=upload)
         self._check_receipts(step, refs)
         if wait:
@@ -121,7 +133,7 @@ class TieredState:
             if any(r is None for r in receipts):
                 log.warning("the drain snapshot of step %d is incomplete", step)
         if upload:
-            self._queued = [f for f in self._queued if not f.done()] + [self._pool.submit(self._upload, step, refs)]
+            self._enqueue(step, refs)
 
     def _targets(self, group, avoid: frozenset) -> list | None:
         """Each rank's peer keeper, placed once per group (and again after a copy failed or a keeper was lost)."""
@@ -154,47 +166,100 @@ class TieredState:
             self._receipts = [(s, rs) for s, rs in self._receipts if not all(r in ready for r in rs)]
         self._receipts.append((step, refs))
 
+    # -- the S3 uploader -------------------------------------------------------------------
+    def _enqueue(self, step: int, refs: list) -> None:
+        """Give `step` to the uploader; a step still waiting (not in flight) is dropped for it: S3 gets the newest
+        committed state, never old steps late."""
+        with self._cv:
+            if self._pending is not None:
+                dropped = self._pending[0]
+                self.uploads.append({"step": dropped, "status": "dropped", "bytes": 0, "seconds": 0.0, "error": None})
+                for k in list(self.keepers.values()):
+                    k.unpin.remote(dropped)
+                log.info("checkpoint step %d dropped: step %d is newer and the uploader is busy", dropped, step)
+            self._pending = (step, refs)
+            if self._uploader is None:
+                self._uploader = threading.Thread(target=self._upload_loop, name="hetspot-s3", daemon=True)
+                self._uploader.start()
+            self._cv.notify_all()
+
+    def _upload_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None)
+                (step, refs), self._pending, self._inflight = self._pending, None, self._pending[0]
+            try:
+                self._upload(step, refs)
+            finally:
+                with self._cv:
+                    self._inflight = None
+                    self._cv.notify_all()
+
+    def upload_lag(self, committed: int) -> dict:
+        """Where the S3 tier stands after `committed`: the newest step in S3 this job wrote, the lag in steps
+        behind it (committed + 1 when none), and the steps waiting or in flight (at most 2)."""
+        newest = max((u["step"] for u in self.uploads if u["status"] in ("written", "exists")), default=None)
+        with self._cv:
+            backlog = [s for s in (self._inflight, self._pending and self._pending[0]) if s is not None]
+        return {"newest_step": newest, "lag_steps": committed - (newest if newest is not None else -1),
+                "backlog": len(backlog), "dropped": sum(u["status"] == "dropped" for u in self.uploads),
+                "failed": sum(u["status"] == "failed" for u in self.uploads)}
+
     def _upload(self, step: int, refs: list) -> None:
-        """Background: once the peer copies of `step` are in, the keepers upload a cover; the manifest last."""
+        """Once the peer copies of `step` are in, the keepers upload a cover of the whole model; the manifest last.
+        Nothing is written when the keepers answering hold less than the whole model at `step`."""
         t0 = time.perf_counter()
+        c = self.s3
         try:
             receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
             self.received_bytes += payload_bytes(receipts)
             if any(r is None for r in receipts):
                 raise CheckpointError(f"the peer copies of step {step} are incomplete")
-            self.s3.refuse_existing(step)
-            holdings, _, opt, shapes = self._keeper_holdings(tiers=("peer",), step=step)
-            needs = [Need(-1, "", unit, tuple((0, n) for n in shape), 0) for unit, shape in sorted(shapes.items())]
+            if c.prepare_step(step, self.meta.get("job"), bad=step in self.bad_steps) == "exists":
+                self._call_keepers("unpin", step)  # a redone step that S3 already holds whole: nothing to write
+                self.uploads.append({"step": step, "status": "exists", "bytes": 0,
+                                     "seconds": time.perf_counter() - t0, "error": None})
+                return
+            holdings, _, opt, _ = self._keeper_holdings(tiers=("peer",), step=step)
+            needs = [Need(-1, "", unit, tuple((0, n) for n in shape), 0) for unit, shape in self.model_units.items()]
             cover = plan_restore(needs, holdings)
             if cover.step != step:
-                raise CheckpointError(f"the peer copies of step {step} do not cover every unit")
+                held = {h.unit for h in holdings}
+                lost = [u for u in self.model_units if u not in held] or cover.missing
+                raise CheckpointError(f"the keepers left hold {len(self.model_units) - len(lost)} of the model's "
+                                      f"{len(self.model_units)} units at step {step} (every copy of "
+                                      f"{', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''} is gone); "
+                                      "not written")
             by_node: dict[str, list] = {}
             for t in cover.transfers:
                 tier, _, rank = t.source.holder.split(":")
                 by_node.setdefault(t.source.node, []).append((tier, int(rank), t.need.unit, t.region))
-            c = self.s3
             futures = [self.keepers[n].upload.remote(step, pieces, c.uri, c.endpoint_url) for n, pieces in by_node.items()]
             entries = [e for got in ray.get(futures, timeout=600) for e in got]
             self.received_bytes += payload_bytes(entries)
             pieces: dict[str, list] = {}
             for e in entries:
                 pieces.setdefault(e.pop("unit"), []).append(e)
-            manifest = c.write_manifest(step, shapes, pieces, opt.get(step, 0.0), self.meta)
+            manifest = c.write_manifest(step, self.model_units, pieces, opt.get(step, 0.0), self.meta,
+                                        self.model_units)
+            self.bad_steps.discard(step)
             c.keep_newest(self.keep)
             nbytes = sum(u["bytes"] for u in manifest["units"].values())
-            self.uploads.append({"step": step, "bytes": nbytes, "seconds": time.perf_counter() - t0, "error": None})
+            self.uploads.append({"step": step, "status": "written", "bytes": nbytes,
+                                 "seconds": time.perf_counter() - t0, "error": None})
             log.info("checkpoint step %d in %s: %d bytes from %d keepers in %.2f s", step, c.uri, nbytes,
                      len(by_node), time.perf_counter() - t0)
         except Exception as e:  # an upload failure costs a checkpoint, not the job; it is recorded
             self._call_keepers("unpin", step)
-            self.uploads.append({"step": step, "bytes": 0, "seconds": time.perf_counter() - t0, "error": str(e)})
-            log.warning("checkpoint step %d to %s failed: %s", step, self.s3.uri, e)
+            self.uploads.append({"step": step, "status": "failed", "bytes": 0, "seconds": time.perf_counter() - t0,
+                                 "error": str(e)})
+            log.warning("checkpoint step %d to %s failed: %s", step, c.uri, e)
 
     def flush(self, timeout_s: float = 300.0) -> None:
-        """Wait for the S3 uploads queued (at the end of a job, so its last checkpoint is complete)."""
-        for f in self._queued:
-            f.result(timeout=timeout_s)
-        self._queued = []
+        """Wait for the upload in flight and the one waiting (at the end of a job, so its last step is in S3)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._pending is None and self._inflight is None, timeout_s):
+                raise TimeoutError(f"S3 uploads still running after {timeout_s:.0f} s")
 
     # -- after a failure ----------------------------------------------------------------
     def salvage(self, group, avoid: set[str] = frozenset()) -> None:
@@ -232,6 +297,11 @@ class TieredState:
         except (BotoCoreError, ClientError) as e:
             log.warning("cannot list checkpoints in %s: %s; restoring without the S3 tier", self.s3.uri, e)
             return [], {}, {}
+        job = self.meta.get("job")
+        foreign = [m["step"] for m in manifests if m.get("meta", {}).get("job") not in (None, job)]
+        if foreign:  # never resume another job's state silently (api.check_checkpoint refuses such a prefix)
+            log.warning("ignoring steps %s in %s: written by another job than %r", foreign, self.s3.uri, job)
+            manifests = [m for m in manifests if m["step"] not in foreign]
         self.received_bytes += sum(payload_bytes(m) for m in manifests)
         return s3_holdings(manifests)
 
@@ -248,7 +318,7 @@ class TieredState:
         kh, ksrc, kopt, _ = self._keeper_holdings()
         kh = [h for h in kh if h.node not in avoid]
         # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
-        newest_upload = max((u["step"] for u in self.uploads if not u["error"]), default=-1)
+        newest_upload = max((u["step"] for u in self.uploads if u["status"] in ("written", "exists")), default=-1)
         near = plan_restore(needs, kh) if self.restore_from != "s3" else None
         skip_s3 = near is not None and near.step is not None and near.step >= newest_upload
         sh, ssrc, sopt = ([], {}, {}) if skip_s3 else self._s3_holdings()
@@ -283,6 +353,7 @@ class TieredState:
                 break
             log.warning("refusing checkpoint step %d: %s; trying the previous complete step", rp.step, errors[0])
             refused.add(rp.step)
+            self.bad_steps.add(rp.step)  # its redo replaces it in S3
         by_tier = {t: sum(r["bytes"].get(t, 0) for r in results) for t in TIERS}
         self.last_restore = {  # times: planning (sources listed), the slowest rank's pull and load, in all
             "step": rp.step, "tier": next((t for t in reversed(TIERS) if by_tier[t]), "live"),

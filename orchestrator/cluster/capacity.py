@@ -1,0 +1,169 @@
+"""Capacity: the job's fleet (`fleet:` in the job file) as demand on Ray's autoscaler, kept standing.
+
+hetspot asks for the GPUs it plans on instead of waiting for a person to start
+them. `Capacity.tick()` looks at how many nodes of each fleet type are up and
+decides what to ask for:
+  - demand: `max_nodes` nodes of every type, as `request_resources` bundles of
+    one whole node each (`{"GPU": gpus_per_node, "accelerator_type:<T>": 1}`:
+    the resource Ray sets on a GPU node), so the autoscaler starts them and,
+    because the request stands while the job runs, replaces a node that a spot
+    preemption took (the controller's scale-up path then moves onto it);
+  - substitutes: a type that stays short of `max_nodes` for `substitute_after_s`
+    (its spot pool is dry, or the autoscaler caps it) is asked for as its first
+    substitute instead, for the nodes it lacks, with an event saying so; the
+    planner plans on whatever comes;
+  - readiness: every type's `min_nodes` are up (a substitute's nodes beyond its
+    own minimum count for the type it stands in for); a fleet whose minimums
+    are all 0 is ready with any GPU node. Until then the controller waits in a
+    "waiting for capacity: 1/2 A100-80GB nodes, 0/2 T4" phase, and fails after
+    `wait_s`, naming the missing types.
+`withdraw()` clears the request when the job ends, so the autoscaler scales the
+GPU nodes down at its idle timeout. The decisions are plain functions of the
+counts and the clock (tests step them with fakes); `RayAutoscaler` is the thin
+executor on a Ray cluster (Ray's `ray.autoscaler.sdk.request_resources`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("hetspot.capacity")
+
+
+@dataclass(frozen=True)
+class CapacityView:
+    """One look at the cluster against the fleet."""
+
+    up: dict[str, int]  # nodes of each fleet type up now
+    demand: dict[str, int]  # nodes of each type asked for
+    ready: bool  # every type's minimum is up (substitutes counted)
+    missing: dict[str, int]  # per type short of its minimum: the nodes it lacks
+    line: str  # "1/2 A100-80GB nodes, 0/2 T4" for a person
+    substituted: list[tuple[str, str, int]] = field(default_factory=list)  # new now: (dry type, stand-in, nodes)
+
+
+@dataclass
+class Capacity:
+    fleet: object  # job_spec.FleetSpec
+    count_up: Callable[[], dict[str, int]]  # nodes up per GPU type
+    request: Callable[[dict[str, int]], None]  # ask for these nodes per GPU type (replaces the last request)
+    now: Callable[[], float]
+    withdraw: Callable[[], None] | None = None  # clear the request (the job ended)
+    started_s: float | None = None
+    short_since: dict[str, float] = field(default_factory=dict)  # types below max_nodes, since when
+    stand_ins: dict[str, str] = field(default_factory=dict)  # dry type -> the substitute asked for instead
+    asked: dict[str, int] | None = None
+
+    def tick(self) -> CapacityView:
+        """Look, decide substitutions, and (re)state the demand when it changed."""
+        now = self.now()
+        if self.started_s is None:
+            self.started_s = now
+        up = {t.gpu_type: 0 for t in self.fleet.types} | {k: v for k, v in self.count_up().items()
+                                                          if k in {t.gpu_type for t in self.fleet.types}}
+        new = []
+        for t in self.fleet.types:
+            if up[t.gpu_type] >= t.max_nodes:
+                self.short_since.pop(t.gpu_type, None)
+                continue
+            since = self.short_since.setdefault(t.gpu_type, now)
+            if t.gpu_type not in self.stand_ins and t.substitutes and now - since >= self.fleet.substitute_after_s:
+                self.stand_ins[t.gpu_type] = t.substitutes[0]
+                new.append((t.gpu_type, t.substitutes[0], t.max_nodes - up[t.gpu_type]))
+                log.warning("%s stayed short (%d/%d nodes) for %.0f s: asking for %s instead", t.gpu_type,
+                            up[t.gpu_type], t.max_nodes, now - since, t.substitutes[0])
+        demand = fleet_demand(self.fleet, up, self.stand_ins)
+        if demand != self.asked:
+            self.request(demand)
+            self.asked = demand
+        missing = missing_minimums(self.fleet, up, self.stand_ins)
+        ready = not missing and (any(up.values()) or any(t.min_nodes for t in self.fleet.types))
+        return CapacityView(up, demand, ready, missing, progress_line(self.fleet, up, demand), new)
+
+    def timed_out(self) -> bool:
+        return self.started_s is not None and self.now() - self.started_s >= self.fleet.wait_s
+
+
+def fleet_demand(fleet, up: dict[str, int], stand_ins: dict[str, str]) -> dict[str, int]:
+    """Nodes to ask for per type: every type's max_nodes, plus for each dry type the nodes it lacks as its
+    stand-in (its own demand stays, should the pool come back)."""
+    demand = {t.gpu_type: t.max_nodes for t in fleet.types}
+    for t in fleet.types:
+        sub = stand_ins.get(t.gpu_type)
+        if sub is not None:
+            demand[sub] += max(0, t.max_nodes - up.get(t.gpu_type, 0))
+    return demand
+
+
+def missing_minimums(fleet, up: dict[str, int], stand_ins: dict[str, str]) -> dict[str, int]:
+    """Per type short of min_nodes: the nodes it lacks, after its stand-in's surplus over its own minimum."""
+    mins = {t.gpu_type: t.min_nodes for t in fleet.types}
+    surplus = {k: max(0, up.get(k, 0) - mins[k]) for k in mins}
+    missing = {}
+    for t in fleet.types:
+        lack = max(0, t.min_nodes - up.get(t.gpu_type, 0))
+        sub = stand_ins.get(t.gpu_type)
+        if lack and sub is not None:
+            used = min(lack, surplus[sub])
+            surplus[sub] -= used
+            lack -= used
+        if lack:
+            missing[t.gpu_type] = lack
+    return missing
+
+
+def progress_line(fleet, up: dict[str, int], demand: dict[str, int]) -> str:
+    return ", ".join(f"{up.get(t, 0)}/{n} {t} node{'s' if n != 1 else ''}" for t, n in demand.items() if n)
+
+
+def timeout_message(fleet, view: CapacityView) -> str:
+    """The failure after `wait_s`: which types are missing, and what to check."""
+    lacks = ", ".join(f"{t} ({view.up.get(t, 0)} up, min_nodes {t_min})" for t, t_min in
+                      ((t.gpu_type, t.min_nodes) for t in fleet.types) if t in view.missing)
+    return (f"fleet: the minimum did not come up in {fleet.wait_s:.0f} s: missing {lacks}. Check that the "
+            "cluster's autoscaler has a node type with that accelerator_type (and max_workers above 0), the "
+            "cloud's spot quota, or lower fleet.types[].min_nodes / add substitutes; raise fleet.wait_s to wait longer")
+
+
+def ray_capacity(fleet, now: Callable[[], float]) -> Capacity:
+    """A Capacity that asks the connected Ray cluster's autoscaler."""
+    ray_side = RayAutoscaler(fleet)
+    return Capacity(fleet, ray_side.count_up, ray_side.request, now, ray_side.withdraw)
+
+
+class RayAutoscaler:
+    """The executor on Ray: counts GPU nodes by type (discovery) and states demand with request_resources, one
+    bundle per node: its GPUs and the `accelerator_type:<T>` resource its nodes carry (`ray_resource`, default
+    the name Ray itself gives that GPU: A100, L4, T4, ...)."""
+
+    def __init__(self, fleet):
+        from orchestrator.deploy.fleet import NODE_KINDS
+
+        self.gpus = {t.gpu_type: t.gpus_per_node for t in fleet.types}
+        self.resource = {t.gpu_type: t.ray_resource or (NODE_KINDS[t.gpu_type].ray_accelerator
+                                                        if t.gpu_type in NODE_KINDS else t.gpu_type)
+                         for t in fleet.types}
+
+    def count_up(self) -> dict[str, int]:
+        from orchestrator.cluster.discovery import RayInventory
+
+        counts: dict[str, int] = {}
+        for n in RayInventory().discover():
+            counts[n.gpu_type] = counts.get(n.gpu_type, 0) + 1
+        return counts
+
+    def request(self, demand: dict[str, int]) -> None:
+        from ray.autoscaler.sdk import request_resources
+
+        bundles = [{"GPU": self.gpus[t], f"accelerator_type:{self.resource[t]}": 1}
+                   for t, n in sorted(demand.items()) for _ in range(n)]
+        log.info("asking the autoscaler for %s", ", ".join(f"{n}x {t}" for t, n in sorted(demand.items()) if n))
+        request_resources(bundles=bundles)
+
+    def withdraw(self) -> None:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[])
+        log.info("withdrew the demand for GPU nodes: the autoscaler may scale them down")
