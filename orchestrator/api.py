@@ -86,7 +86,7 @@ def check_data(job: JobSpec, source: str) -> None:
 
     d, m = job.data, job.model_spec
     try:
-        check_data(d.kind, d.path, m.seq_len, m.vocab_size, d.dtype)
+        check_data(d.kind, d.path, m.seq_len, m.vocab_size, d.dtype, d.endpoint_url)
     except DataError as e:
         raise ConfigError(f"{source}: {e}") from None
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.deploy.fleet import DEFAULT_MIX
+from orchestrator.deploy.fleet import DEFAULT_GKE_MIX, DEFAULT_MIX
 from orchestrator.deploy.render import DEFAULT_IMAGE, DEFAULT_INSTALL
 
 deploy_app = typer.Typer(no_args_is_help=True, help="Spot-fleet configs for Ray's AWS launcher and KubeRay.")
@@ -17,14 +17,14 @@ def render_command(cloud: str, mix: str, region: str, platform: str, install: st
     """The command line that renders these options: the header of the file, and how to re-render it."""
     cmd = f"hetspot deploy render --cloud {cloud} --mix {mix}"
     if cloud == "aws":
-        cmd += f" --region {region}" + (f" --install {install}" if install != DEFAULT_INSTALL else "")
+        cmd += f" --region {region}" + (f" --install {install}" if install else "")
     else:
         cmd += f" --platform {platform}" + (f" --image {image}" if image != DEFAULT_IMAGE else "")
         cmd += " --rayjob" if rayjob else ""
     return cmd
 
 
-def render_text(cloud: str, mix: str = DEFAULT_MIX, region: str = "us-east-1", platform: str = "gke",
+def render_text(cloud: str, mix: str | None = None, region: str = "us-east-1", platform: str = "gke",
                 install: str = DEFAULT_INSTALL, image: str = DEFAULT_IMAGE, rayjob: bool = False) -> str:
     from orchestrator.deploy.fleet import MixError
     from orchestrator.deploy.render import aws_config, kuberay_cluster, kuberay_job, to_yaml
@@ -32,8 +32,10 @@ def render_text(cloud: str, mix: str = DEFAULT_MIX, region: str = "us-east-1", p
 
     try:
         if cloud == "aws":
+            mix = mix or DEFAULT_MIX
             docs = aws_config(mix, region, install)
         elif cloud == "kuberay":
+            mix = mix or (DEFAULT_GKE_MIX if platform == "gke" else DEFAULT_MIX)
             docs = [kuberay_cluster(mix, platform, image)] + (kuberay_job() if rayjob else [])
         else:
             raise ConfigError(f"--cloud {cloud!r} must be 'aws' or 'kuberay'")
@@ -44,14 +46,16 @@ def render_text(cloud: str, mix: str = DEFAULT_MIX, region: str = "us-east-1", p
 
 def render(
     cloud: str = typer.Option(..., "--cloud", help="aws (Ray cluster launcher YAML) or kuberay (RayCluster manifest)"),
-    mix: str = typer.Option(DEFAULT_MIX, "--mix", help="most worker nodes per GPU type, like 'a100:2,l4:4,t4:2'"),
+    mix: str | None = typer.Option(None, "--mix", help="most worker nodes per GPU type, like 'a100:2,l4:4,t4:2' "
+                                   f"(default {DEFAULT_MIX}; on GKE, which has no A10G, {DEFAULT_GKE_MIX})"),
     region: str = typer.Option("us-east-1", "--region", help="AWS region (aws only)"),
     platform: str = typer.Option("gke", "--platform", help="gke or eks: the spot node selectors (kuberay only)"),
     install: str = typer.Option(DEFAULT_INSTALL, "--install",
-                                help="pip requirement that installs hetspot on the nodes (aws): a version, wheel or git URL"),
+                                help="an extra pip requirement for the nodes (aws), e.g. a hetspot wheel to have the "
+                                     "`hetspot` command on the head; jobs ship hetspot themselves"),
     image: str = typer.Option(DEFAULT_IMAGE, "--image", help="container image with hetspot (kuberay)"),
-    rayjob: bool = typer.Option(False, "--rayjob", help="kuberay: add a ConfigMap with a job and a RayJob that runs "
-                                                        "`hetspot submit` on the head"),
+    rayjob: bool = typer.Option(False, "--rayjob", help="kuberay: add a RayJob whose entry point is hetspot's driver "
+                                                        "(an example job; edit its runtimeEnvYAML)"),
     out: str | None = typer.Option(None, "--out", help="write to this file instead of standard output"),
 ) -> None:
     """Write a spot-fleet config for your GPU mix, from the same templates as the files in deploy/."""

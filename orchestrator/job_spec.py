@@ -60,8 +60,11 @@ class DataSpec(_Section):
     kind: Literal["synthetic", "text", "tokens"] = Field(
         default="synthetic", description="synthetic: built-in learnable corpus; text: byte-level file; tokens: flat .bin"
     )
-    path: str | None = Field(default=None, description="file for kind text or tokens")
+    path: str | None = Field(default=None, description="file for kind text or tokens: a path on every node, or "
+                             "s3://BUCKET/KEY (each worker reads the byte ranges of its samples)")
     dtype: Literal["uint16", "uint32"] = Field(default="uint16", description="token file element type")
+    endpoint_url: str | None = Field(default=None, description="S3 endpoint for an s3:// path; default "
+                                     "AWS_ENDPOINT_URL, else AWS")
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataSpec:

@@ -2,8 +2,11 @@
 
 `hetspot submit --address http://HEAD:8265` hands the job to Ray Jobs
 (`JobSubmissionClient`), as a Ray user expects: the entry point is
-`python -m orchestrator.driver` on the cluster (hetspot must be installed
-there, as with any library), with the validated job spec in its environment.
+`python -m orchestrator.driver` on the cluster, with the validated job spec in
+its environment, and hetspot's own packages (planner, workers, orchestrator)
+travel with the job in its runtime env (`py_modules`), so every process of the
+job, on every node, imports the submitter's hetspot: a cluster needs only Ray,
+torch and hetspot's declared dependencies, never an install of hetspot.
 `status`, `logs`, `stop` and `list` are the same client's calls.
 
 Token authentication (Ray 2.60): a head started with `RAY_AUTH_MODE=token`,
@@ -35,7 +38,19 @@ from orchestrator.progress_lines import (
 )
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-PROBE_ENTRYPOINT = 'python -c "import orchestrator.progress_lines, planner, workers"'
+PROBE_ENTRYPOINT = 'python -c "import ray, torch, boto3, pydantic, orchestrator.driver, planner, workers.actor"'
+DEPENDENCIES = "ray[default]==2.60.*, torch, boto3, pydantic, typer, pyyaml, rich, numpy, safetensors"
+
+
+def shipped_runtime_env(env_vars: dict[str, str] | None = None) -> dict:
+    """The job's runtime env: hetspot's packages as py_modules (directories Ray zips and uploads once per
+    content hash), and the job's environment variables."""
+    import orchestrator
+    import planner
+    import workers
+
+    mods = [str(Path(m.__file__).resolve().parent) for m in (planner, workers, orchestrator)]
+    return {"py_modules": mods, "excludes": ["__pycache__", "*.pyc"]} | ({"env_vars": env_vars} if env_vars else {})
 log = logging.getLogger("hetspot.ray_jobs")
 FIX_TOKEN = ("pass --token-file PATH, set RAY_AUTH_TOKEN, or put the cluster's token in ~/.ray/auth_token "
              "(on the head: `ray get-auth-token`)")
@@ -111,16 +126,17 @@ class RayJobs:
 
     # -- jobs -----------------------------------------------------------------
     def check_interpreter(self, timeout_s: float = 90.0) -> None:
-        """Fail fast (exit 2) when `python` on the head cannot import hetspot.
+        """Fail fast (exit 2) when `python` on the head cannot import hetspot as the job ships it.
 
-        The job's entry point is `python -m orchestrator.driver`; a head whose
-        `python` is another interpreter would accept the job and fail it later.
-        A tiny probe job finds out first, in a few seconds.
+        The job's entry point is `python -m orchestrator.driver`, with hetspot's packages shipped beside it; a
+        head whose `python` lacks Ray, torch or another dependency would accept the job and fail it later. A
+        tiny probe job with the same runtime env finds out first, in a few seconds.
         """
         import time
 
         probe = f"hetspot-probe-{secrets.token_hex(4)}"
-        self._call(lambda: self.client.submit_job(entrypoint=PROBE_ENTRYPOINT, submission_id=probe))
+        self._call(lambda: self.client.submit_job(entrypoint=PROBE_ENTRYPOINT, submission_id=probe,
+                                                  runtime_env=shipped_runtime_env()))
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -133,9 +149,10 @@ class RayJobs:
                 raise ConfigError(
                     f"`python` on the cluster's head cannot import hetspot ({status}: "
                     f"{tail[-1] if tail else 'no output'}). The job would fail at its entry point "
-                    "`python -m orchestrator.driver`. Fix: install hetspot on every node into the interpreter "
-                    "that `python` names there (see the README, 'Submitting to a running Ray cluster'), or start "
-                    "Ray (`ray start`) from that environment.")
+                    "`python -m orchestrator.driver`. hetspot ships its own packages with each job; the nodes' "
+                    f"`python` needs its dependencies ({DEPENDENCIES}). Fix: install those into the interpreter "
+                    "that `python` names on every node (or use an image that has them; see docs/deploy.md), or "
+                    "start Ray (`ray start`) from that environment.")
         finally:
             try:
                 self.client.delete_job(probe)
@@ -153,7 +170,7 @@ class RayJobs:
             env[ENV_RESUME] = "1"
         return self._call(lambda: self.client.submit_job(
             entrypoint="python -m orchestrator.driver", submission_id=job_id,
-            runtime_env={"env_vars": env}, metadata={"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps)},
+            runtime_env=shipped_runtime_env(env), metadata={"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps)},
         ))
 
     def status(self, job_id: str) -> dict:

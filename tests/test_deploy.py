@@ -1,6 +1,7 @@
-"""deploy/: Ray's own validator accepts every AWS config, the KubeRay manifests have the shape KubeRay
-reads, hetspot's discovery reads back what each config declares, the docs' commands exist, and the
-shipped files are exactly what the renderer makes."""
+"""deploy/: Ray's own validator accepts every AWS config, the KubeRay manifests pass the operator's own rules
+(its group validation, and its unquoted `ray start` command line replayed through bash and Ray's own parser),
+hetspot's discovery reads back what each config declares, the docs' commands exist, and the shipped files are
+exactly what the renderer makes."""
 
 from __future__ import annotations
 
@@ -89,49 +90,192 @@ def test_rays_validator_refuses_an_unknown_key():
         validate_config(prepare_config(config))
 
 
-def _unquote_resources(s: str) -> dict:
-    """KubeRay's rayStartParams `resources` is a JSON object inside a quoted string."""
-    return json.loads(json.loads(s))
+# -- KubeRay: the operator's own rules -----------------------------------------------------------------------
+# What KubeRay (1.5 and later, ray-operator/controllers/ray) does with a group, restated here from its source:
+# it refuses `labels` in rayStartParams and resources given both there and in the group's top-level
+# `resources`; turns top-level `labels` into `--labels=k=v,...` and top-level `resources` into num-cpus,
+# memory, num-gpus and `--resources='{json}'`; fills num-cpus, memory and num-gpus from the container's
+# limits where still unset; and joins everything as ` --key=value ` (a "true" value as a bare flag, "false"
+# dropped) into `ray start ...` inside `bash -c`, unquoted.
+_K8S_NAME = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_STARTS = ("num-cpus", "num-gpus", "memory", "resources")
 
 
-def _labels(s: str) -> dict:
-    return dict(kv.split("=", 1) for kv in s.split(","))
+def _label_key_ok(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    return (not prefix or (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))) and len(name) <= 63 and \
+        bool(_K8S_NAME.fullmatch(name))
+
+
+def _quantity(q: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    for u, f in units.items():
+        if q.endswith(u):
+            return float(q[: -len(u)]) * f
+    return float(q)
+
+
+def operator_problems(group: dict, head: bool) -> list[str]:
+    """What the operator refuses in a group (validation.go's group checks)."""
+    name = "Head" if head else group["groupName"]
+    params, res, labels = group.get("rayStartParams", {}), group.get("resources") or {}, group.get("labels") or {}
+    out = []
+    if "labels" in params:
+        out.append(f"rayStartParams['labels'] is not supported for {name} group; please use the top-level Labels field")
+    if res and any(params.get(k) for k in _STARTS):
+        out.append(f"resource fields should not be set in both rayStartParams and Resources for {name} group")
+    for k, v in labels.items():
+        if not _label_key_ok(k) or not (v == "" or (len(v) <= 63 and _K8S_NAME.fullmatch(v))):
+            out.append(f"invalid label {k}={v!r} for {name} group")
+    return out
+
+
+def operator_command(group: dict, head: bool) -> str:
+    """The `ray start ...` line the operator builds for a group's pods (pod.go), unquoted as it is."""
+    params = dict(group.get("rayStartParams", {}))
+    if group.get("labels"):
+        params["labels"] = ",".join(f"{k}={v}" for k, v in sorted(group["labels"].items()))
+    custom = {}
+    for k, q in (group.get("resources") or {}).items():
+        if k.lower() == "cpu":
+            params["num-cpus"] = str(int(_quantity(q)))
+        elif k.lower() == "memory":
+            params["memory"] = str(int(_quantity(q)))
+        elif k.lower().endswith("gpu"):
+            params["num-gpus"] = str(int(_quantity(q)))
+        else:
+            custom[k] = _quantity(q)
+    if custom:
+        params["resources"] = "'" + json.dumps(dict(sorted(custom.items())), separators=(",", ":")) + "'"
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    params.setdefault("num-cpus", str(int(_quantity(limits["cpu"]))))
+    params.setdefault("memory", str(int(_quantity(limits["memory"]))))
+    if "nvidia.com/gpu" in limits:
+        params.setdefault("num-gpus", str(int(_quantity(limits["nvidia.com/gpu"]))))
+    flags = ""
+    for k in sorted(params):
+        v = params[k]
+        if v.lower() == "true" and k not in ("log-color", "include-dashboard", "include-log-monitor"):
+            flags += f" --{k} "
+        elif v.lower() != "false" or k in ("log-color", "include-dashboard", "include-log-monitor"):
+            flags += f" --{k}={v} "
+    return ("ray start --head " if head else "ray start ") + flags
+
+
+def ray_start_accepts(command: str, tmp_path: Path) -> dict:
+    """Split `command` as bash does (words, quotes, brace expansion), then parse it with `ray start`'s own
+    parser; the values `ray start` reads as JSON or labels too. Returns the parsed parameters."""
+    import subprocess
+
+    from ray._private.label_utils import parse_node_labels_string
+    from ray.scripts.scripts import start
+
+    words = subprocess.run(["bash", "-c", f"set -- {command}\nprintf '%s\\0' \"$@\""], capture_output=True,
+                           check=True, cwd=tmp_path).stdout.decode().split("\0")[:-1]
+    assert words[:2] == ["ray", "start"], words
+    params = start.make_context("start", words[2:]).params
+    for key in ("resources", "system_config"):
+        if params.get(key):
+            json.loads(params[key])
+    if params.get("labels"):
+        parse_node_labels_string(params["labels"])
+    return params
+
+
+def _groups(cluster: dict):
+    spec = cluster["spec"]
+    return [(spec["headGroupSpec"], True)] + [(g, False) for g in spec["workerGroupSpecs"]]
 
 
 @pytest.mark.parametrize("name,cluster", _clusters(), ids=lambda x: x if isinstance(x, str) else "")
-def test_kuberay_cluster_has_the_shape_kuberay_reads(name, cluster):
+def test_kuberay_cluster_is_what_the_operator_accepts_and_ray_start_parses(name, cluster, tmp_path):
     assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
     spec = cluster["spec"]
     assert spec["rayVersion"] and spec["enableInTreeAutoscaling"] is True
-    head = spec["headGroupSpec"]
-    assert head["rayStartParams"]["num-gpus"] == "0" and "health_check_period_ms" in head["rayStartParams"]["system-config"]
-    assert not [c for c in head["template"]["spec"]["containers"] if "nvidia.com/gpu" in c["resources"]["limits"]]
-    assert spec["workerGroupSpecs"]
-    for g in spec["workerGroupSpecs"]:
-        assert set(g) == {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"}
-        assert 0 == g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
-        params, pod = g["rayStartParams"], g["template"]["spec"]
+    assert spec["authOptions"] == {"mode": "token"}  # the operator gives the token to every container it makes
+    for group, head in _groups(cluster):
+        assert operator_problems(group, head) == [], (name, group.get("groupName"))
+        params = ray_start_accepts(operator_command(group, head), tmp_path)
+        for c in group["template"]["spec"]["containers"]:
+            assert not {e["name"] for e in c.get("env", [])} & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}  # authOptions
+        if head:
+            assert params["head"] and params["num_gpus"] == 0
+            assert {e["name"] for e in group["template"]["spec"]["containers"][0]["env"]} >= \
+                {"RAY_health_check_period_ms", "RAY_health_check_failure_threshold", "RAY_health_check_timeout_ms"}
+            pod = group["template"]["spec"]
+            on_demand = pod.get("nodeSelector", {}).get("eks.amazonaws.com/capacityType") == "ON_DEMAND" or \
+                {"key": "cloud.google.com/gke-spot", "operator": "DoesNotExist"} in pod["affinity"]["nodeAffinity"][
+                    "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
+            assert on_demand, name
+            continue
+        kind = NODE_KINDS[group["labels"]["hetspot/gpu-type"]]
+        assert json.loads(params["resources"]) == {f"accelerator_type:{kind.ray_accelerator}": 1}
+        assert params["num_gpus"] == kind.num_gpus and group["labels"]["hetspot/market"] == "spot"
+        pod = group["template"]["spec"]
         (container,) = pod["containers"]
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == params["num-gpus"]
-        assert container["resources"]["requests"] == container["resources"]["limits"]
-        labels = _labels(params["labels"])
-        assert labels["hetspot/market"] == "spot" and labels["hetspot/gpu-type"] in NODE_KINDS
-        assert list(_unquote_resources(params["resources"])) == [f"accelerator_type:{NODE_KINDS[labels['hetspot/gpu-type']].ray_accelerator}"]
+        limits = container["resources"]["limits"]
+        assert container["resources"]["requests"] == limits and limits["nvidia.com/gpu"] == str(kind.num_gpus)
+        assert 0 == group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         sel = pod["nodeSelector"]
-        assert sel.get("cloud.google.com/gke-spot") == "true" or sel.get("eks.amazonaws.com/capacityType") == "SPOT"
+        if sel.get("cloud.google.com/gke-spot") == "true":  # sized from the GKE machine type, not the EC2 one
+            machine, vcpus, gb = kind.gke_machine
+            assert int(limits["cpu"]) < vcpus and _quantity(limits["memory"]) < gb * 1e9, (machine, limits)
+        else:
+            assert sel.get("eks.amazonaws.com/capacityType") == "SPOT"
+            assert int(limits["cpu"]) < kind.num_cpus and _quantity(limits["memory"]) < kind.memory_gib * 2**30
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-        env = {e["name"]: e for e in container["env"]}
-        assert env["RAY_AUTH_MODE"]["value"] == "token" and "secretKeyRef" in env["RAY_AUTH_TOKEN"]["valueFrom"]
+        stop = container["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert "ray drain-node" in stop and "DRAIN_NODE_REASON_PREEMPTION" in stop
+        assert pod["terminationGracePeriodSeconds"] > int(re.search(r"--deadline-remaining-seconds (\d+)", stop)[1])
 
 
-def test_rayjob_runs_hetspot_submit_on_the_cluster():
+def test_the_operator_rules_catch_each_defect_of_the_old_manifests(tmp_path):
+    """Each of the old manifests' defects fails the checks above: labels in rayStartParams (refused by KubeRay
+    1.5+), the health-check JSON as a rayStartParams value (bash splits it: `ray start` refuses the words),
+    resources given twice, and a hand-set token instead of authOptions."""
+    from click.exceptions import ClickException
+
+    cluster = _clusters()[0][1]
+    worker = copy.deepcopy(cluster["spec"]["workerGroupSpecs"][0])
+    old = copy.deepcopy(worker) | {"rayStartParams": {"labels": "hetspot/gpu-type=T4,hetspot/market=spot"}}
+    old.pop("labels")
+    assert "please use the top-level Labels field" in operator_problems(old, False)[0]
+    twice = copy.deepcopy(worker) | {"rayStartParams": {"num-gpus": "4"}}
+    assert "should not be set in both rayStartParams and Resources" in operator_problems(twice, False)[0]
+    head = copy.deepcopy(cluster["spec"]["headGroupSpec"])
+    head["rayStartParams"]["system-config"] = json.dumps({"health_check_period_ms": 500,
+                                                          "health_check_timeout_ms": 500})
+    with pytest.raises(ClickException):  # bash made several words of the JSON
+        ray_start_accepts(operator_command(head, True), tmp_path)
+    head["rayStartParams"]["system-config"] = json.dumps({"health_check_period_ms": 500,
+                                                          "health_check_timeout_ms": 500}, separators=(",", ":"))
+    with pytest.raises((ClickException, json.JSONDecodeError)):  # no spaces, but bash's brace expansion splits it
+        ray_start_accepts(operator_command(head, True), tmp_path)
+    bad_label = copy.deepcopy(worker)
+    bad_label["labels"] = {"hetspot/gpu-type": "A100 80GB"}
+    assert "invalid label" in operator_problems(bad_label, False)[0]
+
+
+def test_rayjob_runs_the_driver_as_its_entrypoint():
+    from orchestrator.job_spec import parse_job
+    from orchestrator.progress_lines import ENV_JOB
+
     docs = {d["kind"]: d for d in _docs((DEPLOY / "kuberay" / "gke-spot.yaml").read_text())}
     job = docs["RayJob"]["spec"]
-    assert job["entrypoint"].startswith("hetspot submit /etc/hetspot/job.yaml --address http://127.0.0.1:8265")
+    assert job["entrypoint"] == "python -m orchestrator.driver"  # no second submission from inside a job
     assert job["clusterSelector"] == {"ray.io/cluster": docs["RayCluster"]["metadata"]["name"]}
-    from orchestrator.job_spec import parse_job
+    assert docs["RayCluster"]["spec"]["authOptions"]["mode"] == "token"  # the submitter gets the token
+    env = yaml.safe_load(job["runtimeEnvYAML"])["env_vars"]
+    parse_job(json.loads(env[ENV_JOB]), "the RayJob's job")  # a valid job
 
-    parse_job(yaml.safe_load(docs["ConfigMap"]["data"]["job.yaml"]), "configmap job")  # a valid job file
+
+@pytest.mark.parametrize("platform", ["gke", "eks"])
+def test_render_with_its_defaults_exits_0_on_every_platform(platform):
+    res = runner.invoke(app, ["deploy", "render", "--cloud", "kuberay", "--platform", platform])
+    assert res.exit_code == 0, res.output
+    assert _docs(res.stdout)[0]["kind"] == "RayCluster"
+    assert runner.invoke(app, ["deploy", "render", "--cloud", "aws"]).exit_code == 0
 
 
 def _ray_node(node_id: str, resources: dict, labels: dict) -> dict:
@@ -159,10 +303,9 @@ def test_discovery_reads_back_what_each_kuberay_cluster_declares():
     for name, cluster in _clusters():
         nodes, want = [], {}
         for i, g in enumerate(cluster["spec"]["workerGroupSpecs"]):
-            p = g["rayStartParams"]
-            res = {"GPU": int(p["num-gpus"])} | _unquote_resources(p["resources"])
-            nodes.append(_ray_node(f"{i:056x}", res, _labels(p["labels"])))
-            want[_labels(p["labels"])["hetspot/gpu-type"]] = ("spot", int(p["num-gpus"]))
+            res = {k: float(v) for k, v in g["resources"].items()}
+            nodes.append(_ray_node(f"{i:056x}", res, g["labels"]))
+            want[g["labels"]["hetspot/gpu-type"]] = ("spot", int(g["resources"]["GPU"]))
         got = {d.gpu_type: (d.market, d.num_gpus) for d in RayInventory(lambda nodes=nodes: nodes).discover()}
         assert got == want, name
 

@@ -42,7 +42,8 @@ def _free_port() -> int:
 
 
 class RealHead:
-    def __init__(self, tmp: Path, auth: bool):
+    def __init__(self, tmp: Path, auth: bool, bin_dir: Path = BIN):
+        self.ray = str(bin_dir / "ray")  # the nodes' interpreter: the one this `ray` runs on
         self.home = tmp / "home"
         (self.home / ".ray").mkdir(parents=True)
         self.token = secrets.token_hex(32) if auth else None
@@ -51,7 +52,7 @@ class RealHead:
         self.gcs, self.dash, self.metrics = _free_port(), _free_port(), _free_port()
         self.url = f"http://127.0.0.1:{self.dash}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
-        self.env |= {"HOME": str(self.home), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        self.env |= {"HOME": str(self.home), "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
                      "RAY_AUTH_MODE": "token" if auth else "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
         self.tmp = tmp
 
@@ -73,19 +74,19 @@ class RealHead:
     def stop(self) -> None:
         import shutil
 
-        subprocess.run([RAY, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        subprocess.run([self.ray, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
         if getattr(self, "ray_tmp", None):
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
     def ray_out(self, *args: str) -> str:
-        r = subprocess.run([RAY, *args], env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp)
+        r = subprocess.run([self.ray, *args], env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp)
         assert r.returncode == 0, r.stdout + r.stderr
         return r.stdout
 
     def _ray(self, *args: str) -> None:
         # From a directory outside the checkout, as on a real head: job entry points run in Ray's
         # working directory, and `python -c` there must not find hetspot's sources by accident.
-        r = subprocess.run([RAY, *args, "--disable-usage-stats"], env=self.env, capture_output=True, text=True,
+        r = subprocess.run([self.ray, *args, "--disable-usage-stats"], env=self.env, capture_output=True, text=True,
                            timeout=180, cwd=self.tmp)
         assert r.returncode == 0, r.stdout + r.stderr
 
@@ -235,6 +236,47 @@ def test_submit_fails_fast_when_the_heads_python_lacks_hetspot(tmp_path):
         assert "python -m orchestrator.driver" in r.stderr and "Fix:" in r.stderr
         assert time.monotonic() - t0 < 60
         assert json.loads(cli(h, "list", "--address", h.url, "--json").stdout) == []  # no job was submitted
+    finally:
+        h.stop()
+
+
+def bare_python(tmp: Path) -> Path:
+    """A `bin/` whose `python` and `ray` import hetspot's dependencies from this environment (a plain path
+    entry to its site-packages) but not hetspot itself (its editable install is a .pth hook there, which a
+    plain path entry does not run): a cluster where nobody installed hetspot."""
+    import site
+    import sysconfig
+
+    venv = tmp / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    ours = sysconfig.get_paths()["purelib"]
+    (Path(next((venv / "lib").glob("python*/site-packages"))) / "deps.pth").write_text(ours + "\n")
+    ray = venv / "bin" / "ray"
+    ray.write_text(f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n")
+    ray.chmod(0o755)
+    check = "import ray, torch, boto3\ntry:\n    import orchestrator\nexcept ImportError:\n    print('no hetspot')"
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", check], capture_output=True, text=True, timeout=120,
+                       cwd=tmp)
+    assert r.stdout.strip() == "no hetspot", (r.stdout, r.stderr[-2000:], site.getsitepackages())
+    return venv / "bin"
+
+
+def test_a_cluster_without_hetspot_runs_the_job_hetspot_ships(tmp_path):
+    """Issue 29: every node's `python` has Ray, torch and the dependencies but no hetspot; `hetspot submit
+    --address` ships planner/, workers/ and orchestrator/ with the job (runtime_env py_modules): the driver,
+    the controller, the keepers and the TrainWorkers on both nodes import them, and the job trains."""
+    h = RealHead(tmp_path, auth=False, bin_dir=bare_python(tmp_path))
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(JOB)
+    try:
+        h.start()
+        r = cli(h, "submit", str(job_file), "--address", h.url, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        job_id = json.loads(r.stdout)["job_id"]
+        st = wait_status(h, job_id, ("SUCCEEDED", "FAILED", "STOPPED"))
+        logs = cli(h, "logs", job_id, "--address", h.url).stdout
+        assert st["status"] == "SUCCEEDED", logs[-3000:]
+        assert st["progress"]["step"] == 3 and "hetspot: done: 4 steps" in logs
     finally:
         h.stop()
 

@@ -57,7 +57,7 @@ class TrainWorker:
         torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
         model, train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
         dataset = make_dataset(data.get("kind", "synthetic"), model.seq_len, model.vocab_size, train.seed,
-                               data.get("path"), data.get("dtype", "uint16"))
+                               data.get("path"), data.get("dtype", "uint16"), data.get("endpoint_url"))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         plan = Plan.model_validate_json(plan_json)
         r = ranks(plan)[rank]

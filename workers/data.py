@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from workers.data_validation import DataError, check_data, check_window, min_tokens
+from workers.s3_data import S3Array, is_s3
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -71,27 +72,34 @@ class _Windowed:
 
 
 class TextFile(_Windowed):
-    """Byte-level text: token ids are the bytes, so the model's vocabulary must cover them (256 for any text)."""
+    """Byte-level text: token ids are the bytes, so the model's vocabulary must cover them (256 for any text).
+    A local file is read whole; an s3:// one window by window (workers/s3_data.py)."""
 
-    def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256):
-        super().__init__(np.frombuffer(Path(path).read_bytes(), dtype=np.uint8), vocab_size, seq_len, seed, path)
+    def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256, endpoint_url: str | None = None):
+        if is_s3(path):
+            tokens = S3Array(path, "uint8", endpoint_url)
+        else:
+            tokens = np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
+        super().__init__(tokens, vocab_size, seq_len, seed, path)
 
 
 class TokenFile(_Windowed):
-    """A flat token file (nanoGPT's .bin): uint16 or uint32, memory-mapped."""
+    """A flat token file (nanoGPT's .bin): uint16 or uint32, memory-mapped, or in S3 read by ranged GETs."""
 
-    def __init__(self, path: str, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0):
-        tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    def __init__(self, path: str, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0,
+                 endpoint_url: str | None = None):
+        tokens = S3Array(path, dtype, endpoint_url) if is_s3(path) else np.memmap(path, dtype=np.dtype(dtype), mode="r")
         super().__init__(tokens, vocab_size, seq_len, seed, path)
 
 
 def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None,
-                 dtype: str = "uint16") -> Dataset:
+                 dtype: str = "uint16", endpoint_url: str | None = None) -> Dataset:
     if kind == "synthetic":
         return SyntheticCorpus(vocab_size, seq_len, seed)
     if kind == "text":
-        check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
-        return TextFile(path, seq_len, seed, vocab_size)
+        if not is_s3(path):  # a local file is read whole here anyway; S3 windows are checked as they are read
+            check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
+        return TextFile(path, seq_len, seed, vocab_size, endpoint_url)
     if kind == "tokens":
-        return TokenFile(path, seq_len, vocab_size, dtype, seed)
+        return TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url)
     raise ValueError(f"unknown data kind {kind!r}; use synthetic, text or tokens")

@@ -28,18 +28,27 @@ def min_tokens(seq_len: int) -> int:
     return seq_len + 2
 
 
-def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype: str = "uint16") -> None:
+def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype: str = "uint16",
+               endpoint_url: str | None = None) -> None:
+    """`path` is a local file or s3://BUCKET/KEY (read by ranged GETs: its size, then the sampled windows)."""
     if kind == "synthetic":
         return
-    p = _readable(path)
     itemsize = 1 if kind == "text" else ITEMSIZE[dtype]
-    size = p.stat().st_size
+    if path is not None and path.startswith("s3://"):
+        from workers.s3_data import S3Array
+
+        s3 = S3Array(path, "uint8" if kind == "text" else dtype, endpoint_url)
+        size, open_tokens = s3.size_bytes, lambda: s3
+    else:
+        p = _readable(path)
+        size = p.stat().st_size
+        open_tokens = lambda: np.memmap(p, dtype=np.uint8 if kind == "text" else np.dtype(dtype), mode="r")  # noqa: E731
     if size == 0:
         raise DataError(f"data.path {path!r} is empty; point it at a non-empty {'text' if kind == 'text' else dtype} file")
     if size % itemsize:
         raise DataError(f"data.path {path!r} has {size:,} bytes, not a multiple of {itemsize} ({dtype}); "
                         f"it is not a flat {dtype} token file: check data.dtype (uint16 or uint32) or the file")
-    tokens = np.memmap(p, dtype=np.uint8 if kind == "text" else np.dtype(dtype), mode="r")
+    tokens = open_tokens()
     if len(tokens) < min_tokens(seq_len):
         raise DataError(f"data.path {path!r} holds {len(tokens):,} tokens; a sample needs seq_len + 1 = {seq_len + 1} "
                         f"and the file at least {min_tokens(seq_len)}: use a longer file or a smaller model.seq_len")
@@ -78,8 +87,9 @@ def _max_token(tokens: np.ndarray) -> tuple[int, int]:
     """(largest id, its index) over the whole file if small, else over evenly spaced windows."""
     n = len(tokens)
     if n <= FULL_SCAN_TOKENS:
-        i = int(np.argmax(tokens))
-        return int(tokens[i]), i
+        whole = np.asarray(tokens[0:n])
+        i = int(np.argmax(whole))
+        return int(whole[i]), i
     best, where = -1, 0
     for start in np.linspace(0, n - WINDOW_TOKENS, SAMPLE_WINDOWS).astype(np.int64):
         w = np.asarray(tokens[start:start + WINDOW_TOKENS])

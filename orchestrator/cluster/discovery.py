@@ -73,8 +73,9 @@ class RayInventory:
             if gpu is None:
                 continue  # a GPU node whose type nobody told us; EC2 facts may still name it
             out.append(DiscoveredNode(
-                # Several Ray nodes can share one IP (NodeName), so the default name adds the id.
-                name=labels.get("hetspot/node") or f"{n.get('NodeName', 'node')}-{n['NodeID'][:6]}",
+                # Several Ray nodes can share one IP (NodeName), so the default name adds a short digest of the
+                # id (ids of nodes from one provider can share long prefixes; their digests do not).
+                name=labels.get("hetspot/node") or f"{n.get('NodeName', 'node')}-{_short(n['NodeID'])}",
                 gpu_type=catalog_type(gpu),
                 num_gpus=gpus,
                 market=labels.get("hetspot/market") or labels.get("ray.io/market-type", "on-demand").lower(),
@@ -85,6 +86,12 @@ class RayInventory:
                 node_id=n["NodeID"],
             ))
         return sorted(out, key=lambda d: d.name)
+
+
+def _short(node_id: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(node_id.encode()).hexdigest()[:6]
 
 
 def node_ids(nodes_fn: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, str]:

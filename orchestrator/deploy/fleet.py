@@ -31,6 +31,7 @@ class NodeKind:
     ray_accelerator: str  # what Ray itself detects: the accelerator_type:<T> resource
     gke_accelerator: str | None  # cloud.google.com/gke-accelerator, None where GKE has no such GPU
     memory_gib: int  # host memory of the instance
+    gke_machine: tuple[str, int, int] | None = None  # GKE machine type of the same GPU count: (name, vCPUs, GB)
 
     @property
     def slug(self) -> str:
@@ -38,18 +39,21 @@ class NodeKind:
 
 
 # EC2 instance families per GPU type (AWS instance type pages: p5, p4d/p4de, g5, g6, g6e, g4dn, p3).
+# GKE machine types (Compute Engine's GPU machine pages: A3 High, A2 Ultra, A2 High, G2; N1 with attached
+# T4 and V100): the pod of a group is sized from these, not from the EC2 instance.
 NODE_KINDS: dict[str, NodeKind] = {k.gpu_type: k for k in [
-    NodeKind("H100-SXM", "p5.48xlarge", 8, 192, "H100", "nvidia-h100-80gb", 2048),
-    NodeKind("A100-80GB", "p4de.24xlarge", 8, 96, "A100", "nvidia-a100-80gb", 1152),
-    NodeKind("A100-40GB", "p4d.24xlarge", 8, 96, "A100", "nvidia-tesla-a100", 1152),
+    NodeKind("H100-SXM", "p5.48xlarge", 8, 192, "H100", "nvidia-h100-80gb", 2048, ("a3-highgpu-8g", 208, 1872)),
+    NodeKind("A100-80GB", "p4de.24xlarge", 8, 96, "A100", "nvidia-a100-80gb", 1152, ("a2-ultragpu-8g", 96, 1360)),
+    NodeKind("A100-40GB", "p4d.24xlarge", 8, 96, "A100", "nvidia-tesla-a100", 1152, ("a2-highgpu-8g", 96, 680)),
     NodeKind("L40S", "g6e.12xlarge", 4, 48, "L40S", None, 384),
     NodeKind("A10G", "g5.12xlarge", 4, 48, "A10G", None, 192),
-    NodeKind("L4", "g6.12xlarge", 4, 48, "L4", "nvidia-l4", 192),
-    NodeKind("T4", "g4dn.12xlarge", 4, 48, "T4", "nvidia-tesla-t4", 192),
-    NodeKind("V100-16GB", "p3.8xlarge", 4, 32, "V100", "nvidia-tesla-v100", 244),
+    NodeKind("L4", "g6.12xlarge", 4, 48, "L4", "nvidia-l4", 192, ("g2-standard-48", 48, 192)),
+    NodeKind("T4", "g4dn.12xlarge", 4, 48, "T4", "nvidia-tesla-t4", 192, ("n1-standard-48", 48, 180)),
+    NodeKind("V100-16GB", "p3.8xlarge", 4, 32, "V100", "nvidia-tesla-v100", 244, ("n1-standard-32", 32, 120)),
 ]}
 
 DEFAULT_MIX = "h100:1,a100:2,a10g:2,l4:4,t4:4"
+DEFAULT_GKE_MIX = "h100:1,a100:2,l4:4,t4:4"  # GKE has no A10G
 
 
 class MixError(ValueError):

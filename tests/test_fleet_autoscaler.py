@@ -1,0 +1,195 @@
+"""The fleet on Ray's real autoscaler (issue 29, acceptance 1, 3 and 4): `ray.cluster_utils.AutoscalingCluster`.
+
+The cluster starts with a head and **no GPU node**; its autoscaler (Ray's own, over the fake multi-node
+provider, which starts each node as a local `ray start`) knows node types of fake T4, L4 and A10G GPUs, the
+A10G pool capped at 0 nodes (a dry spot pool). Jobs go through `hetspot submit --address` and Ray Jobs, as on
+a real cluster: hetspot asks the autoscaler for its fleet, waits for the minimum, trains, and withdraws the
+demand at the end, after which the autoscaler removes the idle GPU nodes.
+
+The pip wheel of Ray lacks the base config `AutoscalingCluster` reads (`fake_multi_node/example.yaml`), so
+`FleetCluster` gives it one. `AutoscalingCluster` runs `ray stop --force` (every Ray process of the user):
+this module owns the machine's Ray while it runs, as tests/test_real_head.py does.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.oracle import one_device_losses
+
+pytestmark = pytest.mark.ray
+BIN = Path(sys.executable).parent
+HETSPOT = str(BIN / "hetspot")
+URL = "http://127.0.0.1:8265"
+IDLE_TIMEOUT_S = 6.0
+BASE_CONFIG = {  # what fake_multi_node/example.yaml holds, less its node types
+    "cluster_name": "hetspot-fleet-test",
+    "max_workers": 6,
+    "upscaling_speed": 10.0,
+    "idle_timeout_minutes": IDLE_TIMEOUT_S / 60,
+    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                 "disable_launch_config_check": True},
+    "auth": {"ssh_user": "ubuntu"},
+    "docker": {},
+    "head_node_type": "ray.head.default",
+    "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+    "rsync_exclude": [], "rsync_filter": [],
+    "initialization_commands": [], "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
+    "head_start_ray_commands": [], "worker_start_ray_commands": [],
+}
+
+
+def gpu_type_node(gpu: str, max_workers: int) -> dict:
+    """An autoscaler node type of one fake GPU: the resources and labels a rendered deploy config gives it."""
+    return {"resources": {"CPU": 1, "GPU": 1, f"accelerator_type:{gpu}": 1}, "node_config": {},
+            "labels": {"hetspot/gpu-type": gpu, "hetspot/market": "spot"}, "min_workers": 0,
+            "max_workers": max_workers}
+
+
+@pytest.fixture(scope="module")
+def fleet_cluster():
+    from ray.cluster_utils import AutoscalingCluster
+
+    from orchestrator.cluster.embedded import HEALTH
+
+    class FleetCluster(AutoscalingCluster):
+        def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False, **kw):
+            cfg = copy.deepcopy(BASE_CONFIG) | kw
+            cfg["available_node_types"] = dict(worker_node_types) | {
+                "ray.head.default": {"resources": dict(head_resources), "node_config": {}, "max_workers": 0}}
+            return cfg
+
+    old_path = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{BIN}:{old_path}"  # `ray` (and the jobs' `python`) from this environment, as activated
+    c = FleetCluster(head_resources={"CPU": 2},
+                     worker_node_types={"t4": gpu_type_node("T4", 2), "l4": gpu_type_node("L4", 1),
+                                        "a10g": gpu_type_node("A10G", 0)})
+    c.start(_system_config=HEALTH)
+    try:
+        yield c
+    finally:
+        c.shutdown()
+        os.environ["PATH"] = old_path
+
+
+def gpu_nodes() -> dict[str, int]:
+    """GPU nodes alive now, per fake type (asked of the GCS from a short-lived driver)."""
+    code = ("import json, ray; ray.init(address='auto', logging_level='ERROR'); "
+            "print(json.dumps([n['Labels'].get('hetspot/gpu-type') for n in ray.nodes() "
+            "if n['Alive'] and n['Resources'].get('GPU')]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out: dict[str, int] = {}
+    for t in json.loads(r.stdout.strip().splitlines()[-1]):
+        out[t] = out.get(t, 0) + 1
+    return out
+
+
+def job_file(tmp_path: Path, name: str, fleet: dict, steps: int = 4) -> Path:
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(yaml.safe_dump({
+        "name": name,
+        "model": {"name": "gpt-fleet", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "vocab_size": 64,
+                  "seq_len": 16},
+        "train": {"global_batch": 8, "lr": 0.01, "precision": "fp32"},
+        "runtime": {"dtype": "float64", "emulate_speed": False, "collective_timeout_s": 20, "snapshot_every": 1},
+        "fleet": {"poll_s": 0.5} | fleet, "steps": steps}))
+    return f
+
+
+def hetspot(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    r = subprocess.run([HETSPOT, *args], capture_output=True, text=True, timeout=timeout)
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return r
+
+
+def run_job(job: Path, timeout_s: float = 300) -> tuple[dict, str, float]:
+    """Submit through Ray Jobs and wait for the end: (status, the driver's log, seconds from submit to the end)."""
+    t0 = time.monotonic()
+    r = hetspot("submit", str(job), "--address", URL, "--json")
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = json.loads(hetspot("status", job_id, "--address", URL, "--json").stdout)
+        if st["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        assert time.monotonic() < deadline, f"{job_id} still {st['status']} after {timeout_s} s"
+        time.sleep(1.0)
+    return st, hetspot("logs", job_id, "--address", URL).stdout, time.monotonic() - t0
+
+
+def progress(log: str) -> dict[int, float]:
+    from orchestrator.progress_lines import PROGRESS
+
+    rows = [json.loads(line[len(PROGRESS):]) for line in log.splitlines() if line.startswith(PROGRESS)]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def wait_gpu_nodes(want: dict[str, int], timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while gpu_nodes() != want:
+        assert time.monotonic() - t0 < timeout_s, f"GPU nodes {gpu_nodes()} are not {want} after {timeout_s} s"
+        time.sleep(1.0)
+    return time.monotonic() - t0
+
+
+def test_a_cluster_with_no_gpu_node_brings_up_the_fleet_trains_and_scales_it_down(fleet_cluster, tmp_path):
+    """Acceptance 1 and 4: zero GPU nodes at the start; hetspot's demand brings up a T4 and an L4 node through
+    the autoscaler, the job trains on them with the 1-device run's losses, and once its demand is withdrawn the
+    autoscaler removes both within its idle timeout."""
+    assert gpu_nodes() == {}
+    fleet = {"types": [{"gpu_type": "T4", "min_nodes": 1, "max_nodes": 1}, {"gpu_type": "L4", "min_nodes": 1,
+                                                                           "max_nodes": 1}], "wait_s": 120}
+    job = job_file(tmp_path, "fleet-up", fleet)
+    st, log, _ = run_job(job)
+    assert st["status"] == "SUCCEEDED", log[-3000:]
+    assert "waiting for capacity: 0/1 T4 node, 0/1 L4 node" in log, log[-3000:]
+    assert "Adding 1 node(s) of type t4" in log and "Adding 1 node(s) of type l4" in log, log[-3000:]  # on demand
+    assert "hetspot: training on" in log
+    losses = progress(log)
+    from orchestrator.job_spec import load_job
+
+    want = one_device_losses(load_job(job), 4)
+    assert sorted(losses) == [0, 1, 2, 3]
+    for s, w in enumerate(want):
+        assert abs(losses[s] - w) <= 1e-4 * abs(w), (losses, want)
+    # The demand is withdrawn: the autoscaler terminates the idle nodes at its idle timeout.
+    waited = wait_gpu_nodes({}, 60 + IDLE_TIMEOUT_S)
+    print(f"GPU nodes gone {waited:.1f} s after the job ended (idle timeout {IDLE_TIMEOUT_S:.0f} s)")
+
+
+def test_a_dry_pool_is_substituted_after_its_timeout(fleet_cluster, tmp_path):
+    """Acceptance 3 (substitutes): the A10G pool is capped at 0 nodes; after `substitute_after_s` hetspot asks
+    for a T4 instead, says so in an event, and trains on it."""
+    wait_gpu_nodes({}, 60 + IDLE_TIMEOUT_S)
+    fleet = {"types": [{"gpu_type": "A10G", "min_nodes": 1, "max_nodes": 1, "substitutes": ["T4"]},
+                       {"gpu_type": "T4", "min_nodes": 0, "max_nodes": 1}], "wait_s": 120, "substitute_after_s": 3}
+    st, log, _ = run_job(job_file(tmp_path, "fleet-substitute", fleet, steps=2))
+    assert st["status"] == "SUCCEEDED", log[-3000:]
+    events = [e for e in (st.get("events") or []) if e["kind"] == "substitute"]
+    assert events and events[0]["dry"] == "A10G" and events[0]["substitute"] == "T4", st.get("events")
+    assert sorted(progress(log)) == [0, 1]
+
+
+def test_a_minimum_that_never_comes_fails_with_exit_2_naming_the_types_after_the_wait(fleet_cluster, tmp_path):
+    """Acceptance 3 (timeout): an A10G minimum with no substitute never comes up; the driver exits 2 after
+    `wait_s` (not before) with a message naming A10G."""
+    wait_s = 8.0
+    fleet = {"types": [{"gpu_type": "A10G", "min_nodes": 1, "max_nodes": 1}], "wait_s": wait_s}
+    st, log, took = run_job(job_file(tmp_path, "fleet-dry", fleet))
+    assert st["status"] == "FAILED", log[-3000:]
+    assert "fleet: the minimum did not come up in 8 s: missing A10G (0 up, min_nodes 1)" in log, log[-3000:]
+    assert "exit code 2" in (st["message"] or ""), st["message"]
+    phases = [json.loads(line.split(" ", 1)[1]) for line in log.splitlines() if line.startswith("hetspot-phase ")]
+    assert phases[-1]["phase"] == "failed" and phases[-1]["elapsed_s"] >= wait_s, phases[-3:]
+    assert took >= wait_s
