@@ -171,7 +171,8 @@ def status(
     else:
         console.print("  no step committed yet")
     for e in st.get("events", []):
-        times = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in e.items() if k.endswith("_s"))
+        times = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in e.items()
+                          if k.endswith("_s") and isinstance(v, int | float))
         tiers = ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in e.get("bytes_by_tier", {}).items())
         console.print(f"  {e['kind']} at step {e['at_step']}: {e['cause']}" + (f" ({times})" if times else "")
                       + (f"; restored bytes: {tiers}" if tiers else ""))

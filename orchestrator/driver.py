@@ -58,6 +58,7 @@ def main() -> int:
         return 2
     job_id = os.environ.get(ENV_ID, "local")
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
+    _withdraw_on_stop(job)
     _print(f"hetspot: job {job_id}: {job.name}, {steps} steps, model {job.model_spec.name}")
     if resumed and not resume:
         _print(f"hetspot: {job.checkpoint.uri} holds this job's steps: going on from the newest complete one "
@@ -89,6 +90,7 @@ def main() -> int:
     try:
         summary = drive(actor, on_row, on_event, lambda ph: _print(phase_line(ph, time.perf_counter() - t0)))
     except RayActorError:
+        _withdraw(job)
         _print("hetspot: job failed: the job's controller died; run the driver again (a RayJob retry or a restarted "
                "head does) and it goes on from the newest complete step (checkpoint.resume: auto)", True)
         return 1
@@ -98,6 +100,31 @@ def main() -> int:
     _print(f"hetspot: done: {len(summary['losses'])} steps, loss {summary['losses'][0]:.4f} -> "
            f"{summary['losses'][-1]:.4f}, {summary['restarts']} re-plans")
     return 0
+
+
+def _withdraw(job) -> None:
+    """Clear the fleet's demand on the autoscaler (the controller does at its end; this covers a driver stopped
+    or left without its controller), so the GPU nodes can go."""
+    if job.fleet is None:
+        return
+    from orchestrator.cluster.capacity import RayAutoscaler
+
+    try:
+        RayAutoscaler(job.fleet).withdraw()
+    except Exception as e:  # the stop goes on; say that nodes may stay up
+        _print(f"hetspot: could not withdraw the demand for GPU nodes ({e}); scale them down by hand", True)
+
+
+def _withdraw_on_stop(job) -> None:
+    """`hetspot stop` (Ray Jobs) ends the driver with SIGTERM: withdraw the fleet's demand first."""
+    import signal
+
+    def stop(signum, frame):
+        _withdraw(job)
+        _print("hetspot: stopped; the demand for GPU nodes is withdrawn", True)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 if __name__ == "__main__":

@@ -193,3 +193,4 @@ def test_a_minimum_that_never_comes_fails_with_exit_2_naming_the_types_after_the
     phases = [json.loads(line.split(" ", 1)[1]) for line in log.splitlines() if line.startswith("hetspot-phase ")]
     assert phases[-1]["phase"] == "failed" and phases[-1]["elapsed_s"] >= wait_s, phases[-3:]
     assert took >= wait_s
+
