@@ -83,13 +83,14 @@ def fleet_cluster():
 
 def gpu_nodes() -> dict[str, int]:
     """GPU nodes alive now, per fake type (asked of the GCS from a short-lived driver)."""
-    code = ("import json, ray; ray.init(address='auto', logging_level='ERROR'); "
-            "print(json.dumps([n['Labels'].get('hetspot/gpu-type') for n in ray.nodes() "
+    code = ("import json, ray; ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
+            "print('GPU-NODES', json.dumps([n['Labels'].get('hetspot/gpu-type') for n in ray.nodes() "
             "if n['Alive'] and n['Resources'].get('GPU')]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("GPU-NODES "))  # the autoscaler prints too
     out: dict[str, int] = {}
-    for t in json.loads(r.stdout.strip().splitlines()[-1]):
+    for t in json.loads(line.split(" ", 1)[1]):
         out[t] = out.get(t, 0) + 1
     return out
 

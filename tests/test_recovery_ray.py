@@ -454,7 +454,12 @@ def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cl
         c.store.flush()
         doomed, lost = first_stage_and_its_peer(c, 1)
         proxy.delay_s = 3.0  # step 2's upload waits at S3 while the nodes go
+        seen = proxy.counts["received"]
         run_until(c, 2)
+        deadline = time.monotonic() + 30
+        while proxy.counts["received"] == seen:  # the uploader has its peer copies and asks S3 about step 2
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         kill(cluster, *doomed)
         proxy.delay_s = 0.0
         assert c.run() == State.DONE, c.error
@@ -462,7 +467,7 @@ def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cl
         assert first_try["status"] == "failed" and "not written" in first_try["error"], c.store.uploads
         assert any(u in first_try["error"] for u in lost)
         steps = every_step_is_whole(j)
-        assert steps == [STEPS - 1, STEPS - 2]  # keep: 2, both whole
+        assert steps[0] == STEPS - 1 and len(steps) == 2  # keep: 2, both whole (an older one may have been dropped)
         assert_matches_reference(j, c.progress.losses, final_state(j))
     finally:
         proxy.stop()

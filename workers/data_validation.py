@@ -14,13 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.data_errors import DataError  # noqa: F401  (raised here; callers import it from this module)
+
 FULL_SCAN_TOKENS = 1 << 24  # 16M tokens: read whole; larger files are sampled
 SAMPLE_WINDOWS, WINDOW_TOKENS = 256, 4096
 ITEMSIZE = {"uint16": 2, "uint32": 4}
-
-
-class DataError(ValueError):
-    """The training data cannot be read as the job says; the message names data.path and the fix."""
 
 
 def min_tokens(seq_len: int) -> int:

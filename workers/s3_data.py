@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from workers.data_validation import DataError
+from workers.data_errors import DataError
 
 _URI = re.compile(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.+)")
 

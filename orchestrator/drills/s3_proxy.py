@@ -10,8 +10,8 @@ and, while told to:
     retries it);
   - when the endpoint behind it is down (the `s3-outage` fault stops moto), it
     drops the client's connection without an answer, as a dead endpoint does.
-It binds to 127.0.0.1 only. `counts` says how many requests it forwarded and
-throttled.
+It binds to 127.0.0.1 only. `counts` says how many requests it received (before any
+delay), forwarded, throttled and dropped.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class S3FaultProxy:
         self.target = (target.hostname, target.port or 80)
         self.delay_s = 0.0
         self.slowdown_until = 0.0
-        self.counts = {"forwarded": 0, "throttled": 0, "dropped": 0}
+        self.counts = {"received": 0, "forwarded": 0, "throttled": 0, "dropped": 0}
         self._lock = threading.Lock()
         proxy = self
 
@@ -59,6 +59,7 @@ class S3FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                proxy._count("received")
                 if proxy.delay_s:
                     time.sleep(proxy.delay_s)
                 if time.monotonic() < proxy.slowdown_until:
