@@ -26,7 +26,8 @@ TRANSIENT = frozenset({FailureKind.NODE_LOST, FailureKind.ACTOR_DIED, FailureKin
 # Exception types and message fragments that torch.distributed raises when a peer goes away.
 _COLLECTIVE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 _COLLECTIVE_TEXT = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
-                    "socket timeout", "peer", "connection refused")
+                    "socket timeout", "peer", "connection refused",
+                    "application timeout", "pair closure")  # gloo's timeout of a pair, some builds' wording
 
 
 # Ray's errors for a peer actor (a keeper, another worker) or its objects gone with a lost node.
