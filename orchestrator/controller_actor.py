@@ -118,13 +118,13 @@ class ControllerActor:
                            "unused": [u.model_dump() for u in c.plan.unused],
                            "profiling": dict(getattr(c.nodes, "notes", {}))}
         self.reported = min(self.reported, c.progress.committed)  # a rollback re-runs steps
-        lag = c.store.upload_lag(c.progress.committed) if hasattr(c.store, "upload_lag") else None
+        lag = c.store.upload_lag(c.progress.committed)
         for s in range(self.reported + 1, c.progress.committed + 1):
             if s not in c.progress.losses:  # committed by an earlier run: a resume starts after its checkpoint
                 continue
             row = step_row(c.model, c.plan, s, c.progress.losses[s], c.progress.step_time_s[s],
                            c.group.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
-            if lag is not None and c.store.s3 is not None:
+            if lag is not None:
                 row |= {"upload_lag_steps": lag["lag_steps"], "upload_backlog": lag["backlog"],
                         "s3_step": lag["newest_step"], "failed_uploads": lag["failed"]}
             self.metrics.record(row)
@@ -145,7 +145,7 @@ class ControllerActor:
                 "losses": [c.progress.losses[s] for s in steps],
                 "step_time_s": [c.progress.step_time_s[s] for s in steps],
                 "uploads": getattr(c.store, "uploads", []),
-                "upload_lag": c.store.upload_lag(c.progress.committed) if hasattr(c.store, "upload_lag") else None,
+                "upload_lag": c.store.upload_lag(c.progress.committed),
                 "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
                 "events": c.progress.events, "history": c.progress.history}
 

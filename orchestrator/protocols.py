@@ -39,6 +39,7 @@ class StatePlane(Protocol):
     def restore(self, group: WorkerGroup, avoid: set[str]) -> dict | None: ...  # {"step", "tier", "bytes", ...};
     # None: a fresh start; no source on the `avoid` nodes
     def flush(self) -> None: ...  # uploads in flight complete
+    def upload_lag(self, committed: int) -> dict | None: ...  # where the S3 tier stands; None: there is none
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ class S3Array:
             raise DataError(f"data.path {uri!r} must look like s3://BUCKET/KEY (a bucket name of 3-63 lowercase "
                             "letters, digits, dots or dashes, then the object's key)")
         self.uri, self.bucket, self.key, self.dtype = uri, m.group(1), m.group(2), np.dtype(dtype)
-        self.client = client or _client(endpoint_url)
+        self.client = client or new_s3_client(endpoint_url)
         self.size_bytes = self._head(endpoint_url)
         self.bytes_read = 0
 
@@ -77,9 +77,16 @@ class S3Array:
         return np.frombuffer(body, dtype=self.dtype)
 
 
-def _client(endpoint_url: str | None):
+RETRIES = {"mode": "standard", "max_attempts": 8}  # 503 SlowDown and throttling back off with jitter
+
+
+def new_s3_client(endpoint_url: str | None = None, config=None):
+    """An S3 client from a fresh boto3 session (credentials are looked up now: boto3's default session would
+    keep the first ones it found for the life of the process), with the standard retry mode; `config` (a
+    botocore Config) is merged over it. The checkpoints (orchestrator/state/s3_store.py) use it too."""
     import boto3
     from botocore.config import Config
 
+    retries = Config(retries=RETRIES)
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url,
-                                          config=Config(retries={"mode": "standard", "max_attempts": 8}))
+                                          config=retries if config is None else retries.merge(config))

@@ -251,13 +251,14 @@ class Drill(FaultInjection):
         by_tier = {t: sum(e["bytes_by_tier"].get(t, 0) for e in restores if "bytes_by_tier" in e)
                    for t in ("live", "peer", "s3")}
         recoveries = recovery_timeline(events, commits)
+        end = c.store.upload_lag(c.progress.committed)
         got = {"lost_steps": lost, "replans": sum(e["kind"] == "re-plan" for e in events),
                "drains": sum(e["kind"] == "drain" for e in events),
                "restores": len(restores),
                "refused_steps": sum(len(e.get("refused_steps", [])) for e in restores),
                "scale_ups": sum(e["kind"] == "scale-up" for e in events),
                "failed_uploads": sum(1 for u in c.store.uploads if u["error"]), "bytes_by_tier": by_tier,
-               "s3_last_step": c.store.upload_lag(c.progress.committed)["newest_step"] == steps - 1,
+               "s3_last_step": end["newest_step"] == steps - 1,
                "final_nodes": c.plan.nodes() if c.plan else []}
         final = {s: c.progress.samples.get(s, []) for s in range(steps)}
         useful = sum(c.progress.step_time_s.get(s, 0.0) for s in range(steps))
@@ -267,7 +268,7 @@ class Drill(FaultInjection):
             faults=self.fired, recoveries=recoveries, bytes_by_tier=by_tier, lost_steps=lost,
             samples=check_samples(final, steps, c.train.global_batch), wall_s=wall, useful_s=useful,
             uploads=list(c.store.uploads), error=error, reference_kind=self.reference_kind,
-            upload_lag=upload_summary(self.lags, c.store.upload_lag(c.progress.committed)))
+            upload_lag=upload_summary(self.lags, end))
         res.expect_failures = check_expect(self.sc.expect, got) if error is None else []
         return res
 

@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -37,7 +38,6 @@ FORMAT = "hetspot-checkpoint/3"
 READ_FORMATS = ("hetspot-checkpoint/2", FORMAT)  # /2 has no model_units: they come from meta.model
 MULTIPART_BYTES = 8 << 20
 _STEP = re.compile(r"step-(\d{10})/(.+)$")
-RETRIES = {"mode": "standard", "max_attempts": 8}  # 503 SlowDown and throttling back off with jitter
 log = logging.getLogger("hetspot.checkpoints")
 
 
@@ -330,7 +330,7 @@ class S3Checkpoints:
 
 def expected_units(manifest: dict) -> dict[str, list[int]]:
     """The model's units ({name: full shape}) a manifest must cover: its own `model_units`, or for a format-2
-    manifest the units of the model its meta records (empty when it records none)."""
+    manifest the units of the model its meta records (its own units when it records none)."""
     if "model_units" in manifest:
         return manifest["model_units"]
     model = manifest.get("meta", {}).get("model")
@@ -354,20 +354,11 @@ def missing_units(manifest: dict) -> list[str]:
 
 
 def _tiles(regions: list, shape: list[int]) -> bool:
-    def volume(r):
-        v = 1
-        for a, b in r:
-            v *= b - a
-        return v
-
-    full = 1
-    for n in shape:
-        full *= n
     inside = all(len(r) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(r, shape, strict=True))
                  for r in regions)
     disjoint = all(any(b1 <= a2 or b2 <= a1 for (a1, b1), (a2, b2) in zip(r, q, strict=True))
                    for i, r in enumerate(regions) for q in regions[i + 1:])
-    return inside and disjoint and sum(volume(r) for r in regions) == full
+    return inside and disjoint and sum(math.prod(b - a for a, b in r) for r in regions) == math.prod(shape)
 
 
 def region_tag(region) -> str:
@@ -376,14 +367,10 @@ def region_tag(region) -> str:
 
 
 def new_client(endpoint_url: str | None = None, config=None):
-    """An S3 client from a fresh boto3 session: credentials are looked up now (boto3's default
-    session would keep the first ones it found for the life of the process)."""
-    import boto3
-    from botocore.config import Config
+    """An S3 client with fresh credentials and the standard retry mode (workers/s3_data.new_s3_client)."""
+    from workers.s3_data import new_s3_client
 
-    retries = Config(retries=RETRIES)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url,
-                                          config=retries if config is None else retries.merge(config))
+    return new_s3_client(endpoint_url, config)
 
 
 def check_access(uri: str, endpoint_url: str | None = None, timeout_s: float = 5.0) -> S3Checkpoints:

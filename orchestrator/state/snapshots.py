@@ -42,3 +42,6 @@ class MemorySnapshots:
 
     def flush(self) -> None:
         """Nothing is in flight."""
+
+    def upload_lag(self, committed: int) -> None:
+        """No S3 tier."""

@@ -197,7 +197,9 @@ class TieredState:
 
     def upload_lag(self, committed: int) -> dict:
         """Where the S3 tier stands after `committed`: the newest step in S3 this job wrote, the lag in steps
-        behind it (committed + 1 when none), and the steps waiting or in flight (at most 2)."""
+        behind it (committed + 1 when none), and the steps waiting or in flight (at most 2); None without S3."""
+        if self.s3 is None:
+            return None
         newest = max((u["step"] for u in self.uploads if u["status"] in ("written", "exists")), default=None)
         with self._cv:
             backlog = [s for s in (self._inflight, self._pending and self._pending[0]) if s is not None]
