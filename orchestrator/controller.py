@@ -44,7 +44,7 @@ from orchestrator.state.s3_store import CheckpointError
 from orchestrator.state.snapshots import MemorySnapshots
 from planner import Plan, PlanningError
 from planner.search import Planner
-from planner.specs import ModelSpec, TrainSpec
+from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
 State = enum.Enum("State", {s.upper(): s for s in (
@@ -88,6 +88,7 @@ class Controller:
         self.sleep = sleep or time.sleep
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
+        self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
         self._launch_s = 5.0  # the last launch's start-up (placing workers, process group), for migration costs
         self._draining: dict | None = None  # the drain event in progress
@@ -188,6 +189,7 @@ class Controller:
             self.group.shutdown()
             return self._fail(f"restoring state failed: {e}")
         self._phase("training")
+        self._plan_from = self.progress.committed + 2  # the first step on this plan warms up: not measured
         return State.TRAINING
 
     def _train(self) -> State:
@@ -226,7 +228,8 @@ class Controller:
         cluster = self.nodes.discover().without_nodes(self.doomed)
         self._known_nodes, joined = joined_nodes(self._known_nodes, cluster)
         got = joined and consider_joined(self.planner, self.model, self.train, self.plan, cluster,
-                                         self.steps - self.progress.committed - 1, self._launch_s)
+                                         self.steps - self.progress.committed - 1, self._launch_s,
+                                         self._measured_tokens_per_s())
         if not got:
             return False
         new, d, extra = got
@@ -237,6 +240,14 @@ class Controller:
             self.group.shutdown()
             self.plan, self.cluster = new, cluster
         return d.move
+
+    def _measured_tokens_per_s(self) -> float | None:
+        """The running plan's tokens/s over its last (up to) 10 steps, as measured; None before 2 steps."""
+        steps = [s for s in range(self._plan_from, self.progress.committed + 1) if s in self.progress.step_time_s]
+        times = sorted(self.progress.step_time_s[s] for s in steps[-10:])
+        if len(times) < 2 or times[len(times) // 2] <= 0:
+            return None
+        return tokens_per_step(self.model, self.train.global_batch) / times[len(times) // 2]
 
     def _heed(self, notices: list) -> bool:
         """Start a drain for notices on the plan's nodes when the deadline leaves time (policies.notice_decision)."""

@@ -13,6 +13,7 @@ moments beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from orchestrator.policies import Candidate, ScaleDecision, replan_policy, scale_policy
@@ -230,8 +231,14 @@ def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None,
 
 
 def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, cluster: ClusterSpec,
-                    steps_left: int, startup_s: float) -> tuple[Plan, ScaleDecision, dict] | None:
-    """(chosen plan, decision, the numbers for the event), or None when no plan uses the grown cluster."""
+                    steps_left: int, startup_s: float,
+                    measured_tokens_per_s: float | None = None) -> tuple[Plan, ScaleDecision, dict] | None:
+    """(chosen plan, decision, the numbers for the event), or None when no plan uses the grown cluster.
+
+    `measured_tokens_per_s`, the running plan's throughput as measured, calibrates the predictions: every
+    candidate's predicted tokens/s is scaled by measured / predicted for the running plan, so the remaining
+    work is weighed at the speed the job really trains (what the cost model leaves out, such as per-step
+    overheads that dwarf a small model's compute, then counts for every candidate alike)."""
     try:
         plans = [relabel(p, running, cluster, model, train) for p in planner.candidates(cluster, k=TOP_K)]
         now = evaluate(running, cluster, model, train).tokens_per_s
@@ -240,8 +247,11 @@ def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, 
         return None
     bw = bandwidths(cluster)
     cands = _candidates(plans, running, model, train, startup_s, bw)
+    scale = measured_tokens_per_s / now if measured_tokens_per_s and now > 0 else 1.0
+    cands = [dataclasses.replace(c, tokens_per_s=c.tokens_per_s * scale) for c in cands]
     left = steps_left * tokens_per_step(model, train.global_batch)
-    stay = Candidate("running", now, {}, 0.0)
+    stay = Candidate("running", now * scale, {}, 0.0)
     d = scale_policy(stay, cands, left, bw)
     chosen = plans[[c.name for c in cands].index(d.chosen)] if d.move else running
-    return chosen, d, _numbers(d, [stay, *cands], steps_left)
+    extra = {"calibration": round(scale, 6)} if scale != 1.0 else {}
+    return chosen, d, _numbers(d, [stay, *cands], steps_left) | extra

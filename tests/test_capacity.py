@@ -60,7 +60,9 @@ def test_a_dry_type_is_asked_for_as_its_substitute_after_the_timeout_and_not_bef
     assert cap.tick().substituted == [] and a.requests[-1] == {"A100-80GB": 2, "L4": 2}
     a.t = 20.0
     v = cap.tick()
-    assert v.substituted == [("A100-80GB", "L4", 2)] and a.requests[-1] == {"A100-80GB": 2, "L4": 4}
+    # The dry type is asked for no more than came up (none): a request naming nodes that cannot come would
+    # hold back everything else on Ray's autoscaler v2.
+    assert v.substituted == [("A100-80GB", "L4", 2)] and a.requests[-1] == {"A100-80GB": 0, "L4": 4}
     assert v.missing == {"A100-80GB": 1} and not v.ready  # L4s beyond their own minimum of 2 ... (none yet)
     a.up = {"L4": 3}
     v = cap.tick()
@@ -74,6 +76,53 @@ def test_minimums_count_a_stand_ins_surplus_once():
     assert missing_minimums(f, {"L4": 3}, {"A100-80GB": "L4"}) == {}
     assert missing_minimums(f, {"L4": 3}, {}) == {"A100-80GB": 2}
     assert fleet_demand(f, {"A100-80GB": 1}, {"A100-80GB": "L4"}) == {"A100-80GB": 2, "L4": 2}
+    assert fleet_demand(f, {"A100-80GB": 1}, {"A100-80GB": "L4"}, {"A100-80GB": 1}) == {"A100-80GB": 1, "L4": 2}
+
+
+def test_a_dry_type_without_substitutes_keeps_asking_for_the_nodes_that_came_and_no_more():
+    """A type capped below its max_nodes: after substitute_after_s its demand falls to the most nodes of it
+    ever up, so a preempted node of it is still replaced."""
+    a = FakeAutoscaler()
+    cap = a.capacity(fleet(types=[{"gpu_type": "A100-80GB", "min_nodes": 1, "max_nodes": 3},
+                                  {"gpu_type": "L4", "min_nodes": 0, "max_nodes": 2}]))
+    a.up = {"A100-80GB": 2, "L4": 2}
+    cap.tick()
+    a.t = 20.0
+    assert cap.tick().ready and a.requests[-1] == {"A100-80GB": 2, "L4": 2}
+    a.up = {"A100-80GB": 1, "L4": 2}  # one is preempted: the 2 that came are still asked for
+    assert cap.tick().ready and a.requests[-1] == {"A100-80GB": 2, "L4": 2} and cap.dry == {"A100-80GB"}
+
+
+class AllOrNothingAutoscaler(FakeAutoscaler):
+    """Ray's autoscaler v2 on a request: it launches for it only when every bundle can be placed (each type
+    has a cap, its node type's max_workers)."""
+
+    def __init__(self, caps: dict[str, int]):
+        super().__init__()
+        self.caps = caps
+
+    def capacity(self, f) -> Capacity:
+        def count_up():
+            if self.requests and all(n <= self.caps.get(t, 0) for t, n in self.requests[-1].items()):
+                self.up = dict(self.requests[-1])
+            return dict(self.up)
+
+        return Capacity(f, count_up, self.requests.append, lambda: self.t, self.withdraw)
+
+
+@pytest.mark.parametrize("capped_first", [True, False])
+def test_a_type_that_can_never_come_stops_holding_back_the_others_on_an_all_or_nothing_autoscaler(capped_first):
+    """A10G nodes can never come (max_workers 0): while the request names one, nothing comes up. Types go
+    dry one at a time; whichever the order, the T4s come up and A10G is no longer asked for."""
+    types = [{"gpu_type": "A10G", "min_nodes": 0, "max_nodes": 1}, {"gpu_type": "T4", "min_nodes": 1, "max_nodes": 2}]
+    a = AllOrNothingAutoscaler({"A10G": 0, "T4": 2})
+    cap = a.capacity(fleet(types=types if capped_first else types[::-1]))
+    while not cap.tick().ready:
+        assert a.t <= 100, (a.t, a.requests)
+        a.t += 1.0
+    assert a.up == {"A10G": 0, "T4": 2} and a.requests[-1] == {"A10G": 0, "T4": 2}
+    # one dry spell (20 s) and a poll, or two when T4 went dry first
+    assert a.t == (21.0 if capped_first else 41.0), a.requests
 
 
 MODEL, TRAIN = ModelSpec.preset("tiny"), TrainSpec(global_batch=8)

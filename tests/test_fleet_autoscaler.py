@@ -1,4 +1,4 @@
-"""The fleet on Ray's real autoscaler (issue 29, acceptance 1, 3 and 4): `ray.cluster_utils.AutoscalingCluster`.
+"""The fleet on Ray's real autoscaler (issue 29, acceptance 1 to 4): `ray.cluster_utils.AutoscalingCluster`.
 
 The cluster starts with a head and **no GPU node**; its autoscaler (Ray's own, over the fake multi-node
 provider, which starts each node as a local `ray start`) knows node types of fake T4, L4 and A10G GPUs, the
@@ -6,8 +6,12 @@ A10G pool capped at 0 nodes (a dry spot pool). Jobs go through `hetspot submit -
 a real cluster: hetspot asks the autoscaler for its fleet, waits for the minimum, trains, and withdraws the
 demand at the end, after which the autoscaler removes the idle GPU nodes.
 
-The pip wheel of Ray lacks the base config `AutoscalingCluster` reads (`fake_multi_node/example.yaml`), so
-`FleetCluster` gives it one. `AutoscalingCluster` runs `ray stop --force` (every Ray process of the user):
+The autoscaler is v2, the default of `ray up` since Ray 2.50: it terminates an instance whose Ray node died
+and launches a replacement for the standing demand, as on a cloud where the reclaimed instance is gone (v1
+over the fake provider keeps a killed node listed and never replaces it). The pip wheel of Ray lacks the base
+config `AutoscalingCluster` reads (`fake_multi_node/example.yaml`), so `FleetCluster` gives it one, and v2
+reads a `fake_multinode` provider's defaults from that same missing file, so the provider is Ray's fake one
+loaded as an external module. `AutoscalingCluster` runs `ray stop --force` (every Ray process of the user):
 this module owns the machine's Ray while it runs, as tests/test_real_head.py does.
 """
 
@@ -36,8 +40,10 @@ BASE_CONFIG = {  # what fake_multi_node/example.yaml holds, less its node types
     "max_workers": 6,
     "upscaling_speed": 10.0,
     "idle_timeout_minutes": IDLE_TIMEOUT_S / 60,
-    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                 "disable_launch_config_check": True},
+    # Ray's fake provider, loaded as an external module: autoscaler v2 reads a `fake_multinode` provider's
+    # defaults from the example.yaml the wheel lacks, and an external one's from Ray's built-in minimum.
+    "provider": {"type": "external", "module": "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider",
+                 "use_node_id_as_ip": True, "disable_node_updaters": True, "disable_launch_config_check": True},
     "auth": {"ssh_user": "ubuntu"},
     "docker": {},
     "head_node_type": "ray.head.default",
@@ -57,6 +63,7 @@ def gpu_type_node(gpu: str, max_workers: int) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet_cluster():
+    from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
     from ray.cluster_utils import AutoscalingCluster
 
     from orchestrator.cluster.embedded import HEALTH
@@ -64,6 +71,8 @@ def fleet_cluster():
     class FleetCluster(AutoscalingCluster):
         def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False, **kw):
             cfg = copy.deepcopy(BASE_CONFIG) | kw
+            if autoscaler_v2:  # what AutoscalingCluster adds for v2
+                cfg["provider"] |= {"launch_multiple": True, "head_node_id": FAKE_HEAD_NODE_ID}
             cfg["available_node_types"] = dict(worker_node_types) | {
                 "ray.head.default": {"resources": dict(head_resources), "node_config": {}, "max_workers": 0}}
             return cfg
@@ -72,7 +81,8 @@ def fleet_cluster():
     os.environ["PATH"] = f"{BIN}:{old_path}"  # `ray` (and the jobs' `python`) from this environment, as activated
     c = FleetCluster(head_resources={"CPU": 2},
                      worker_node_types={"t4": gpu_type_node("T4", 2), "l4": gpu_type_node("L4", 1),
-                                        "a10g": gpu_type_node("A10G", 0)})
+                                        "a10g": gpu_type_node("A10G", 0)},
+                     autoscaler_v2=True)
     c.start(_system_config=HEALTH)
     try:
         yield c
@@ -195,3 +205,94 @@ def test_a_minimum_that_never_comes_fails_with_exit_2_naming_the_types_after_the
     assert phases[-1]["phase"] == "failed" and phases[-1]["elapsed_s"] >= wait_s, phases[-3:]
     assert took >= wait_s
 
+
+
+def gpu_node_ids() -> dict[str, str]:
+    """Alive GPU nodes: Ray node id -> fake GPU type."""
+    code = ("import json, ray; ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
+            "print('GPU-NODES', json.dumps({n['NodeID']: n['Labels'].get('hetspot/gpu-type') for n in ray.nodes() "
+            "if n['Alive'] and n['Resources'].get('GPU')}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("GPU-NODES ")).split(" ", 1)[1])
+
+
+def kill_fake_node(node_id: str) -> int:
+    """SIGKILL every process of one fake node, as a reclaimed instance vanishes: the fake provider starts each
+    node's processes with `RAY_OVERRIDE_NODE_ID_FOR_TESTING=<its node id>` in their environment."""
+    mark, killed = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode(), 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if mark in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), 9)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def test_a_killed_node_is_replaced_by_the_autoscaler_and_the_job_moves_onto_it(fleet_cluster, tmp_path):
+    """Acceptance 2: the job trains on a T4 and an L4 node; the L4 node is killed mid-training. hetspot re-plans
+    on the T4; its demand still stands, so the autoscaler replaces the lost node (its liveness check terminates
+    the silent instance, then it launches a new L4 for the demand); hetspot's scale-up path moves onto the new
+    node. Every committed step's loss equals the 1-device run's, across both plan changes (the same samples
+    in the same order). Stopping the job (SIGTERM to the driver) withdraws the demand: the GPU nodes go."""
+    wait_gpu_nodes({}, 60 + IDLE_TIMEOUT_S)
+    fleet = {"types": [{"gpu_type": "T4", "min_nodes": 1, "max_nodes": 1},
+                       {"gpu_type": "L4", "min_nodes": 1, "max_nodes": 1}], "wait_s": 120}
+    job = job_file(tmp_path, "fleet-replace", fleet, steps=100_000)  # long enough that moving back pays
+    r = hetspot("submit", str(job), "--address", URL, "--json")
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+
+    def status() -> dict:
+        return json.loads(hetspot("status", job_id, "--address", URL, "--json").stdout)
+
+    def until(what: str, ok, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = status()
+            if ok(st):
+                return st
+            assert st["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"), (what, st)
+            assert time.monotonic() < deadline, f"not {what} after {timeout_s} s: {st}"
+            time.sleep(1.0)
+
+    try:
+        until("training", lambda st: (st.get("progress") or {}).get("step", -1) >= 20, 180)
+        l4 = [n for n, t in gpu_node_ids().items() if t == "L4"]
+        assert len(l4) == 1, gpu_node_ids()
+        assert kill_fake_node(l4[0]) > 0
+        t_kill = time.monotonic()
+        kinds = lambda st: [e["kind"] for e in st.get("events") or []]  # noqa: E731
+        st = until("re-planned without the L4", lambda st: "re-plan" in kinds(st), 120)
+        st = until("moved onto the replacement", lambda st: "scale-up" in kinds(st), 180)
+        moved_s = time.monotonic() - t_kill
+        nodes = gpu_node_ids()
+        assert sorted(nodes.values()) == ["L4", "T4"] and l4[0] not in nodes, nodes  # a new L4 node
+        step = st["progress"]["step"]
+        until("training after the move", lambda st: st["progress"]["step"] >= step + 20, 120)
+    finally:
+        stop = hetspot("stop", job_id, "--address", URL)
+    assert stop.returncode == 0, stop.stderr
+    deadline = time.monotonic() + 120
+    while (st := status())["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.monotonic() < deadline, st
+        time.sleep(1.0)
+    log = hetspot("logs", job_id, "--address", URL).stdout
+    events = st.get("events") or []
+    print(f"kill -> moved onto the replacement L4 in {moved_s:.1f} s; events:",
+          [(e["kind"], e["cause"][:90]) for e in events])
+    losses = progress(log)
+    n = max(losses) + 1
+    assert sorted(losses) == list(range(n)), "a committed step is missing from the log"
+    from orchestrator.job_spec import load_job
+
+    want = one_device_losses(load_job(job), n)
+    bad = [(s, losses[s], want[s]) for s in range(n) if abs(losses[s] - want[s]) > 1e-4 * abs(want[s])]
+    assert not bad, bad[:5]
+    # The stopped driver withdrew the demand: the autoscaler removes both GPU nodes at its idle timeout.
+    waited = wait_gpu_nodes({}, 60 + IDLE_TIMEOUT_S)
+    print(f"{n} steps matched the 1-device run; GPU nodes gone {waited:.1f} s after the stop")

@@ -316,3 +316,92 @@ def test_ray_drain_on_a_real_cluster_moves_the_job_before_the_deadline(tmp_path)
         assert '"phase": "draining a100-spot"' in logs and '"kind": "drain"' in logs  # phase and events lines
     finally:
         h.stop()
+
+
+# Ray's fake multi-node provider, loaded as an external module: Ray's autoscaler v2 reads a `fake_multinode`
+# provider's defaults from an example.yaml that the pip wheel lacks, and an external provider's from Ray's own.
+FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+
+
+def test_a_rendered_aws_config_comes_up_on_the_fake_provider_and_runs_the_job_hetspot_ships(tmp_path):
+    """Issue 29, acceptance 5: `hetspot deploy render --cloud aws` with its provider swapped for Ray's fake
+    multi-node provider (node types, resources, labels and limits kept) comes up as `ray up` brings up a head:
+    the config is the head's ~/ray_bootstrap_config.yaml, the auth token is the file it mounts, and the
+    rendered `head_start_ray_commands` run through bash with the autoscaler-v2 environment `ray up` adds. The
+    nodes' Python has exactly what the config's setup command installs and no hetspot. `hetspot submit
+    --address` ships hetspot; the job's fleet asks the autoscaler for a t4-spot node, which comes up with the
+    rendered resources and labels, and the job trains with the 1-device run's losses."""
+    import shlex
+
+    import yaml
+    from packaging.requirements import Requirement
+    from ray.autoscaler._private.fake_multi_node.node_provider import (
+        FAKE_HEAD_NODE_ID,
+        FAKE_HEAD_NODE_TYPE,
+    )
+
+    from orchestrator.job_spec import load_job
+    from tests.oracle import one_device_losses
+
+    bin_dir = bare_python(tmp_path)
+    rendered = tmp_path / "aws.yaml"
+    r = subprocess.run([HETSPOT, "deploy", "render", "--cloud", "aws", "--mix", "t4:1,l4:1", "--out", str(rendered)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(rendered.read_text())
+    # The nodes' interpreter satisfies every requirement of the setup command (`pip install -U REQ ...`).
+    reqs = [Requirement(a) for a in shlex.split(cfg["setup_commands"][0])[3:]]
+    check = ("import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))")
+    got = json.loads(subprocess.run([str(bin_dir / "python"), "-c", check, *[q.name for q in reqs]], check=True,
+                                    capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout)
+    assert all(q.specifier.contains(got[q.name], prereleases=True) for q in reqs), (reqs, got)
+
+    head = RealHead(tmp_path, auth=True, bin_dir=bin_dir)  # its HOME holds ~/.ray/auth_token, as mounted
+    head.url = "http://127.0.0.1:8265"  # the rendered head's dashboard port
+    kept = {"available_node_types": cfg["available_node_types"]}
+    from ray.autoscaler._private.util import fillout_defaults
+
+    cfg = fillout_defaults(cfg)  # what `ray up` does with it (Ray's AWS defaults fill what the file leaves out)
+    # The fake provider's head instance is always of type `ray.head.default`: the rendered head type, renamed.
+    cfg["available_node_types"][FAKE_HEAD_NODE_TYPE] = cfg["available_node_types"].pop(cfg["head_node_type"])
+    cfg["head_node_type"] = FAKE_HEAD_NODE_TYPE
+    cfg["provider"] = {"type": "external", "module": FAKE_PROVIDER, "use_node_id_as_ip": True,
+                       "disable_node_updaters": True, "disable_launch_config_check": True,
+                       "launch_multiple": True, "head_node_id": FAKE_HEAD_NODE_ID}
+    (head.home / "ray_bootstrap_config.yaml").write_text(yaml.safe_dump(cfg))
+    env = head.env | {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+                      # what `ray up` puts before the head's start commands (autoscaler v2, Ray's default since
+                      # 2.50), with the fake cloud's head instance id
+                      "RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_NODE_ID,
+                      "RAY_NODE_TYPE_NAME": cfg["head_node_type"], "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID}
+    env.pop("RAY_AUTH_MODE")  # the rendered command sets it
+    job = tmp_path / "fleet.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "aws-fake", "steps": 4,
+        "model": {"name": "gpt-aws", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "vocab_size": 64,
+                  "seq_len": 16},
+        "train": {"global_batch": 8, "lr": 0.01, "precision": "fp32"},
+        "runtime": {"dtype": "float64", "emulate_speed": False, "collective_timeout_s": 20},
+        "fleet": {"types": [{"gpu_type": "T4", "min_nodes": 1, "max_nodes": 1}], "wait_s": 120, "poll_s": 0.5}}))
+    try:
+        for cmd in cfg["head_start_ray_commands"]:
+            r = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+            assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-3000:])
+        r = cli(head, "submit", str(job), "--address", head.url, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        job_id = json.loads(r.stdout)["job_id"]
+        st = wait_status(head, job_id, ("SUCCEEDED", "FAILED", "STOPPED"), timeout=300)
+        logs = cli(head, "logs", job_id, "--address", head.url).stdout
+        assert st["status"] == "SUCCEEDED", logs[-3000:]
+        assert "Adding 1 node(s) of type t4-spot" in logs, logs[-3000:]
+        inv = cli(head, "inventory", "--address", head.url, "--json")  # the node the autoscaler launched
+        assert inv.returncode == 0, inv.stderr
+        t4 = [n for n in json.loads(inv.stdout)["nodes"] if n["gpu_type"] == "T4"]
+        want_gpus = kept["available_node_types"]["t4-spot"]["resources"]["GPU"]
+        assert [(n["num_gpus"], n["market"]) for n in t4] == [(want_gpus, "spot")], inv.stdout
+        rows = [json.loads(ln.split(" ", 1)[1]) for ln in logs.splitlines() if ln.startswith("hetspot-progress ")]
+        want = one_device_losses(load_job(job), 4)
+        assert [r["step"] for r in rows] == [0, 1, 2, 3], rows
+        assert all(abs(r["loss"] - w) <= 1e-4 * abs(w) for r, w in zip(rows, want, strict=True)), (rows, want)
+    finally:
+        head.stop()

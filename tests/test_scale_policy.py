@@ -204,3 +204,23 @@ def test_the_policy_charges_the_held_restore_time_where_it_is_known():
     assert migration_cost_s(slow, BW) == pytest.approx(35.0)
     held = Candidate("c", 3000.0, {"peer": 30e9}, 5.0, restore_s=10.0)
     assert migration_cost_s(held, BW) == pytest.approx(15.0)
+
+
+def test_the_running_plans_measured_throughput_calibrates_the_scale_up_decision():
+    """A small model on fake GPUs: the cost model predicts microseconds per step, so moving onto a joined L4
+    never pays by the predictions alone. Measured at 1/1000 of its predicted speed (per-step overheads the
+    model leaves out), the remaining work is long enough that it does; the event carries the factor."""
+    from orchestrator.elastic import consider_joined
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
+    train = TrainSpec(global_batch=8)
+    t4 = NodeSpec(name="t4", gpu_type="T4", num_gpus=1)
+    both = ClusterSpec(nodes=[t4, NodeSpec(name="l4", gpu_type="L4", num_gpus=1)])
+    planner = Planner(model, train)
+    running = Planner(model, train).plan(ClusterSpec(nodes=[t4]))
+    _, d, extra = consider_joined(planner, model, train, running, both, 100_000, 3.0)
+    assert not d.move and "below its migration cost" in d.reason and "calibration" not in extra
+    predicted = extra["predicted_tokens_per_s"]["running"]
+    _, d, extra = consider_joined(planner, model, train, running, both, 100_000, 3.0, predicted / 1000)
+    assert d.move and extra["calibration"] == pytest.approx(1e-3, rel=1e-2)
+    assert extra["predicted_tokens_per_s"]["running"] == pytest.approx(predicted / 1000, rel=1e-2)

@@ -8,10 +8,18 @@ decides what to ask for:
     the resource Ray sets on a GPU node), so the autoscaler starts them and,
     because the request stands while the job runs, replaces a node that a spot
     preemption took (the controller's scale-up path then moves onto it);
-  - substitutes: a type that stays short of `max_nodes` for `substitute_after_s`
+  - dry types: a type that stays short of `max_nodes` for `substitute_after_s`
     (its spot pool is dry, or the autoscaler caps it) is asked for as its first
     substitute instead, for the nodes it lacks, with an event saying so; the
-    planner plans on whatever comes;
+    planner plans on whatever comes. A dry type's own demand falls to the most
+    nodes of it that ever came up (so a preempted one is still replaced):
+    Ray's autoscaler v2 (the default of `ray up` since Ray 2.50) treats the
+    request as one constraint and launches nothing for it while any bundle in
+    it cannot be placed, so a request naming nodes that cannot come would hold
+    back every other type. For the same reason every short type looks dry at
+    once there, so types go dry one at a time (those with substitutes first),
+    each restarting the others' clocks, and a type that went dry before
+    another is asked for again once (it may have been held back by the other);
   - readiness: every type's `min_nodes` are up (a substitute's nodes beyond its
     own minimum count for the type it stands in for); a fleet whose minimums
     are all 0 is ready with any GPU node. Until then the controller waits in a
@@ -54,6 +62,9 @@ class Capacity:
     started_s: float | None = None
     short_since: dict[str, float] = field(default_factory=dict)  # types below max_nodes, since when
     stand_ins: dict[str, str] = field(default_factory=dict)  # dry type -> the substitute asked for instead
+    peak: dict[str, int] = field(default_factory=dict)  # the most nodes of each type seen up
+    dry: set[str] = field(default_factory=set)  # types short of max_nodes past substitute_after_s
+    dried: dict[str, int] = field(default_factory=dict)  # how often each type went dry
     asked: dict[str, int] | None = None
 
     def tick(self) -> CapacityView:
@@ -63,18 +74,8 @@ class Capacity:
             self.started_s = now
         up = {t.gpu_type: 0 for t in self.fleet.types} | {k: v for k, v in self.count_up().items()
                                                           if k in {t.gpu_type for t in self.fleet.types}}
-        new = []
-        for t in self.fleet.types:
-            if up[t.gpu_type] >= t.max_nodes:
-                self.short_since.pop(t.gpu_type, None)
-                continue
-            since = self.short_since.setdefault(t.gpu_type, now)
-            if t.gpu_type not in self.stand_ins and t.substitutes and now - since >= self.fleet.substitute_after_s:
-                self.stand_ins[t.gpu_type] = t.substitutes[0]
-                new.append((t.gpu_type, t.substitutes[0], t.max_nodes - up[t.gpu_type]))
-                log.warning("%s stayed short (%d/%d nodes) for %.0f s: asking for %s instead", t.gpu_type,
-                            up[t.gpu_type], t.max_nodes, now - since, t.substitutes[0])
-        demand = fleet_demand(self.fleet, up, self.stand_ins)
+        new = self._dry_spell(up, now)
+        demand = fleet_demand(self.fleet, up, self.stand_ins, {t: self.peak[t] for t in self.dry})
         if demand != self.asked:
             self.request(demand)
             self.asked = demand
@@ -82,14 +83,46 @@ class Capacity:
         ready = not missing and (any(up.values()) or any(t.min_nodes for t in self.fleet.types))
         return CapacityView(up, demand, ready, missing, progress_line(self.fleet, up, demand), new)
 
+    def _dry_spell(self, up: dict[str, int], now: float) -> list[tuple[str, str, int]]:
+        """Mark at most one type dry (short of max_nodes past substitute_after_s); return new substitutions."""
+        short = []
+        for t in self.fleet.types:
+            self.peak[t.gpu_type] = max(self.peak.get(t.gpu_type, 0), up[t.gpu_type])
+            if up[t.gpu_type] >= t.max_nodes:
+                self.short_since.pop(t.gpu_type, None)
+            elif t.gpu_type not in self.dry:
+                short.append(t)
+                self.short_since.setdefault(t.gpu_type, now)
+        due = sorted((t for t in short if now - self.short_since[t.gpu_type] >= self.fleet.substitute_after_s),
+                     key=lambda t: not t.substitutes)
+        if not due:
+            return []
+        t = due[0]
+        log.warning("%s stayed short (%d/%d nodes) for %.0f s: asking for at most the %d that came%s", t.gpu_type,
+                    up[t.gpu_type], t.max_nodes, now - self.short_since[t.gpu_type], self.peak[t.gpu_type],
+                    f", and for {t.substitutes[0]} instead" if t.substitutes else "")
+        self.dry.add(t.gpu_type)
+        self.dried[t.gpu_type] = self.dried.get(t.gpu_type, 0) + 1
+        for other in list(self.dry - {t.gpu_type}):  # it may have held the others back: ask for them once more
+            if self.dried[other] == 1:
+                self.dry.discard(other)
+        for other in self.fleet.types:  # a fresh chance, now that the request changed
+            if other.gpu_type != t.gpu_type and other.gpu_type in self.short_since:
+                self.short_since[other.gpu_type] = now
+        if not t.substitutes or t.gpu_type in self.stand_ins:
+            return []
+        self.stand_ins[t.gpu_type] = t.substitutes[0]
+        return [(t.gpu_type, t.substitutes[0], t.max_nodes - up[t.gpu_type])]
+
     def timed_out(self) -> bool:
         return self.started_s is not None and self.now() - self.started_s >= self.fleet.wait_s
 
 
-def fleet_demand(fleet, up: dict[str, int], stand_ins: dict[str, str]) -> dict[str, int]:
-    """Nodes to ask for per type: every type's max_nodes, plus for each dry type the nodes it lacks as its
-    stand-in (its own demand stays, should the pool come back)."""
-    demand = {t.gpu_type: t.max_nodes for t in fleet.types}
+def fleet_demand(fleet, up: dict[str, int], stand_ins: dict[str, str],
+                 dry: dict[str, int] | None = None) -> dict[str, int]:
+    """Nodes to ask for per type: its max_nodes, or for a dry type the most of it that came up (`dry`), plus
+    for each substituted type the nodes it lacks as its stand-in."""
+    demand = {t.gpu_type: min(t.max_nodes, (dry or {}).get(t.gpu_type, t.max_nodes)) for t in fleet.types}
     for t in fleet.types:
         sub = stand_ins.get(t.gpu_type)
         if sub is not None:
