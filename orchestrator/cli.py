@@ -168,6 +168,9 @@ def status(
             s3 = "none yet" if p["s3_step"] is None else f"step {p['s3_step']}"
             console.print(f"  S3: newest {s3}, {p['upload_lag_steps']} steps behind, {p['upload_backlog']} "
                           f"upload(s) in flight or waiting, {p['failed_uploads']} failed")
+            if p.get("s3_no_access"):
+                console.print(f"  S3: no write access from {', '.join(p['s3_no_access'])}: their uploads fail "
+                              "(give those nodes credentials that may write the bucket)")
     else:
         console.print("  no step committed yet")
     for e in st.get("events", []):

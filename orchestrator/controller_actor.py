@@ -127,6 +127,8 @@ class ControllerActor:
             if lag is not None:
                 row |= {"upload_lag_steps": lag["lag_steps"], "upload_backlog": lag["backlog"],
                         "s3_step": lag["newest_step"], "failed_uploads": lag["failed"]}
+                if lag.get("no_access"):
+                    row["s3_no_access"] = lag["no_access"]
             self.metrics.record(row)
             if self.tb is not None:
                 self.tb.record(row)

@@ -528,3 +528,33 @@ def test_a_503_slowdown_period_loses_no_step_and_no_upload(cluster, endpoint):
         assert_matches_reference(j, c.progress.losses, final_state(j))
     finally:
         proxy.stop()
+
+
+def test_a_node_without_credentials_for_the_bucket_is_named_at_its_keepers_start(cluster, endpoint, caplog):
+    """Issue 29: every keeper checks, with its own node's credentials, that it may write the bucket. A node
+    started without credentials (no keys, no profile, no instance role: what a worker without an instance
+    profile has) is named as soon as its keeper starts, in the log and in the S3 tier's state that the rows
+    and `hetspot status` carry; the node with credentials is not."""
+    import logging
+
+    ok, bare = NodeSpec(name="cred-ok", gpu_type="L4", num_gpus=1, inter_node_bw_gb_s=100), \
+        NodeSpec(name="cred-none", gpu_type="L4", num_gpus=1, inter_node_bw_gb_s=100)
+    cluster.nodes[ok.name] = cluster.add(ok)
+    cluster.nodes[bare.name] = cluster.cluster.add_node(
+        num_cpus=1, num_gpus=1, resources={"accelerator_type:L4": 1},
+        labels={"hetspot/gpu-type": "L4", "hetspot/market": "spot", "hetspot/node": bare.name},
+        env_vars={"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                  "AWS_CONFIG_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"})
+    j = make_job([ok, bare], endpoint, "cred")
+    c = make_controller(j, STEPS, first_plan=dp_plan(ok, bare))
+    with caplog.at_level(logging.WARNING, logger="hetspot"):
+        run_until(c, 1)
+    deadline = time.monotonic() + 60  # the checks answer as the keepers' S3 clients come up; never blocks a step
+    while c.store._access and time.monotonic() < deadline:
+        c.store.upload_lag(c.progress.committed)
+        time.sleep(0.2)
+    lag = c.store.upload_lag(c.progress.committed)
+    assert lag["no_access"] == ["cred-none"], (lag, c.store.no_access)
+    assert "NoCredentialsError" in c.store.no_access["cred-none"]
+    assert any("cred-none cannot write" in r.getMessage() for r in caplog.records), caplog.text
+    c.group.shutdown()

@@ -148,6 +148,15 @@ class Keeper:
         """Tests: hold every later answer of an overlapped restore's moments this long first."""
         self.moments_delay_s = seconds
 
+    def check_write(self, uri: str, endpoint_url: str | None) -> str | None:
+        """Can this node write the checkpoint bucket? None, or what S3 answered (with this node's credentials)."""
+        from orchestrator.state.s3_store import S3Checkpoints
+
+        try:
+            return S3Checkpoints(uri, endpoint_url).check_write(self.node)
+        except Exception as e:  # noqa: BLE001 - no client at all (no credentials, no endpoint)
+            return f"{type(e).__name__}: {e}"
+
     def upload(self, step: int, pieces: list[tuple], uri: str, endpoint_url: str | None) -> list[dict]:
         """Upload [(tier, rank, unit, region)] of `step` as S3 objects; their manifest entries (metadata only)."""
         import torch

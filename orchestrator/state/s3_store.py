@@ -79,6 +79,17 @@ class S3Checkpoints:
     def _key(self, step: int, rest: str) -> str:
         return "/".join(x for x in (self.prefix, f"step-{step:010d}", rest) if x)
 
+    def check_write(self, name: str) -> str | None:
+        """Write and delete one empty object under the prefix: None when this machine may write the bucket, else
+        what S3 answered (each node checks its own access: workers upload with their own credentials)."""
+        key = f"{self.dir}.hetspot-access/{name}"
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"")
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - any failure means this node's uploads will fail
+            return f"{type(e).__name__}: {e}"
+        return None
+
     def manifest_key(self, step: int) -> str:
         return self._key(step, "manifest.json")
 

@@ -61,6 +61,8 @@ class TieredState:
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
         self._placed: tuple | None = None  # (group, (avoided, alive nodes), target nodes, keeper handles)
         self._starting: dict[str, ray.ObjectRef] = {}  # keepers started and not yet seen running
+        self.no_access: dict[str, str] = {}  # nodes whose keeper cannot write the bucket: what S3 answered
+        self._access: dict[str, ray.ObjectRef] = {}  # keepers' write checks not yet answered
 
     def _alive_nodes(self) -> dict[str, str]:
         return node_ids()
@@ -72,10 +74,28 @@ class TieredState:
             if n not in self.keepers:
                 k = Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[n], soft=False)).remote(n)
                 self.keepers[n], self._starting[n] = k, k.ping.remote()
+                if self.s3 is not None:  # checked as it starts, with its own node's credentials
+                    self._access[n] = k.check_write.remote(self.s3.uri, self.s3.endpoint_url)
         if wait:
             pending = [self._starting.pop(n) for n in dict.fromkeys(nodes) if n in self._starting]
             ray.get(pending, timeout=RPC_TIMEOUT_S)
         return [self.keepers[n] for n in nodes]
+
+    def _collect_access(self) -> None:
+        """The keepers' write checks that have answered: a node that may not write the bucket is named as soon as
+        its keeper started (its uploads would fail), not found out at the first upload. Never blocks."""
+        if not self._access:
+            return
+        ready, _ = ray.wait(list(self._access.values()), num_returns=len(self._access), timeout=0)
+        for node in [n for n, ref in self._access.items() if ref in ready]:
+            try:
+                err = ray.get(self._access.pop(node))
+            except Exception:  # noqa: BLE001 - a keeper on a lost node
+                continue
+            if err is not None:
+                self.no_access[node] = err
+                log.warning("the keeper on %s cannot write %s (%s): that node's uploads will fail; give the node "
+                            "credentials that may write the bucket (AWS: an instance profile)", node, self.s3.uri, err)
 
     def _call_keepers(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, object]:
         """Call every keeper; those that do not answer (their node is gone) are forgotten."""
@@ -200,12 +220,13 @@ class TieredState:
         behind it (committed + 1 when none), and the steps waiting or in flight (at most 2); None without S3."""
         if self.s3 is None:
             return None
+        self._collect_access()
         newest = max((u["step"] for u in self.uploads if u["status"] in ("written", "exists")), default=None)
         with self._cv:
             backlog = [s for s in (self._inflight, self._pending and self._pending[0]) if s is not None]
         return {"newest_step": newest, "lag_steps": committed - (newest if newest is not None else -1),
                 "backlog": len(backlog), "dropped": sum(u["status"] == "dropped" for u in self.uploads),
-                "failed": sum(u["status"] == "failed" for u in self.uploads)}
+                "failed": sum(u["status"] == "failed" for u in self.uploads), "no_access": sorted(self.no_access)}
 
     def _upload(self, step: int, refs: list) -> None:
         """Once the peer copies of `step` are in, the keepers upload a cover of the whole model; the manifest last.
