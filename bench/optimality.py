@@ -93,7 +93,7 @@ def main() -> None:
             walls = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "plan", str(job)], cwd=ROOT,
+                r = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "plan", str(job)], cwd=ROOT,
                                    capture_output=True, text=True)
                 walls.append(time.perf_counter() - t0)
             print(f"  `hetspot plan` on cluster {i} (in-process plan {t:.2f} s): exit {r.returncode}, "

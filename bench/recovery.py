@@ -33,11 +33,11 @@ import boto3  # noqa: E402
 from moto.server import ThreadedMotoServer  # noqa: E402
 
 from orchestrator.cluster.embedded import EmbeddedCluster  # noqa: E402
-from orchestrator.controller import State  # noqa: E402
-from orchestrator.controller_actor import make_controller  # noqa: E402
+from orchestrator.control.controller import State  # noqa: E402
 from orchestrator.job_spec import parse_job  # noqa: E402
 from orchestrator.preemption.metadata_server import FakeMetadataServer  # noqa: E402
 from orchestrator.preemption.ray_notices import LABEL_METADATA_URL  # noqa: E402
+from orchestrator.runtime.controller_actor import make_controller  # noqa: E402
 from planner import ClusterSpec, NodeSpec  # noqa: E402
 
 STAY = NodeSpec(name="l4-0", gpu_type="L4", num_gpus=2, inter_node_bw_gb_s=100)

@@ -183,8 +183,13 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
             raise ConfigError(f"{source}: {e}") from None
     steps = steps or job.steps
     from orchestrator.cluster.embedded import EmbeddedCluster
-    from orchestrator.controller import State
-    from orchestrator.controller_actor import ControllerActor, controller_name, drive, on_head
+    from orchestrator.control.controller import State
+    from orchestrator.runtime.controller_actor import (
+        ControllerActor,
+        controller_name,
+        drive,
+        on_head,
+    )
 
     status = on_status or (lambda m: None)
     status(f"starting embedded Ray cluster: {len(cluster.nodes)} nodes, {cluster.num_gpus} fake GPUs")
@@ -240,7 +245,7 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
     started = None
     nodes_fn = None
     if address and address.startswith(("http://", "https://")):
-        from orchestrator.ray_jobs import RayJobs
+        from orchestrator.runtime.ray_jobs import RayJobs
 
         nodes_fn = RayJobs(address, token_file).nodes
     else:

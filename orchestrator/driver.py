@@ -3,7 +3,7 @@
 It reads the validated job spec from its environment, starts the controller
 actor on the head and drives it, printing a `hetspot-phase {json}` line at each
 phase change and a `hetspot-progress {json}` line per committed step
-(orchestrator/progress_lines.py); `hetspot status` reads the newest of each.
+(orchestrator/runtime/progress_lines.py); `hetspot status` reads the newest of each.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 
 import ray
 
-from orchestrator.controller import State
-from orchestrator.controller_actor import ControllerActor, controller_name, drive, on_head
-from orchestrator.progress_lines import (
+from orchestrator.control.controller import State
+from orchestrator.runtime.controller_actor import ControllerActor, controller_name, drive, on_head
+from orchestrator.runtime.progress_lines import (
     ENV_ID,
     ENV_JOB,
     ENV_RESUME,

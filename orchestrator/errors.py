@@ -23,7 +23,7 @@ class WorkerFailure(JobFailed):
     """A worker or its node failed. The one error type from a worker fault to the controller.
 
     `where` names the phase and the rank (pipeline, stage, GPU type, node); `kind` is
-    a `preemption.failures.FailureKind` value that the controller's policy reads; `nodes`: the
+    a `control.failure.FailureKind` value that the controller's policy reads; `nodes`: the
     plan's nodes found gone from the cluster when it was raised.
     """
 
@@ -37,3 +37,7 @@ class ControllerLost(HetspotError):
     command that goes on from it. Exit code 1."""
 
     exit_code = 1
+
+
+class CheckpointError(Exception):
+    """A step that cannot be used: a missing or truncated manifest, or an object whose checksum is wrong."""

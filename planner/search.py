@@ -702,7 +702,7 @@ class Planner:
         """The best `k` distinct plans the search scored exactly (`evaluate`), best first.
 
         The controller weighs these on a re-plan by throughput minus the cost of
-        moving the job's state onto each (orchestrator/policies.py).
+        moving the job's state onto each (orchestrator/control/replan.py).
         """
         model, train = self.model, self.train
         if objective not in ("throughput", "cost"):

@@ -4,10 +4,10 @@ the timeout (exit code 2, not before `wait_s`), and the withdrawal at the end.""
 
 import pytest
 
-from orchestrator.cluster.capacity import Capacity, fleet_demand, missing_minimums
-from orchestrator.controller import Controller, State
-from orchestrator.fakes import FakeNodes
-from orchestrator.fakes import FakeWorkerGroup as FakeGroup
+from orchestrator.control.capacity import Capacity, fleet_demand, missing_minimums
+from orchestrator.control.controller import Controller, State
+from orchestrator.control.fakes import FakeNodes
+from orchestrator.control.fakes import FakeWorkerGroup as FakeGroup
 from orchestrator.job_spec import parse_job
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
@@ -179,7 +179,7 @@ def test_bad_fleets_exit_2_naming_the_field_and_the_fix(tmp_path, types, needle)
     import yaml
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "train": {"global_batch": 8},

@@ -10,7 +10,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from orchestrator.cli.main import app
 from orchestrator.state.s3_store import S3Checkpoints
 from tests.moto_s3 import moto_s3
 

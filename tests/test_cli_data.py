@@ -7,7 +7,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from orchestrator.cli.main import app
 
 pytestmark = pytest.mark.unit
 runner = CliRunner()

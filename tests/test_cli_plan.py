@@ -9,7 +9,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from orchestrator.cli.main import app
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]

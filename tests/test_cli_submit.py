@@ -6,7 +6,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from orchestrator.cli.main import app
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec, plan
 
 pytestmark = pytest.mark.unit
@@ -159,8 +159,8 @@ def test_plan_that_does_not_fit_fails_before_actors(tmp_path):
 def test_status_shows_where_the_s3_tier_stands(monkeypatch):
     """Issue 30, acceptance 5: the upload lag a committed step's row carries (controller_actor) goes through the
     driver's progress line to `hetspot status`."""
-    from orchestrator import ray_jobs
-    from orchestrator.progress_lines import last_progress, progress_line
+    from orchestrator.runtime import ray_jobs
+    from orchestrator.runtime.progress_lines import last_progress, progress_line
 
     row = {"step": 41, "loss": 2.5, "tokens_per_s": 1000.0, "mfu": None, "step_time_s": 0.5, "restarts": 1,
            "device_memory_bytes": 0, "steps": 100, "upload_lag_steps": 3, "upload_backlog": 2, "s3_step": 38,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from orchestrator.controller import Controller, State
-from orchestrator.fakes import FakeNodes
-from orchestrator.fakes import FakeWorkerGroup as FakeGroup
+from orchestrator.control.controller import Controller, State
+from orchestrator.control.fakes import FakeNodes
+from orchestrator.control.fakes import FakeWorkerGroup as FakeGroup
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 pytestmark = pytest.mark.unit
@@ -116,8 +116,8 @@ def test_user_plan_replaced_on_loss_when_asked():
 
 
 def test_notice_drains_at_a_step_boundary_without_losing_a_step():
-    from orchestrator.fakes import FakeClock, FakeInterruptions
-    from orchestrator.protocols import Notice
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
 
     notice = Notice(node="a", deadline_s=120.0, source="aws")
     c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=5,
@@ -134,8 +134,8 @@ def test_notice_drains_at_a_step_boundary_without_losing_a_step():
 
 
 def test_notice_too_close_to_the_deadline_falls_back_to_recovery():
-    from orchestrator.fakes import FakeClock, FakeInterruptions
-    from orchestrator.protocols import Notice
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
 
     clock = FakeClock(tick=0.5)
     late = Notice(node="a", deadline_s=1.0, source="gcp")  # deadline already (nearly) here at poll 2
@@ -150,8 +150,8 @@ def test_notice_too_close_to_the_deadline_falls_back_to_recovery():
 def test_notice_drains_when_the_copy_fits_not_by_step_time():
     """At a step boundary the step in flight is committed: the time left must cover copying the step to
     keepers off the doomed nodes (bytes over the links) plus the margin, however long a step takes."""
-    from orchestrator.policies import notice_decision
-    from orchestrator.protocols import Notice
+    from orchestrator.control.drain import notice_decision
+    from orchestrator.control.protocols import Notice
 
     notice = Notice(node="a", deadline_s=150.0, source="aws")
     assert notice_decision([notice], {"b"}, 100.0, 1.0, lambda doomed: 0.0) is None  # not the plan's node
@@ -161,8 +161,8 @@ def test_notice_drains_when_the_copy_fits_not_by_step_time():
 
 
 def test_notice_with_a_copy_longer_than_the_deadline_falls_back_to_recovery():
-    from orchestrator.fakes import FakeClock, FakeInterruptions
-    from orchestrator.protocols import Notice
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
 
     slow = ClusterSpec(nodes=[n.model_copy(update={"inter_node_bw_gb_s": 1e-6}) for n in BIG.nodes])  # 1 kB/s
     survivors = ClusterSpec(nodes=[n for n in slow.nodes if n.name == "l"])

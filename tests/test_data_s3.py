@@ -87,7 +87,7 @@ BAD = {
 def test_bad_s3_data_exits_2_before_ray_starts(endpoint, tmp_path, monkeypatch, case):
     import ray
 
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
 
     data, how, needle = BAD[case]
     if how.get("drop_creds"):

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
-from orchestrator.cli_deploy import render_text
+from orchestrator.cli.deploy import render_text
+from orchestrator.cli.main import app
 from orchestrator.cluster.discovery import RayInventory
 from orchestrator.deploy.fleet import NODE_KINDS
 
@@ -259,7 +259,7 @@ def test_the_operator_rules_catch_each_defect_of_the_old_manifests(tmp_path):
 
 def test_rayjob_runs_the_driver_as_its_entrypoint():
     from orchestrator.job_spec import parse_job
-    from orchestrator.progress_lines import ENV_JOB
+    from orchestrator.runtime.progress_lines import ENV_JOB
 
     docs = {d["kind"]: d for d in _docs((DEPLOY / "kuberay" / "gke-spot.yaml").read_text())}
     job = docs["RayJob"]["spec"]

@@ -1,9 +1,9 @@
-"""Failure kinds from what a worker raised (orchestrator/preemption/failures.py): a peer gone under a collective
+"""Failure kinds from what a worker raised (orchestrator/control/failure.py): a peer gone under a collective
 is transient (re-plan), whatever words gloo uses for it; an error every plan would hit again is not."""
 
 import pytest
 
-from orchestrator.preemption.failures import FailureKind, classify_error, is_transient
+from orchestrator.control.failure import FailureKind, classify_error, is_transient
 
 pytestmark = pytest.mark.unit
 

@@ -140,7 +140,7 @@ def run_job(job: Path, timeout_s: float = 300) -> tuple[dict, str, float]:
 
 
 def progress(log: str) -> dict[int, float]:
-    from orchestrator.progress_lines import PROGRESS
+    from orchestrator.runtime.progress_lines import PROGRESS
 
     rows = [json.loads(line[len(PROGRESS):]) for line in log.splitlines() if line.startswith(PROGRESS)]
     return {r["step"]: r["loss"] for r in rows}

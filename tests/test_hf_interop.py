@@ -130,7 +130,7 @@ def test_cli_exports_a_jobs_s3_checkpoint_for_transformers(tmp_path, monkeypatch
     import transformers
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
     from orchestrator.state.s3_store import S3Checkpoints
     from tests.moto_s3 import moto_s3
 

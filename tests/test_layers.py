@@ -1,12 +1,15 @@
-"""The layers' arrows point one way: no import circle, pure files import no Ray, boto3 or torch.
+"""The layers' arrows point one way: no import circle, pure folders import no Ray, boto3 or torch.
 
 Reads every module's imports from its source (module level and inside functions
 alike), builds the graph of hetspot's own modules, and checks:
   - no circle among hetspot modules;
-  - planner/ imports no ray, torch, boto3 (also tests/test_planner_imports.py);
-  - the orchestrator's pure decision files import no ray, boto3 or torch;
+  - the pure folders and files (planner/, orchestrator/control/, and the pure files elsewhere, found by
+    scanning the folders, not from a hand-kept list) import no ray, torch, boto3;
+  - orchestrator/control/ imports nothing of hetspot beyond planner/, orchestrator/errors.py and itself;
   - in workers/, only the actor adapter imports ray;
-  - planner/ imports nothing of workers/ or orchestrator/, and workers/ nothing of orchestrator/.
+  - planner/ imports nothing of workers/ or orchestrator/, and workers/ nothing of orchestrator/;
+  - inside orchestrator/, no arrow points back up: control/ and state/restore_plan.py import no runtime/,
+    cli/ or drills/; runtime/ no cli/.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import pytest
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "workers", "orchestrator")
-PURE_ORCHESTRATOR = ["errors", "job_spec", "protocols", "policies", "fakes", "progress_lines",
-                     "preemption.failures", "state.snapshots", "controller", "elastic", "drills.scenario",
-                     "drills.trace", "drills.fleet"]
+PURE_FOLDERS = ("planner", "orchestrator/control")  # every file in them
+PURE_FILES = ("orchestrator/errors.py", "orchestrator/job_spec.py", "orchestrator/state/restore_plan.py",
+              "orchestrator/runtime/progress_lines.py", "orchestrator/drills/scenario.py",
+              "orchestrator/drills/trace.py", "orchestrator/drills/fleet.py")
 SIDE_EFFECT_LIBS = {"ray", "boto3", "botocore", "torch"}
 
 
@@ -70,14 +74,44 @@ def test_no_import_circle():
             visit(n, [])
 
 
-def _third_party(module: str) -> set[str]:
-    path = ROOT / (module.replace(".", "/") + ".py")
+def _third_party(path: Path) -> set[str]:
     return {i.split(".")[0] for i in _imports(path)}
 
 
-@pytest.mark.parametrize("module", [f"orchestrator.{m}" for m in PURE_ORCHESTRATOR])
-def test_pure_orchestrator_files_import_no_side_effect_library(module):
-    assert not _third_party(module) & SIDE_EFFECT_LIBS, module
+def _pure_files() -> list[str]:
+    files = [p for d in PURE_FOLDERS for p in (ROOT / d).rglob("*.py")] + [ROOT / f for f in PURE_FILES]
+    return sorted(str(p.relative_to(ROOT)) for p in files)
+
+
+def test_the_pure_list_is_found_by_scanning_folders():
+    files = _pure_files()
+    assert "orchestrator/control/controller.py" in files and "orchestrator/control/replan.py" in files
+    assert "planner/search.py" in files and len([f for f in files if f.startswith("orchestrator/control/")]) >= 8
+
+
+@pytest.mark.parametrize("path", _pure_files())
+def test_pure_files_import_no_side_effect_library(path):
+    assert not _third_party(ROOT / path) & SIDE_EFFECT_LIBS, path
+
+
+def test_control_imports_only_the_planner_errors_and_itself():
+    for name, deps in _graph().items():
+        if name.startswith("orchestrator.control."):
+            bad = {d for d in deps if not d.startswith(("planner", "orchestrator.control.")) and d != "orchestrator.errors"}
+            assert not bad, (name, bad)
+
+
+def test_no_arrow_points_back_up_inside_the_orchestrator():
+    up = {"orchestrator.control.": ("orchestrator.runtime", "orchestrator.cli", "orchestrator.drills",
+                                    "orchestrator.state", "orchestrator.cluster", "orchestrator.api",
+                                    "orchestrator.driver"),
+          "orchestrator.state.restore_plan": ("orchestrator.runtime", "orchestrator.cli", "orchestrator.drills"),
+          "orchestrator.runtime.": ("orchestrator.cli", "orchestrator.api", "orchestrator.driver")}
+    for name, deps in _graph().items():
+        for prefix, banned in up.items():
+            if name.startswith(prefix):
+                bad = {d for d in deps if d.startswith(banned)}
+                assert not bad, (name, bad)
 
 
 def test_in_workers_only_the_actor_adapter_imports_ray():

@@ -121,9 +121,9 @@ def test_precision_picks_the_compute_dtype_per_gpu_type():
 
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
 def test_policy_counts_the_state_bytes_a_restore_moves(precision, dtype):
-    """The bytes the re-plan policy, the drain and the fleet simulator count per layer (elastic.layer_bytes)
+    """The bytes the re-plan policy, the drain and the fleet simulator count per layer (migration.layer_bytes)
     are what a worker asks for in a restore: master weights and both AdamW moments, no bf16 working copy."""
-    from orchestrator.elastic import layer_bytes
+    from orchestrator.control.migration import layer_bytes
     from workers.state import needs
 
     train = TrainSpec(global_batch=B, lr=0.003, precision=precision)

@@ -6,9 +6,9 @@ import pytest
 
 from orchestrator.cluster.profiling import Measurement, calibration, measure
 from orchestrator.errors import ConfigError
-from orchestrator.metrics import step_row
-from orchestrator.progress_lines import last_progress
-from orchestrator.ray_jobs import _redact, dashboard_url, resolve_token
+from orchestrator.runtime.metrics import step_row
+from orchestrator.runtime.progress_lines import last_progress
+from orchestrator.runtime.ray_jobs import _redact, dashboard_url, resolve_token
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec, plan
 from planner.cost import model_flops_per_sample
 from planner.cost import plan_peak_flops as fleet_peak_flops
@@ -81,7 +81,7 @@ def test_last_progress_and_redaction():
 
 
 def test_worker_line_copies_are_dropped_once_each():
-    from orchestrator.progress_lines import dedupe_worker_lines
+    from orchestrator.runtime.progress_lines import dedupe_worker_lines
 
     w = "(TrainWorker pid=7) 2026-11-23 10:00:00,123 INFO hetspot.worker node=a rank=0 step 1\n"
     other = "(TrainWorker pid=8) 2026-11-23 10:00:00,123 INFO hetspot.worker node=b rank=1 step 1\n"

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from orchestrator.elastic import WEIGHTS_SHARE
+from orchestrator.control.migration import WEIGHTS_SHARE
 from planner import TrainSpec
 from tests.test_mixed_precision import MODEL, B, _plan, _port
 from workers.data import make_dataset

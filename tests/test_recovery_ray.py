@@ -16,11 +16,11 @@ import ray
 import torch
 
 from orchestrator.cluster.embedded import EmbeddedCluster
-from orchestrator.controller import State
-from orchestrator.controller_actor import make_controller
+from orchestrator.control.controller import State
 from orchestrator.job_spec import JobSpec, parse_job
+from orchestrator.runtime.controller_actor import make_controller
+from orchestrator.runtime.worker_group import PlanRun
 from orchestrator.state.s3_store import S3Checkpoints
-from orchestrator.worker_group import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage
 from tests.moto_s3 import moto_s3
 from workers.state import assemble
@@ -478,8 +478,8 @@ def test_uploads_coalesce_when_s3_is_slower_than_training(cluster, endpoint):
     steps (one in flight, one waiting): older waiting steps are dropped, not written late. Through the controller
     actor the CLI uses: each committed step's row carries the lag and the backlog (what `status` prints), the
     end waits for those two at most, and the last step is in S3, whole."""
-    from orchestrator.controller_actor import ControllerActor, drive, on_head
     from orchestrator.drills.s3_proxy import S3FaultProxy
+    from orchestrator.runtime.controller_actor import ControllerActor, drive, on_head
 
     proxy = S3FaultProxy(endpoint)
     proxy.delay_s = 0.02  # about 150 requests an upload: several steps' time

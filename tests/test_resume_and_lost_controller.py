@@ -119,8 +119,8 @@ def test_a_killed_controller_actor_is_one_line_naming_the_step_and_the_resume_co
     import ray
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
-    from orchestrator.controller_actor import controller_name
+    from orchestrator.cli.main import app
+    from orchestrator.runtime.controller_actor import controller_name
     from orchestrator.state.s3_store import S3Checkpoints
 
     job = job_file(tmp_path, "lost-controller", "lost", endpoint, A100_L4, steps=200)
@@ -149,7 +149,7 @@ def test_a_killed_controller_actor_is_one_line_naming_the_step_and_the_resume_co
 
 def _driver(ray_address: str, job: dict, steps: int, job_id: str, resume: bool = False) -> subprocess.Popen:
     from orchestrator.job_spec import parse_job
-    from orchestrator.progress_lines import ENV_ID, ENV_JOB, ENV_RESUME, ENV_STEPS
+    from orchestrator.runtime.progress_lines import ENV_ID, ENV_JOB, ENV_RESUME, ENV_STEPS
 
     env = os.environ | CREDS | {ENV_JOB: parse_job(job).model_dump_json(), ENV_STEPS: str(steps), ENV_ID: job_id,
                                 "RAY_ADDRESS": ray_address, "PYTHONUNBUFFERED": "1"}
@@ -160,7 +160,7 @@ def _driver(ray_address: str, job: dict, steps: int, job_id: str, resume: bool =
 
 
 def _losses(out: str) -> dict[int, float]:
-    from orchestrator.progress_lines import PROGRESS
+    from orchestrator.runtime.progress_lines import PROGRESS
 
     return {r["step"]: r["loss"] for r in (json.loads(line[len(PROGRESS):]) for line in out.splitlines()
                                             if line.startswith(PROGRESS))}

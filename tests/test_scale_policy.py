@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from orchestrator.elastic import migration_bytes
-from orchestrator.policies import Candidate, migration_cost_s, replan_policy, scale_policy
+from orchestrator.control.migration import Candidate, migration_bytes, migration_cost_s
+from orchestrator.control.replan import replan_policy, scale_policy
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec
 from planner.search import Planner
 
@@ -81,8 +81,8 @@ def test_planner_candidates_are_distinct_best_first_and_the_first_is_the_plan():
 
 
 def test_controller_replan_records_the_weighed_candidates():
-    from orchestrator.controller import Controller, State
-    from orchestrator.fakes import FakeNodes, FakeWorkerGroup
+    from orchestrator.control.controller import Controller, State
+    from orchestrator.control.fakes import FakeNodes, FakeWorkerGroup
 
     log: list = []
     fails = [[2]]
@@ -101,7 +101,7 @@ def test_controller_replan_records_the_weighed_candidates():
 
 def test_nodes_pull_at_once_so_migration_lasts_as_long_as_the_slowest_node():
     """Two replicas on two nodes each pull a whole copy: the migration takes one node's pull, not two."""
-    from orchestrator.elastic import slowest_pull
+    from orchestrator.control.migration import slowest_pull
 
     full = MODEL.num_params * TRAIN.state_bytes_per_param
     two_nodes = Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[
@@ -117,7 +117,8 @@ def test_nodes_pull_at_once_so_migration_lasts_as_long_as_the_slowest_node():
 def test_a_drain_copies_nothing_when_other_replicas_hold_the_doomed_layers():
     """Replicas on a and l: either may go with nothing copied (the other holds every layer). One pipeline split
     over a and l: each node holds layers no one else does, so a drain copies every node's state over its link."""
-    from orchestrator.elastic import drain_copy_s, node_bytes, replicated_off
+    from orchestrator.control.drain import drain_copy_s, replicated_off
+    from orchestrator.control.migration import node_bytes
 
     two_nodes = Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[
         _one_stage(n).pipelines[0].model_copy(update={"num_samples": 4, "micro_batch_size": 4}) for n in "al"])
@@ -138,7 +139,8 @@ def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
     """Five L4 nodes, one pipeline of two stages per pair of nodes. After node n0 goes, the re-plan's nodes are
     named arbitrarily by the planner (here: rotated on purpose); relabel swaps nodes of the kind so that every
     survivor keeps its own layers: only the node taking n0's place pulls, and the estimate is unchanged."""
-    from orchestrator.elastic import migration_bytes, relabel, renamed, slowest_pull
+    from orchestrator.control.migration import migration_bytes, slowest_pull
+    from orchestrator.control.replan import relabel, renamed
     from planner import evaluate
 
     model = ModelSpec.preset("gpt-350m")
@@ -172,7 +174,7 @@ def test_relabel_keeps_surviving_nodes_on_the_layers_they_hold():
         def candidates(self, cluster, k):
             return [rotated]
 
-    from orchestrator.elastic import choose_replan
+    from orchestrator.control.replan import choose_replan
     assert choose_replan(Rotating(), model, train, old, survivors, 100, 4.3)[0].pipelines == got.pipelines
 
 
@@ -180,7 +182,7 @@ def test_a_restore_holds_training_for_the_weights_and_any_moments_the_first_step
     """The weights come before the first step, AdamW's moments beside it (at half speed: the step's own traffic
     shares the link); training waits for the slowest node's weights, plus whatever of any node's moments are
     still to come when the step's forward and backward are done, and never longer than for every byte."""
-    from orchestrator.elastic import MOMENTS_SLOWDOWN, held_s, pull_held_s, slowest_pull
+    from orchestrator.control.migration import MOMENTS_SLOWDOWN, held_s, pull_held_s, slowest_pull
     from planner import evaluate
 
     assert held_s([], 5.0) == 0.0
@@ -210,7 +212,7 @@ def test_the_running_plans_measured_throughput_calibrates_the_scale_up_decision(
     """A small model on fake GPUs: the cost model predicts microseconds per step, so moving onto a joined L4
     never pays by the predictions alone. Measured at 1/1000 of its predicted speed (per-step overheads the
     model leaves out), the remaining work is long enough that it does; the event carries the factor."""
-    from orchestrator.elastic import consider_joined
+    from orchestrator.control.replan import consider_joined
 
     model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
     train = TrainSpec(global_batch=8)

@@ -17,7 +17,7 @@ import torch
 from orchestrator.cluster.embedded import EmbeddedCluster
 from orchestrator.errors import JobFailed
 from orchestrator.job_spec import JobSpec, parse_job
-from orchestrator.worker_group import PlanRun
+from orchestrator.runtime.worker_group import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
 from workers.state import assemble, full_state
 
@@ -70,7 +70,7 @@ def mk(pipes, layers=4):
 
 def run_until(c, step: int) -> None:
     """Step a controller until `step` is committed; a failed or finished job ends the test with its error."""
-    from orchestrator.controller import State
+    from orchestrator.control.controller import State
 
     while c.progress.committed < step:
         assert c.step() not in (State.DONE, State.FAILED), c.error
@@ -233,7 +233,7 @@ def test_inventory_reads_the_test_cluster(cluster):
 
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
     from orchestrator.cluster.discovery import RayInventory, to_cluster_spec
 
     spec = to_cluster_spec(RayInventory().discover())
@@ -247,8 +247,8 @@ def test_inventory_reads_the_test_cluster(cluster):
 def test_node_lost_mid_training_replans_and_matches_uninterrupted_run(cluster):
     """Remove a node during training: the controller re-plans on the survivors, restores the
     newest snapshot and resumes; the losses equal the uninterrupted 1-device run's."""
-    from orchestrator.controller import State
-    from orchestrator.controller_actor import make_controller
+    from orchestrator.control.controller import State
+    from orchestrator.runtime.controller_actor import make_controller
 
     doomed = NodeSpec(name="d", gpu_type="H100-SXM", num_gpus=2, inter_node_bw_gb_s=100)
     cluster.nodes["d"] = cluster.add(doomed)
@@ -301,7 +301,7 @@ def read_scalars(logdir) -> dict[str, dict[int, float]]:
 def test_controller_actor_trains_and_records_metrics(cluster, tmp_path):
     """The Controller as a Ray actor: same losses as the 1-device run, one metrics row per
     committed step, and the same rows in a TensorBoard event log."""
-    from orchestrator.controller_actor import ControllerActor, drive, on_head
+    from orchestrator.runtime.controller_actor import ControllerActor, drive, on_head
 
     j = job(8)
     j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"tensorboard_dir": str(tmp_path / "tb"),
@@ -368,8 +368,8 @@ def test_contract_accepted_random_shapes_train_like_one_device(cluster):
 
 def test_deterministic_worker_error_aborts_without_replanning(cluster):
     """A worker error that any plan would hit again ends the job at once with the worker's message."""
-    from orchestrator.controller import State
-    from orchestrator.controller_actor import make_controller
+    from orchestrator.control.controller import State
+    from orchestrator.runtime.controller_actor import make_controller
 
     c = make_controller(job(8), steps=STEPS)
     while c.state != State.TRAINING:
@@ -386,8 +386,8 @@ def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from orchestrator.controller import State
-    from orchestrator.controller_actor import make_controller
+    from orchestrator.control.controller import State
+    from orchestrator.runtime.controller_actor import make_controller
     from orchestrator.state.s3_store import S3Checkpoints
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -451,11 +451,11 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
     from datetime import datetime, timedelta, timezone
     from pathlib import Path
 
-    from orchestrator.controller import State
-    from orchestrator.controller_actor import make_controller
-    from orchestrator.elastic import replicated_off
+    from orchestrator.control.controller import State
+    from orchestrator.control.drain import replicated_off
     from orchestrator.preemption.metadata_server import FakeMetadataServer
     from orchestrator.preemption.ray_notices import LABEL_METADATA_URL
+    from orchestrator.runtime.controller_actor import make_controller
 
     imds = FakeMetadataServer().start()
     name = f"n-{cloud}"
@@ -512,10 +512,10 @@ def test_notice_too_close_to_the_deadline_falls_back_to_recovery(cluster):
     and the losses still match the uninterrupted run (issue 12)."""
     from datetime import datetime, timedelta, timezone
 
-    from orchestrator.controller import State
-    from orchestrator.controller_actor import make_controller
+    from orchestrator.control.controller import State
     from orchestrator.preemption.metadata_server import FakeMetadataServer
     from orchestrator.preemption.ray_notices import LABEL_METADATA_URL
+    from orchestrator.runtime.controller_actor import make_controller
 
     imds = FakeMetadataServer().start()
     doomed = NodeSpec(name="n-late", gpu_type="H100-SXM", num_gpus=2, inter_node_bw_gb_s=100)

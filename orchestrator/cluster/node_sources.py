@@ -1,4 +1,4 @@
-"""Node sources for the controller (the `NodeSource` protocol in orchestrator/protocols.py).
+"""Node sources for the controller (the `NodeSource` protocol in orchestrator/control/protocols.py).
 
 - `DeclaredNodes`: the job's `cluster:` nodes that Ray still reports alive, with
   the job's specs (bandwidths, prices); used on the embedded test cluster.

@@ -216,7 +216,7 @@ def kuberay_job(cluster_name: str = "hetspot-spot", job: dict | None = None) -> 
     """A RayJob on the RayCluster whose entry point is hetspot's driver itself (`python -m orchestrator.driver`,
     the job spec in its runtime env), submitted by KubeRay's submitter with the cluster's token."""
     from orchestrator.job_spec import parse_job
-    from orchestrator.progress_lines import ENV_ID, ENV_JOB
+    from orchestrator.runtime.progress_lines import ENV_ID, ENV_JOB
 
     spec = parse_job(job or EXAMPLE_JOB, "the RayJob's job")
     runtime_env = {"env_vars": {ENV_JOB: spec.model_dump_json(), ENV_ID: spec.name, "RAY_DEDUP_LOGS": "0"}}

@@ -5,11 +5,11 @@ At every event four strategies act on the same cluster, and between events each
 trains at its plan's predicted tokens/s (planner.evaluate):
 
 - `hetspot`: on a preemption that hits its plan, re-plan among the planner's top
-  candidates with the migration-aware policy (orchestrator/elastic.py); the
+  candidates with the migration-aware policy (orchestrator/control/replan.py); the
   recovery costs detection + start-up + the restore (the bytes each new stage
   pulls, by tier, over that tier's bandwidth: live from its own node, peer from
   a surviving holder, S3 only for layers no survivor or peer copy holds; the
-  weights before the first step, AdamW's moments beside it: elastic.held_s) + the
+  weights before the first step, AdamW's moments beside it: migration.held_s) + the
   work since the newest step every layer is held at (the step in flight; a peer
   snapshot interval when a layer's only copies were peers; an S3 interval when
   S3 is needed). On a join it moves only when that finishes the trace's
@@ -33,9 +33,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from orchestrator.control.drain import drain_copy_s
+from orchestrator.control.replan import choose_replan, consider_joined
 from orchestrator.drills.recovery_model import Assumptions, nodes_of, restore_cost, state_io_s
 from orchestrator.drills.trace import Trace, fleet_slots
-from orchestrator.elastic import choose_replan, consider_joined, drain_copy_s
 from planner import ClusterSpec, Plan, PlanningError, evaluate
 from planner.baselines import megatron_symmetric
 from planner.search import Planner
@@ -224,7 +225,7 @@ class FleetSim:
             return
         # A spot notice arrives at a random point of the step in flight; the controller sees it at the next
         # boundary and drains when the time left covers copying the step to keepers off the doomed nodes
-        # (policies.notice_decision; no copy when other replicas hold their layers): the share q of the step's
+        # (drain.notice_decision; no copy when other replicas hold their layers): the share q of the step's
         # phases where that holds is charged a drain, the rest a failure. A drain redoes nothing and reads
         # nothing from S3.
         copy_s = drain_copy_s(old, self.model, self.train, self.fleet, gone)

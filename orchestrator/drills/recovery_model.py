@@ -1,9 +1,9 @@
 """The recovery cost model of `hetspot simulate` (pure): what a re-plan after a preemption costs.
 
 Detection and start-up default to bench/recovery.py's medians on the test cluster;
-bytes move by tier (elastic.bandwidths, S3 per node at `s3_gb_s`), nodes pull at
+bytes move by tier (migration.bandwidths, S3 per node at `s3_gb_s`), nodes pull at
 once; the weights come before the first step and AdamW's moments beside it, as
-the workers restore (elastic.held_s); work is redone back to the newest step every
+the workers restore (migration.held_s); work is redone back to the newest step every
 layer is held at.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.elastic import (
+from orchestrator.control.migration import (
     WEIGHTS_SHARE,
     bandwidths,
     held_s,
@@ -34,7 +34,7 @@ class Assumptions:
     s3_gb_s: float = 1.0  # per node, S3 read and write
     overlap: bool = True  # restores bring AdamW's moments beside the first step (workers/actor.py load_state)
     notice_s: float = 120.0  # spot notice before a preemption (AWS's two minutes; 0: none): hetspot drains when
-    # the time left at the next step boundary covers the copy (policies.notice_decision); s3-only restarts regardless
+    # the time left at the next step boundary covers the copy (drain.notice_decision); s3-only restarts regardless
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -51,8 +51,8 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
     Each layer's source: a surviving live holder (the stage's own node: live tier, another: peer), else the
     peer copy of a lost holder (kept on the next node of the old plan in name order, a stand-in for
     peer_placement) when that node survived, else S3. Nodes pull at once, each over its own link (the
-    controller's policy assumes the cluster's slowest link for all; elastic.bandwidths). With `a.overlap`, the
-    restore holds training for `elastic.held_s` (S3 pieces come whole before the first step), else until the
+    controller's policy assumes the cluster's slowest link for all; migration.bandwidths). With `a.overlap`, the
+    restore holds training for `migration.held_s` (S3 pieces come whole before the first step), else until the
     slowest node has every byte.
     """
     ring = sorted(nodes_of(old))

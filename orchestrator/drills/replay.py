@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orchestrator.elastic import node_kind, renamed
+from orchestrator.control.replan import node_kind, renamed
 from orchestrator.errors import ConfigError
 from orchestrator.job_spec import JobSpec
 from planner import NodeSpec, Plan
@@ -82,7 +82,7 @@ def replay(job: JobSpec, segments: list[tuple[int, int, Plan]],
            say: Callable[[str], None] = lambda m: None) -> tuple[list[float], dict[int, list]]:
     """Losses and samples per step of the segments' plans run one after another, the state handed on by
     export and import (no fault, no tier)."""
-    from orchestrator.worker_group import PlanRun
+    from orchestrator.runtime.worker_group import PlanRun
     from workers.state import full_state
 
     losses: list[float] = []

@@ -124,8 +124,8 @@ class Drill(FaultInjection):
     def reference(self, steps: int) -> tuple[list[float], dict]:
         """The same job without faults (no S3 tier, no notices), on the nodes there at the start."""
         from orchestrator.cluster.node_sources import DeclaredNodes
-        from orchestrator.controller import State
-        from orchestrator.controller_actor import make_controller
+        from orchestrator.control.controller import State
+        from orchestrator.runtime.controller_actor import make_controller
 
         j = self.job.model_copy(update={"checkpoint": None, "runtime": self.job.runtime.model_copy(
             update={"notices": "none", "scale_check_every": 0})})
@@ -141,8 +141,8 @@ class Drill(FaultInjection):
         """The fixed reference run, then the drill (then the replayed reference, or the fixed one after a trace).
         `until_s`: end the job at the first commit after this time (traces)."""
         from orchestrator.cluster.node_sources import DeclaredNodes
-        from orchestrator.controller import State
-        from orchestrator.controller_actor import make_controller
+        from orchestrator.control.controller import State
+        from orchestrator.runtime.controller_actor import make_controller
         from planner.specs import tokens_per_step
 
         steps = steps or self.job.steps

@@ -1,2 +1,3 @@
-"""Preemption: what a failure is (node lost, actor died, timeout, a deterministic error), and later
-spot-notice pollers, the fake metadata server and the drain (issue: Recovery, part 2)."""
+"""Preemption notices: the pollers for each cloud's metadata service and Ray's drain, and the fake metadata
+server the tests and drills use. What a failure is and what to do about it: orchestrator/control/failure.py;
+where a notice becomes a drain: orchestrator/control/drain.py."""

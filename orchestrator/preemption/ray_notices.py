@@ -22,7 +22,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.protocols import Clock, Notice, SystemClock
+from orchestrator.control.protocols import Clock, Notice, SystemClock
 
 LABEL_METADATA_URL = "hetspot/metadata-url"
 DRAIN_DEFAULT_S = 120.0  # a drain without a deadline: assume a spot notice's two minutes

@@ -34,15 +34,13 @@ import re
 import time
 from dataclasses import dataclass
 
+from orchestrator.errors import CheckpointError  # raised here; importers may take it from here
+
 FORMAT = "hetspot-checkpoint/3"
 READ_FORMATS = ("hetspot-checkpoint/2", FORMAT)  # /2 has no model_units: they come from meta.model
 MULTIPART_BYTES = 8 << 20
 _STEP = re.compile(r"step-(\d{10})/(.+)$")
 log = logging.getLogger("hetspot.checkpoints")
-
-
-class CheckpointError(Exception):
-    """A step that cannot be used: a missing or truncated manifest, or an object whose checksum is wrong."""
 
 
 def parse_uri(uri: str) -> tuple[str, str]:

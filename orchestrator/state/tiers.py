@@ -27,8 +27,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.cluster.discovery import node_ids
-from orchestrator.elastic import replicated_off
-from orchestrator.metrics import payload_bytes
+from orchestrator.control.drain import replicated_off
+from orchestrator.runtime.metrics import payload_bytes
 from orchestrator.state.holdings import keeper_holdings, rank_spans, s3_holdings
 from orchestrator.state.keeper import Keeper
 from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
@@ -126,7 +126,7 @@ class TieredState:
     def drain(self, group, step: int, avoid: set[str]) -> None:
         """Keep committed step `step` where a restore finds it without the `avoid` nodes (a notice's doomed nodes;
         none before a move to a larger plan). When stages off them hold every layer the stages on them hold (other
-        replicas do: elastic.replicated_off), nothing crosses a link; else every rank's state is first copied to
+        replicas do: drain.replicated_off), nothing crosses a link; else every rank's state is first copied to
         keepers off them, and waited for. Then the survivors hand their state to their own node's keeper (tier
         "live"), so a stage that stays where it was reads it from its own node."""
         if avoid and not replicated_off(group.plan, avoid):

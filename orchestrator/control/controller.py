@@ -10,14 +10,14 @@ States (one job):
   until every type's minimum is up; past `fleet.wait_s` the job fails with exit code 2 naming the missing types.
   The demand stands while the job runs (a preempted node is replaced; a scale check moves onto it) and is
   withdrawn at DONE or FAILED.
-  A worker failure goes to the failure policy (orchestrator/policies.py): re-plan (RECOVERING) or abort
+  A worker failure goes to the failure policy (orchestrator/control/failure.py): re-plan (RECOVERING) or abort
   (FAILED). A job started with a user's plan begins at LAUNCHING. Every side effect sits behind a protocol
-  (orchestrator/protocols.py): unit tests drive `step()` with orchestrator/fakes.py.
+  (orchestrator/control/protocols.py): unit tests drive `step()` with orchestrator/control/fakes.py.
 Step s is committed when every worker finished its gradient sync for s and was told to apply the update
 (two-phase; the worker group does it). The state plane (`StatePlane`: state/tiers.TieredState on Ray,
 state/snapshots.MemorySnapshots for fakes) snapshots after steps, salvages survivors' state after a failure
 and restores the newest step it can; the job resumes after it: no sample lost or repeated. Joined nodes are
-weighed every `scale_check_every` steps (orchestrator/elastic.py).
+weighed every `scale_check_every` steps (orchestrator/control/replan.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.elastic import choose_replan, consider_joined, drain_copy_s, joined_nodes
-from orchestrator.errors import WorkerFailure
-from orchestrator.policies import Abort, Replan, failure_policy, notice_decision
-from orchestrator.protocols import (
+from orchestrator.control.drain import drain_copy_s, notice_decision
+from orchestrator.control.failure import Abort, Replan, failure_policy
+from orchestrator.control.protocols import (
     Clock,
     InterruptionSource,
     NodeSource,
@@ -40,8 +39,9 @@ from orchestrator.protocols import (
     SystemClock,
     WorkerGroup,
 )
-from orchestrator.state.s3_store import CheckpointError
-from orchestrator.state.snapshots import MemorySnapshots
+from orchestrator.control.replan import choose_replan, consider_joined, joined_nodes
+from orchestrator.control.snapshots import MemorySnapshots
+from orchestrator.errors import CheckpointError, WorkerFailure
 from planner import Plan, PlanningError
 from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
@@ -134,7 +134,7 @@ class Controller:
             log.info("capacity: %s", view.line)
             return State.DISCOVERING
         if self.capacity.timed_out():
-            from orchestrator.cluster.capacity import timeout_message
+            from orchestrator.control.capacity import timeout_message
 
             return self._fail(timeout_message(self.capacity.fleet, view), exit_code=2)
         self._phase(f"waiting for capacity: {view.line}")
@@ -155,7 +155,7 @@ class Controller:
 
     def _plan(self) -> State:
         self._phase(f"planning on {self.cluster.num_gpus} GPUs")
-        try:  # a re-plan weighs the planner's top plans by throughput minus migration (orchestrator/elastic.py)
+        try:  # a re-plan weighs the planner's top plans by throughput minus migration (orchestrator/control/replan.py)
             self.plan, choice = choose_replan(self.planner, self.model, self.train, self.plan, self.cluster,
                                               self.steps - self.progress.committed - 1, self._launch_s)
         except PlanningError as e:
@@ -250,7 +250,7 @@ class Controller:
         return tokens_per_step(self.model, self.train.global_batch) / times[len(times) // 2]
 
     def _heed(self, notices: list) -> bool:
-        """Start a drain for notices on the plan's nodes when the deadline leaves time (policies.notice_decision)."""
+        """Start a drain for notices on the plan's nodes when the deadline leaves time (drain.notice_decision)."""
         now, used = self.clock.now(), set(self.plan.nodes())
         copy_s = lambda doomed: drain_copy_s(self.plan, self.model, self.train,  # noqa: E731
                                              self.cluster or self.nodes.discover(), self.doomed | doomed)

@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import ray
 
-from orchestrator.controller import Controller, State
+from orchestrator.control.controller import Controller, State
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.ray_notices import RayNotices
-from orchestrator.worker_group import RayWorkerGroup
+from orchestrator.runtime.worker_group import RayWorkerGroup
 from planner import Plan
 
 
@@ -81,7 +81,7 @@ class ControllerActor:
     def __init__(self, job_json: str, steps: int, job_id: str, embedded: bool, first_plan_json: str | None = None,
                  user_plan: bool = False, replan_user_plan: bool = False):
         from orchestrator.cluster.node_sources import DeclaredNodes, LiveNodes
-        from orchestrator.metrics import StepMetrics, TensorBoardLog
+        from orchestrator.runtime.metrics import StepMetrics, TensorBoardLog
 
         self.job = JobSpec.model_validate_json(job_json)
         nodes = DeclaredNodes(self.job.cluster) if embedded else LiveNodes(self.job.runtime.profile)
@@ -105,7 +105,7 @@ class ControllerActor:
 
     def step(self) -> dict:
         """One controller transition; returns the new state and a row per newly committed step."""
-        from orchestrator.metrics import step_row
+        from orchestrator.runtime.metrics import step_row
 
         c = self.controller
         state = c.step()

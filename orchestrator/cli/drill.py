@@ -1,4 +1,4 @@
-"""`hetspot drill` and `hetspot simulate` (registered by orchestrator/cli.py)."""
+"""`hetspot drill` and `hetspot simulate` (registered by orchestrator/cli/main.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.cli_common import console, err_console
-from orchestrator.cli_common import print_json as _print_json
+from orchestrator.cli.common import console, err_console
+from orchestrator.cli.common import print_json as _print_json
 from orchestrator.errors import ConfigError
 
 

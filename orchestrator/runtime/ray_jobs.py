@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 from orchestrator.errors import ConfigError
 from orchestrator.job_spec import JobSpec
-from orchestrator.progress_lines import (
+from orchestrator.runtime.progress_lines import (
     ENV_ID,
     ENV_JOB,
     ENV_RESUME,

@@ -5,8 +5,8 @@ Unit tests and examples step the controller with them: no Ray, no clock waits.
 
 from __future__ import annotations
 
+from orchestrator.control.protocols import Notice
 from orchestrator.errors import WorkerFailure
-from orchestrator.protocols import Notice
 from planner import ClusterSpec
 
 

@@ -7,10 +7,8 @@ Step s is two-phase: every worker runs its forward, backward and gradient sync
 and returns; only then are all told to commit (apply the optimizer update), so
 a failure mid-step leaves every survivor at the last committed step. The first
 worker error, dead actor or timeout ends the run at once with a `WorkerFailure`
-naming the rank and stage and classified (orchestrator/preemption/failures.py)
-as transient (node lost, actor died, timeout, collective error) or
-deterministic; the remaining actors are killed so no survivor waits out a
-collective timeout. `RayWorkerGroup` is the controller's `WorkerGroup` over it.
+naming the rank and stage (runtime/detect.py: where a lost node is detected);
+the remaining actors are killed so no survivor waits out a collective timeout. `RayWorkerGroup` is the controller's `WorkerGroup` over it.
 """
 
 from __future__ import annotations
@@ -21,14 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator.control.failure import FailureKind
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
-from orchestrator.metrics import payload_bytes
-from orchestrator.preemption.failures import FailureKind, classify_error
+from orchestrator.runtime.detect import gather
+from orchestrator.runtime.metrics import payload_bytes
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
@@ -155,40 +153,11 @@ class PlanRun:
         self._gather([w.import_state.remote(ref, optimizer_steps) for w in self.workers], "state import", 120.0)
 
     def _gather(self, futures: list, what: str, timeout_s: float) -> list:
-        """Results in rank order; the first failure ends the run with the rank's identity and kind."""
-        index = {f: i for i, f in enumerate(futures)}
-        results: list = [None] * len(futures)
-        pending, deadline = list(futures), time.monotonic() + timeout_s
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                slow = ", ".join(self._describe(index[f]) for f in pending[:4])
-                raise self._failure(what, f"did not finish within {timeout_s:.0f} s; still waiting on {slow}",
-                                    FailureKind.TIMEOUT)
-            f = ready[0]
-            try:
-                results[index[f]] = ray.get(f)
-                self.received_bytes += payload_bytes(results[index[f]])
-            except RayTaskError as e:
-                cause = e.cause if getattr(e, "cause", None) is not None else e
-                kind = classify_error(getattr(cause, "cause_type", type(cause).__name__), str(cause))
-                raise self._failure(f"{what} failed", str(cause), kind) from None
-            except RayActorError as e:
-                if "creation task" in str(e):  # the worker's constructor raised: any plan would too
-                    raise WorkerFailure(f"{what} failed", f"{self._describe(index[f])} could not start: "
-                                        f"{_creation_error(e)}", FailureKind.DETERMINISTIC.value) from None
-                raise self._failure(f"{what} failed", f"{self._describe(index[f])} died ({type(e).__name__})",
-                                    FailureKind.ACTOR_DIED) from None
-        return results
+        """Results in rank order; the first failure ends the run with the rank's identity and kind (detect.py)."""
+        return gather(futures, what, timeout_s, self._describe, self.plan.nodes(), self._count)
 
-    def _failure(self, where: str, cause: str, kind: FailureKind) -> WorkerFailure:
-        """The one failure event: NODE_LOST, naming the plan's nodes gone from the cluster, when there are any."""
-        from orchestrator.cluster.discovery import node_ids
-
-        if kind == FailureKind.DETERMINISTIC:
-            return WorkerFailure(where, cause, kind.value)
-        gone = sorted(set(self.plan.nodes()) - set(node_ids()))
-        return WorkerFailure(where, cause, (FailureKind.NODE_LOST if gone else kind).value, gone)
+    def _count(self, result) -> None:
+        self.received_bytes += payload_bytes(result)
 
     def _describe(self, rank: int) -> str:
         r = self.ranks[rank]
@@ -204,13 +173,6 @@ class PlanRun:
             except Exception as e:  # the cluster may already be gone; record and move on
                 log.debug("removing placement group failed: %s", e)
         self.workers, self.pgs = [], []
-
-
-def _creation_error(e: Exception) -> str:
-    """The last line of the constructor's traceback inside a RayActorError, which names the error."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    errs = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
-    return errs[-1] if errs else lines[-1] if lines else type(e).__name__
 
 
 class RayWorkerGroup:

@@ -1,6 +1,6 @@
 """`MemorySnapshots`: a state plane that copies the whole state through the process that holds it.
 
-It implements the controller's `StatePlane` (orchestrator/protocols.py) with the
+It implements the controller's `StatePlane` (orchestrator/control/protocols.py) with the
 worker group's `export_state` / `import_state`: the newest snapshot, in memory.
 It serves the controller's unit tests and the shipped fakes. On Ray the
 controller uses `state.tiers.TieredState` instead, which moves metadata only.

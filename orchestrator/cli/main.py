@@ -11,8 +11,8 @@ import sys
 
 import typer
 
-from orchestrator.cli_common import console, err_console
-from orchestrator.cli_common import print_json as _print_json
+from orchestrator.cli.common import console, err_console
+from orchestrator.cli.common import print_json as _print_json
 from orchestrator.errors import HetspotError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic training on mixed spot GPUs.")
@@ -52,7 +52,7 @@ def plan(
     if as_json:
         _print_json(result)
     else:
-        from orchestrator.render import plan_tables
+        from orchestrator.cli.tables import plan_tables
 
         plan_tables(result, console)
 
@@ -93,7 +93,7 @@ def submit(
     job = api.with_restore_from(load_job(job_file), restore_from, job_file)  # validate before anything starts
     if address:
         from orchestrator.errors import ConfigError
-        from orchestrator.ray_jobs import RayJobs
+        from orchestrator.runtime.ray_jobs import RayJobs
 
         if plan_file:
             raise ConfigError("--plan works for local runs only; on a cluster the job plans on the GPUs it finds")
@@ -109,7 +109,7 @@ def submit(
                           f"  hetspot status {job_id} --address {jobs.url}\n"
                           f"  hetspot logs {job_id} --address {jobs.url} --follow")
         if follow:
-            from orchestrator.progress_lines import dedupe_worker_lines
+            from orchestrator.runtime.progress_lines import dedupe_worker_lines
 
             seen: set[str] = set()
             for chunk in jobs.follow(job_id):
@@ -149,14 +149,14 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
 ) -> None:
     """A submitted job's state and its last committed step (loss, tokens/s, MFU)."""
-    from orchestrator.ray_jobs import RayJobs
+    from orchestrator.runtime.ray_jobs import RayJobs
 
     st = RayJobs(address, token_file).status(job_id)
     if as_json:
         _print_json(st)
         return
     console.print(f"[bold]{job_id}[/]: {st['status']}" + (f" ({st['message']})" if st["message"] else ""))
-    from orchestrator.metrics import format_mfu
+    from orchestrator.runtime.metrics import format_mfu
 
     p = st["progress"]
     if st.get("phase"):
@@ -190,8 +190,8 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
 ) -> None:
     """The job driver's output: progress lines, and worker lines naming node, rank and stage."""
-    from orchestrator.progress_lines import dedupe_worker_lines
-    from orchestrator.ray_jobs import RayJobs
+    from orchestrator.runtime.progress_lines import dedupe_worker_lines
+    from orchestrator.runtime.ray_jobs import RayJobs
 
     jobs = RayJobs(address, token_file)
     if follow:
@@ -211,7 +211,7 @@ def stop(
     token_file: str | None = _token_option(),
 ) -> None:
     """Stop a submitted job (its controller, workers and placement groups go with it)."""
-    from orchestrator.ray_jobs import RayJobs
+    from orchestrator.runtime.ray_jobs import RayJobs
 
     stopped = RayJobs(address, token_file).stop(job_id)
     console.print(f"{job_id}: {'stop requested' if stopped else 'already finished'}")
@@ -227,7 +227,7 @@ def list_jobs(
     """hetspot jobs on a running cluster, oldest first."""
     from rich.table import Table
 
-    from orchestrator.ray_jobs import RayJobs
+    from orchestrator.runtime.ray_jobs import RayJobs
 
     rows = RayJobs(address, token_file).list()
     if as_json:
@@ -272,9 +272,9 @@ def inventory(
 
 
 def _register_subcommands() -> None:
-    from orchestrator.cli_checkpoints import checkpoints_app, export, list_steps, rm, verify
-    from orchestrator.cli_deploy import deploy_app, render
-    from orchestrator.cli_drill import drill, simulate
+    from orchestrator.cli.checkpoints import checkpoints_app, export, list_steps, rm, verify
+    from orchestrator.cli.deploy import deploy_app, render
+    from orchestrator.cli.drill import drill, simulate
 
     app.command(name="drill")(_user_errors(drill))
     app.command(name="simulate")(_user_errors(simulate))

@@ -1,4 +1,4 @@
-"""The controller's side-effect boundaries as small protocols, each with a shipped fake (orchestrator/fakes.py).
+"""The controller's side-effect boundaries as small protocols, each with a shipped fake (orchestrator/control/fakes.py).
 
 - `NodeSource`: which GPU nodes exist now (Ray: cluster/node_sources.py).
 - `WorkerGroup`: the workers of one Plan (Ray: worker_group.RayWorkerGroup).

@@ -1,4 +1,4 @@
-"""`hetspot deploy render`: spot-fleet configs for your GPU mix (registered as a sub-app by orchestrator/cli.py)."""
+"""`hetspot deploy render`: spot-fleet configs for your GPU mix (registered as a sub-app by orchestrator/cli/main.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`hetspot checkpoints list|verify|rm|export URI`: a job's S3 steps (registered as a sub-app by orchestrator/cli.py)."""
+"""`hetspot checkpoints list|verify|rm|export URI`: a job's S3 steps (registered as a sub-app by orchestrator/cli/main.py)."""
 
 from __future__ import annotations
 

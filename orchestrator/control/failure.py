@@ -1,0 +1,91 @@
+"""Failures and what to do about them: the kinds, how a worker's exception is classified, and the policy.
+
+A lost node, a dead actor, a step or collective that timed out, or a collective whose peer went away are
+*transient*: another plan on the survivors can go on (`Replan`). Anything else a worker raises (bad data, a
+shape error, out of memory on every plan) is *deterministic*: any plan would fail the same way (`Abort`). The
+runtime observes (runtime/worker_group.py); these pure functions decide. Ray Train v2's controller does the
+same: a failure policy returns a decision, the controller applies it and logs the cause. No Ray, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from orchestrator.errors import WorkerFailure
+
+
+class FailureKind(str, enum.Enum):
+    NODE_LOST = "node lost"
+    ACTOR_DIED = "actor died"
+    TIMEOUT = "timeout"
+    COLLECTIVE = "collective error"  # a peer vanished under a collective (gloo/NCCL connection errors)
+    DETERMINISTIC = "error"  # the worker's own exception: re-running would raise it again
+
+
+TRANSIENT = frozenset({FailureKind.NODE_LOST, FailureKind.ACTOR_DIED, FailureKind.TIMEOUT, FailureKind.COLLECTIVE})
+
+
+# Exception types and message fragments that torch.distributed raises when a peer goes away.
+_COLLECTIVE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+
+
+_COLLECTIVE_TEXT = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
+                    "socket timeout", "peer", "connection refused",
+                    "application timeout", "pair closure")  # gloo's timeout of a pair, some builds' wording
+
+
+# Ray's errors for a peer actor (a keeper, another worker) or its objects gone with a lost node.
+_ACTOR_TYPES = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ObjectLostError", "OwnerDiedError",
+                "ObjectFetchTimedOutError", "NodeDiedError")
+
+
+def classify_error(exc_type: str, message: str) -> FailureKind:
+    """Kind of an exception a worker raised, from its type name and message."""
+    if exc_type in _ACTOR_TYPES:
+        return FailureKind.ACTOR_DIED
+    if exc_type in _COLLECTIVE_TYPES:
+        return FailureKind.COLLECTIVE
+    text = message.lower()
+    if any(t in text for t in _COLLECTIVE_TEXT):
+        return FailureKind.COLLECTIVE
+    return FailureKind.DETERMINISTIC
+
+
+def is_transient(kind: str) -> bool:
+    return FailureKind(kind) in TRANSIENT
+
+
+@dataclass(frozen=True)
+class Continue:
+    pass
+
+
+@dataclass(frozen=True)
+class Replan:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    reason: str
+
+
+Decision = Continue | Replan | Abort
+
+
+def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int,
+                   user_plan: bool = False, replan_user_plan: bool = False) -> Decision:
+    """Re-plan after a transient loss while restarts remain; abort on a deterministic error at once.
+
+    A user-supplied plan is replaced by a planner plan only when the user said so
+    (`hetspot submit --plan P --replan-on-loss`).
+    """
+    if not is_transient(failure.kind):
+        return Abort(f"{failure} (an error that any plan would hit again: not re-planning)")
+    if restarts >= max_restarts:
+        return Abort(f"{failure} (gave up after {restarts} re-plans)")
+    if user_plan and not replan_user_plan:
+        return Abort(f"{failure} (the job runs the plan given with --plan; pass --replan-on-loss to let "
+                     "hetspot re-plan on the surviving GPUs)")
+    return Replan(str(failure))

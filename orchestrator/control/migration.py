@@ -1,0 +1,130 @@
+"""What moving onto a plan costs: the bytes each node holds and pulls, and how long the pull holds training.
+
+Each new stage pulls its state from its own node when the running plan held those layers there ("live"),
+else from another node ("peer"), over `bandwidths`; nodes pull at once, the weights before the first step and
+AdamW's moments beside it (`held_s`). The re-plan and scale-up policies (replan.py), the drain (drain.py) and
+the fleet simulator (drills/) charge these figures. Pure: the planner's types and arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner import ClusterSpec, Plan
+from planner.specs import ModelSpec, TrainSpec
+
+WEIGHTS_SHARE = 1 / 3  # of the state a restore moves: the master weights; AdamW's two moments are the rest
+
+
+MOMENTS_SLOWDOWN = 2.0  # the moments share the links with the first step's own traffic: counted at half speed
+
+
+def layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
+    """State of one extended layer (-1 embedding, L head) as the tiers move it: master weights and AdamW's moments."""
+    params = model.embed_params if layer < 0 else model.head_params if layer >= model.num_layers else model.layer_params
+    return params * train.state_bytes_per_param
+
+
+def stage_layers(p: Plan):
+    """(node, extended layers) per stage of plan `p`: a pipeline's first stage holds the embedding, its last the head."""
+    for pipe in p.pipelines:
+        for i, st in enumerate(pipe.stages):
+            lo = -1 if i == 0 else st.layer_start
+            hi = p.num_layers + 1 if i == len(pipe.stages) - 1 else st.layer_end
+            yield st.node, range(lo, hi)
+
+
+def held_by_node(p: Plan | None) -> dict[str, set[int]]:
+    """Per node of plan `p` (None: nothing), the extended layers its stages hold."""
+    held: dict[str, set[int]] = {}
+    for node, layers in stage_layers(p) if p is not None else ():
+        held.setdefault(node, set()).update(layers)
+    return held
+
+
+def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
+    """Per node of plan `p`, the state its stages hold (`layer_bytes`)."""
+    out: dict[str, float] = {}
+    for node, layers in stage_layers(p):
+        out[node] = out.get(node, 0.0) + sum(layer_bytes(model, train, x) for x in layers)
+    return out
+
+
+def node_migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, dict]:
+    """Per node of the new plan, the bytes its stages pull, by tier: "live" where the old plan held the layer
+    on that node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
+    held = held_by_node(old)
+    out: dict[str, dict] = {}
+    for node, layers in stage_layers(new):
+        got = out.setdefault(node, {"live": 0.0, "peer": 0.0})
+        for layer in layers:
+            got["live" if layer in held.get(node, ()) else "peer"] += layer_bytes(model, train, layer)
+    return out
+
+
+def migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
+    """The bytes every node of the new plan pulls together, by tier."""
+    out = {"live": 0.0, "peer": 0.0}
+    for got in node_migration_bytes(old, new, model, train).values():
+        for tier, n in got.items():
+            out[tier] += n
+    return out
+
+
+def slowest_pull(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec, bw: dict[str, float]) -> dict:
+    """The bytes by tier of the node that pulls longest: nodes pull at once, each over its own link, so
+    the migration lasts as long as its slowest node's pull (not the sum over nodes)."""
+    per_node = node_migration_bytes(old, new, model, train)
+    return max(per_node.values(), key=lambda b: sum(n / bw[t] for t, n in b.items()), default={})
+
+
+def overlap_window_s(p: Plan) -> float:
+    """Seconds of a plan's first step that a restore's moments may arrive in unseen: its forward and backward
+    (the fastest replica's); the update waits for them, and the gradient sync is not counted as room."""
+    return min(p.estimate.pipeline_time_s, default=0.0) if p.estimate is not None else 0.0
+
+
+def held_s(pulls: list[tuple[float, float]], window_s: float) -> float:
+    """Seconds a restore holds training back. `pulls`: per node, the seconds its weights (and whole S3 pieces)
+    take and the seconds its moments take. The first step starts once every node has its weights; each node's
+    moments follow on its link (workers/actor.py `load_state`): at full speed until the step starts, at
+    1 / MOMENTS_SLOWDOWN beside its forward and backward (`window_s`), at full speed again while its update
+    waits for the last of them. Never more than pulling every byte first."""
+    if not pulls:
+        return 0.0
+    first = max(w for w, _ in pulls)
+    left = [max(0.0, m - (first - w)) for w, m in pulls]
+    return first + max(max(0.0, x - window_s / MOMENTS_SLOWDOWN) for x in left)
+
+
+def pull_held_s(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec, bw: dict[str, float]) -> float:
+    """`held_s` of the move from `old` to `new` (`node_migration_bytes`), every node at the bandwidths `bw`."""
+    pulls = [(WEIGHTS_SHARE * t, (1 - WEIGHTS_SHARE) * t) for t in
+             (sum(n / bw[tier] for tier, n in got.items()) for got in node_migration_bytes(old, new, model, train).values())]
+    return held_s(pulls, overlap_window_s(new))
+
+
+def bandwidths(cluster: ClusterSpec, node: str | None = None) -> dict[str, float]:
+    """Bytes/s per tier: a node's own keeper, another node over the link (the slowest of the cluster, or
+    `node`'s own), S3 at most 1 GB/s."""
+    link = (cluster.node(node).inter_node_bw_gb_s if node else min(n.inter_node_bw_gb_s for n in cluster.nodes)) * 1e9
+    return {"live": 4 * link, "peer": link, "s3": min(link, 1e9)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the job could run for its remaining steps, and what moving onto it costs."""
+
+    name: str
+    tokens_per_s: float  # the planner's prediction
+    migration_bytes: dict[str, int]  # by tier ("live", "peer", "s3"): what the slowest node pulls (nodes pull at once)
+    startup_s: float  # placing workers and joining their process group (0 for the plan running now)
+    restore_s: float | None = None  # how long the pull holds training, where known (migration.held_s: the moments
+
+
+def migration_cost_s(c: Candidate, bandwidth: dict[str, float]) -> float:
+    """Start-up plus the restore: `restore_s` where known, else each tier's bytes over that tier's bandwidth
+    (bytes/s)."""
+    if c.restore_s is not None:
+        return c.startup_s + c.restore_s
+    return c.startup_s + sum(n / bandwidth[t] for t, n in c.migration_bytes.items() if n)
