@@ -284,10 +284,17 @@ def sync_s(params_dev: float, train: TrainSpec, num_replicas: int, bw: float) ->
 def pipeline_time(times_per_mb: list[list[float]]) -> float:
     """Closed-form 1F1B time: fill with the first micro-batch, then the slowest stage paces.
 
-    times_per_mb[j][i] = fwd + bwd of micro-batch j on stage i.
+    times_per_mb[j][i] = fwd + bwd of micro-batch j on stage i. With m - 1 alike micro-batches and a last one
+    (a remainder) this is `closed_form_1f1b`, the form the layer split evaluates.
     """
     first = sum(times_per_mb[0])
     return first + sum(max(t) for t in times_per_mb[1:])
+
+
+def closed_form_1f1b(sum_t: float, max_t: float, max_t_last: float, sum_t_last: float, m: int) -> float:
+    """`pipeline_time` for m - 1 alike micro-batches (per-stage times t) and a last one (t_last):
+    sum(t) + (m - 2) max(t) + max(t_last), or sum(t_last) when it is the only one."""
+    return sum_t_last if m == 1 else sum_t + (m - 2) * max_t + max_t_last
 
 
 def inflight(stage_index: int, num_stages: int, num_micro_batches: int, schedule: str) -> int:

@@ -324,7 +324,7 @@ class PipelineModel:
         last_t = [ch.times if last_b == b else self._last_times(i, ch, last_b, m) for i, ch in enumerate(stages)]
         full = [ch.times.fwd_s + ch.times.bwd_s for ch in stages]
         last = [t.fwd_s + t.bwd_s for t in last_t]
-        t_pipe = sum(last) if m == 1 else sum(full) + (m - 2) * max(full) + max(last)
+        t_pipe = cost.closed_form_1f1b(sum(full), max(full), max(last), sum(last), m)
         per_byte = 0.0 if num_replicas <= 1 else 2.0 * (num_replicas - 1) / num_replicas / sync_bw
         clip = self.train.grad_clip is not None
         extra = 0.0
@@ -340,9 +340,9 @@ class PipelineModel:
 
 
 def _closed_form(v: tuple[float, float, float, float, float], m: int) -> float:
-    """1F1B's closed form from (sum t, max t, max t_last, max extra, sum t_last) over a pipeline's stages:
-    sum(t) + (m - 2) max(t) + max(t_last) + max(extra), or sum(t_last) + max(extra) for one micro-batch."""
-    return (v[4] if m == 1 else v[0] + (m - 2) * v[1] + v[2]) + v[3]
+    """1F1B's closed form (cost.closed_form_1f1b) from (sum t, max t, max t_last, max extra, sum t_last) over a
+    pipeline's stages, plus the slowest stage's extra."""
+    return cost.closed_form_1f1b(v[0], v[1], v[2], v[4], m) + v[3]
 
 
 @functools.cache

@@ -92,17 +92,22 @@ def fleet_cluster():
 
 
 def gpu_nodes() -> dict[str, int]:
-    """GPU nodes alive now, per fake type (asked of the GCS from a short-lived driver)."""
+    """GPU nodes alive now, per fake type."""
+    out: dict[str, int] = {}
+    for t in gpu_node_ids().values():
+        out[t] = out.get(t, 0) + 1
+    return out
+
+
+def gpu_node_ids() -> dict[str, str]:
+    """Alive GPU nodes: Ray node id -> fake GPU type (asked of the GCS from a short-lived driver)."""
     code = ("import json, ray; ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
-            "print('GPU-NODES', json.dumps([n['Labels'].get('hetspot/gpu-type') for n in ray.nodes() "
-            "if n['Alive'] and n['Resources'].get('GPU')]))")
+            "print('GPU-NODES', json.dumps({n['NodeID']: n['Labels'].get('hetspot/gpu-type') for n in ray.nodes() "
+            "if n['Alive'] and n['Resources'].get('GPU')}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("GPU-NODES "))  # the autoscaler prints too
-    out: dict[str, int] = {}
-    for t in json.loads(line.split(" ", 1)[1]):
-        out[t] = out.get(t, 0) + 1
-    return out
+    return json.loads(line.split(" ", 1)[1])
 
 
 def job_file(tmp_path: Path, name: str, fleet: dict, steps: int = 4) -> Path:
@@ -206,15 +211,6 @@ def test_a_minimum_that_never_comes_fails_with_exit_2_naming_the_types_after_the
     assert took >= wait_s
 
 
-
-def gpu_node_ids() -> dict[str, str]:
-    """Alive GPU nodes: Ray node id -> fake GPU type."""
-    code = ("import json, ray; ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
-            "print('GPU-NODES', json.dumps({n['NodeID']: n['Labels'].get('hetspot/gpu-type') for n in ray.nodes() "
-            "if n['Alive'] and n['Resources'].get('GPU')}))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("GPU-NODES ")).split(" ", 1)[1])
 
 
 def kill_fake_node(node_id: str) -> int:

@@ -13,12 +13,12 @@ import torch
 
 from planner.catalog import gpu_info
 from planner.cost import device_budget_bytes
+from planner.layout import ranks
 from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
 from workers.data import make_dataset
 from workers.engine import Engine, StepResult
 from workers.faults import FaultInjector
-from workers.layout import ranks
 from workers.logs import structured_logger
 from workers.state import (
     MOMENTS,

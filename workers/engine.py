@@ -7,7 +7,7 @@ NCCL on CUDA. A step of the global batch:
      activations forward and activation gradients back;
   3. each replica back-propagates sum(loss_i over its samples) / global_batch;
   4. gradients are sum-all-reduced per (segment, TP rank) group (AutoHet
-     layer-wise sync across asymmetric replicas, workers/layout.py);
+     layer-wise sync across asymmetric replicas, planner/layout.py);
   5. global-norm clipping that counts every parameter element exactly once;
   6. AdamW (fused on CPU and CUDA).
 So every plan computes the same step as one device, up to reduction order.
@@ -34,13 +34,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from planner import layout
 from planner.contract import check_runtime_plan
+from planner.layout import extended_layer
 from planner.plan_types import Plan
 from planner.schedule import op_order
 from planner.specs import ModelSpec, TrainSpec
-from workers import layout
 from workers.data import Dataset
-from workers.layout import extended_layer
 from workers.model import Stage
 from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
 

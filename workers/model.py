@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from planner.layout import EMBED, HEAD
 from planner.specs import ModelSpec
 from workers import llama
-from workers.layout import EMBED, HEAD
 
 
 @dataclass(frozen=True)

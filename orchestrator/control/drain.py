@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orchestrator.control.migration import bandwidths, node_bytes, stage_layers
+from orchestrator.control.migration import bandwidths, node_bytes
 from planner import ClusterSpec, Plan
+from planner.layout import stage_layers
 from planner.specs import ModelSpec, TrainSpec
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner import ClusterSpec, Plan
+from planner.layout import stage_layers
 from planner.specs import ModelSpec, TrainSpec
 
 WEIGHTS_SHARE = 1 / 3  # of the state a restore moves: the master weights; AdamW's two moments are the rest
@@ -25,21 +26,6 @@ def layer_bytes(model: ModelSpec, train: TrainSpec, layer: int) -> float:
     return params * train.state_bytes_per_param
 
 
-def stage_layers(p: Plan):
-    """(node, extended layers) per stage of plan `p`: a pipeline's first stage holds the embedding, its last the head."""
-    for pipe in p.pipelines:
-        for i, st in enumerate(pipe.stages):
-            lo = -1 if i == 0 else st.layer_start
-            hi = p.num_layers + 1 if i == len(pipe.stages) - 1 else st.layer_end
-            yield st.node, range(lo, hi)
-
-
-def held_by_node(p: Plan | None) -> dict[str, set[int]]:
-    """Per node of plan `p` (None: nothing), the extended layers its stages hold."""
-    held: dict[str, set[int]] = {}
-    for node, layers in stage_layers(p) if p is not None else ():
-        held.setdefault(node, set()).update(layers)
-    return held
 
 
 def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
@@ -50,15 +36,37 @@ def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
     return out
 
 
+def layer_sources(old: Plan | None, new: Plan, gone: set[str] = frozenset(), peer_of: dict[str, str] | None = None):
+    """Where each stage of `new` gets each extended layer it holds, as (node, layer, tier, redo): "live" when the
+    node itself held the layer in `old` and survived, "peer" when another surviving node held it, or when only
+    the peer snapshot of a lost holder survived (`peer_of`: the node keeping each node's snapshot; `redo` is then
+    "snapshot"), else "s3" (`redo` "s3"). The one restore-source rule: the controller's migration costs (nothing
+    gone) and the fleet simulator's recovery model (nodes gone) both count bytes with it."""
+    held: dict[int, list[str]] = {}
+    for node, layers in stage_layers(old) if old is not None else ():
+        for layer in layers:
+            held.setdefault(layer, []).append(node)
+    for node, layers in stage_layers(new):
+        for layer in layers:
+            live = [h for h in held.get(layer, []) if h not in gone]
+            if node in live:
+                yield node, layer, "live", None
+            elif live:
+                yield node, layer, "peer", None
+            elif peer_of is not None and any(peer_of[h] not in gone for h in held.get(layer, [])):
+                yield node, layer, "peer", "snapshot"
+            else:
+                yield node, layer, "s3", "s3"
+
+
 def node_migration_bytes(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, dict]:
     """Per node of the new plan, the bytes its stages pull, by tier: "live" where the old plan held the layer
-    on that node, else "peer" (another node's live copy or snapshot). Every replica pulls its own."""
-    held = held_by_node(old)
+    on that node, else "peer" (another node's live copy or snapshot). Every replica pulls its own. A move always
+    has a running plan to pull from (`old` None: every byte counted as "peer")."""
     out: dict[str, dict] = {}
-    for node, layers in stage_layers(new):
+    for node, layer, tier, _ in layer_sources(old, new):
         got = out.setdefault(node, {"live": 0.0, "peer": 0.0})
-        for layer in layers:
-            got["live" if layer in held.get(node, ()) else "peer"] += layer_bytes(model, train, layer)
+        got["peer" if tier == "s3" else tier] += layer_bytes(model, train, layer)
     return out
 
 

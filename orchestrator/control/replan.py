@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from orchestrator.control.migration import (
     Candidate,
     bandwidths,
-    held_by_node,
     layer_bytes,
     migration_cost_s,
     pull_held_s,
     slowest_pull,
-    stage_layers,
 )
 from planner import ClusterSpec, Plan, PlanningError, evaluate
+from planner.layout import held_by_node, stage_layers
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")

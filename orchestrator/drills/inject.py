@@ -143,7 +143,7 @@ class FaultInjection:
         g = self.c.group
         if g is None or not hasattr(g, "run"):
             return
-        from workers import layout
+        from planner import layout
 
         try:  # a group being replaced, or a rank already gone: the kill alone still lands
             ranks = layout.ranks(g.plan)

@@ -16,9 +16,9 @@ from orchestrator.control.migration import (
     bandwidths,
     held_s,
     layer_bytes,
+    layer_sources,
     node_bytes,
     overlap_window_s,
-    stage_layers,
 )
 from planner import ClusterSpec, Plan
 from planner.specs import ModelSpec, TrainSpec
@@ -57,33 +57,21 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
     """
     ring = sorted(nodes_of(old))
     peer_of = {n: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
-    held: dict[int, list[str]] = {}
-    for node, layers in stage_layers(old):
-        for layer in layers:
-            held.setdefault(layer, []).append(node)
     per_node: dict[str, tuple[float, float]] = {}  # (seconds before the first step, seconds beside it)
     by_tier = {"live": 0.0, "peer": 0.0, "s3": 0.0}
     redo_steps = 0.5 if gone else 0.0  # a preemption loses the step in flight, on average half done
-    for node, layers in stage_layers(new):
-        for layer in layers:
-            live = [h for h in held.get(layer, []) if h not in gone]
-            if node in live:
-                tier = "live"
-            elif live:
-                tier = "peer"
-            elif any(peer_of[h] not in gone for h in held.get(layer, [])):
-                tier = "peer"  # only a snapshot survived: back to the newest peer snapshot
-                redo_steps = max(redo_steps, 0.5 + (a.snapshot_every - 1) / 2)
-            else:
-                tier = "s3"
-                redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
-            nbytes = layer_bytes(model, train, layer)
-            by_tier[tier] += nbytes
-            bw = bandwidths(cluster, node) | {"s3": a.s3_gb_s * 1e9}  # each node over its own link
-            t = nbytes / bw[tier]
-            first = t * WEIGHTS_SHARE if a.overlap and tier != "s3" else t  # S3 pieces come whole
-            w, m = per_node.get(node, (0.0, 0.0))
-            per_node[node] = (w + first, m + t - first)
+    for node, layer, tier, redo in layer_sources(old, new, gone, peer_of):
+        if redo == "snapshot":  # only a snapshot survived: back to the newest peer snapshot
+            redo_steps = max(redo_steps, 0.5 + (a.snapshot_every - 1) / 2)
+        elif redo == "s3":
+            redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
+        nbytes = layer_bytes(model, train, layer)
+        by_tier[tier] += nbytes
+        bw = bandwidths(cluster, node) | {"s3": a.s3_gb_s * 1e9}  # each node over its own link
+        t = nbytes / bw[tier]
+        first = t * WEIGHTS_SHARE if a.overlap and tier != "s3" else t  # S3 pieces come whole
+        w, m = per_node.get(node, (0.0, 0.0))
+        per_node[node] = (w + first, m + t - first)
     held = held_s(list(per_node.values()), overlap_window_s(new) if a.overlap else 0.0)
     return held, redo_steps * old.estimate.step_time_s, by_tier
 

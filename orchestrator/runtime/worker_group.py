@@ -27,11 +27,11 @@ from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
 from orchestrator.runtime.detect import gather
 from orchestrator.runtime.metrics import payload_bytes
+from planner import layout
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
 from planner.specs import tokens_per_step
-from workers import layout
 from workers.state import full_state
 
 log = logging.getLogger("hetspot.runner")

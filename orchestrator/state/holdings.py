@@ -4,7 +4,6 @@ Holdings and where to fetch each one out. No Ray, no boto3."""
 from __future__ import annotations
 
 from orchestrator.state.restore_plan import TIERS, Holding
-from workers import layout
 
 
 def keeper_holdings(inventory: dict[str, list[dict]], tiers=TIERS, step: int | None = None):
@@ -34,13 +33,3 @@ def s3_holdings(manifests: list[dict]):
                                         m["step"]))
                 sources[(piece["key"], m["step"])] = ("s3", piece)
     return holdings, sources, opt
-
-
-def rank_spans(plan) -> list[tuple[str, int, int]]:
-    """(node, first extended layer, end) per rank of `plan` (-1 the embedding, num_layers the head): what each
-    rank's peer copy holds, for restore_plan.peer_placement."""
-    spans = []
-    for r in layout.ranks(plan):
-        st = plan.pipelines[r.pipeline].stages[r.stage]
-        spans.append((r.node, st.layer_start - (st.layer_start == 0), st.layer_end + (st.layer_end == plan.num_layers)))
-    return spans

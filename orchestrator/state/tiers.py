@@ -29,11 +29,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.cluster.discovery import node_ids
 from orchestrator.control.drain import replicated_off
 from orchestrator.runtime.metrics import payload_bytes
-from orchestrator.state.holdings import keeper_holdings, rank_spans, s3_holdings
+from orchestrator.state.holdings import keeper_holdings, s3_holdings
 from orchestrator.state.keeper import Keeper
 from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
 from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
-from workers import layout
+from planner import layout
 
 log = logging.getLogger("hetspot.checkpoints")
 RPC_TIMEOUT_S = 60.0
@@ -164,7 +164,7 @@ class TieredState:
             return self._placed[3]
         if not candidates:
             return None
-        spans = rank_spans(group.plan)
+        spans = layout.rank_spans(group.plan)
         targets = peer_placement(spans, candidates, [b - a for _, a, b in spans])  # bytes ~ layers held
         self._keepers_on([n for n, _, _ in spans if n in ids], ids, wait=False)  # for a salvage, later
         self._placed = (group, (avoid, tuple(candidates)), targets, self._keepers_on(targets, ids))

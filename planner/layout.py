@@ -1,4 +1,5 @@
-"""Rank layout and process groups of a Plan, as pure functions (no torch, no Ray).
+"""A Plan's geometry in one place, as pure functions (no torch, no Ray): ranks, the layers each stage,
+rank and node holds, and the gradient groups.
 
 Ranks are numbered in plan order: pipeline, stage, TP rank. Gradient groups
 follow AutoHet's layer-wise sync across asymmetric replicas: intersect all
@@ -61,11 +62,33 @@ def stage_ranks(plan: Plan) -> list[list[list[int]]]:
 
 
 def extended_range(plan: Plan, pipeline: int, stage: int) -> tuple[int, int]:
+    """The extended layers [start, end) a stage holds: a pipeline's first stage also holds the embedding (-1), its
+    last the head (num_layers), whatever transformer layers they hold (an edge stage may hold none)."""
     p = plan.pipelines[pipeline]
     st = p.stages[stage]
     start = -1 if stage == 0 else st.layer_start
     end = plan.num_layers + 1 if stage == len(p.stages) - 1 else st.layer_end
     return start, end
+
+
+def stage_layers(plan: Plan):
+    """(node, range of extended layers) per stage of `plan`, in plan order."""
+    for r, pipe in enumerate(plan.pipelines):
+        for i, st in enumerate(pipe.stages):
+            yield st.node, range(*extended_range(plan, r, i))
+
+
+def held_by_node(plan: Plan | None) -> dict[str, set[int]]:
+    """Per node of `plan` (None: nothing), the extended layers its stages hold."""
+    held: dict[str, set[int]] = {}
+    for node, layers in stage_layers(plan) if plan is not None else ():
+        held.setdefault(node, set()).update(layers)
+    return held
+
+
+def rank_spans(plan: Plan) -> list[tuple[str, int, int]]:
+    """(node, first extended layer, end) per rank of `plan`: what each rank's state (and its peer copy) holds."""
+    return [(r.node, *extended_range(plan, r.pipeline, r.stage)) for r in ranks(plan)]
 
 
 def grad_groups(plan: Plan) -> list[GradGroup]:
