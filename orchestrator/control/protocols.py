@@ -3,7 +3,9 @@
 - `NodeSource`: which GPU nodes exist now (Ray: cluster/node_sources.py).
 - `WorkerGroup`: the workers of one Plan (Ray: worker_group.RayWorkerGroup).
 - `StatePlane`: snapshots after steps, salvage after a failure, restore into a new
-  group (Ray: state/tiers.TieredState; whole-state copies: state/snapshots.MemorySnapshots).
+  group (Ray: state/tiers.TieredState; whole-state copies: control/snapshots.MemorySnapshots).
+- `StateGroup` and `StateCalls`: every call TieredState makes of a worker group and of the keepers, with
+  in-process fakes (state/fakes.LocalGroup, state/calls.LocalCalls) for its unit tests.
 - `InterruptionSource`: spot notices and drains announced ahead of a node's loss.
 - `Clock`: time, so tests step through deadlines without sleeping.
 Pure: no Ray, no boto3, no torch.
@@ -30,6 +32,33 @@ class WorkerGroup(Protocol):
     def export_state(self) -> tuple[Any, float]: ...  # (canonical state, optimizer steps)
     def import_state(self, state: Any, optimizer_steps: float) -> None: ...
     def shutdown(self) -> None: ...
+
+
+class StateGroup(WorkerGroup, Protocol):
+    """Every call the tiered state plane (state/tiers.py) makes of a worker group, beyond `WorkerGroup`'s
+    (Ray: runtime/worker_group.RayWorkerGroup; in one process: state/fakes.LocalGroup). Calls that go to
+    keepers return answers to wait on (`StateCalls.get`)."""
+
+    plan: Any  # the Plan the workers run
+    holds_state: bool  # the workers hold the committed state (set by the state plane around restores)
+
+    def snapshot(self, step: int, keepers: list, pin: bool = False) -> list: ...  # per rank: its peer copy's answer
+    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]: ...  # live copies, per rank
+    def needs(self) -> list[list[dict]]: ...  # per rank: {"unit", "region", "nbytes"} it must hold
+    def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None,
+             overlap: bool = True) -> list[dict]: ...  # per rank: {"bytes": {tier: n}, ...} or {"error": ...}
+    def settle_restore(self, timeout_s: float = 60.0) -> None: ...  # an overlapped restore's moments are in
+
+
+class StateCalls(Protocol):
+    """How the state plane reaches keepers (Ray: state/calls.RayCalls; in one process: state/calls.LocalCalls)."""
+
+    lost: tuple  # exception types meaning a keeper or its node is gone
+
+    def start_keeper(self, node: str, node_id: str) -> Any: ...  # a handle: handle.method.remote(...) -> answer
+    def get(self, answers, timeout: float | None = None) -> Any: ...
+    def wait(self, answers: list, num_returns: int, timeout: float | None) -> tuple[list, list]: ...
+    def alive_nodes(self) -> dict[str, str]: ...  # node name -> its Ray node id
 
 
 class StatePlane(Protocol):

@@ -1,8 +1,11 @@
 """Training state outside the workers, in tiers (ARCHITECTURE.md, "State and where it lives").
 
-- `tiers.TieredState`: the controller's state plane on Ray (live, peer, S3); metadata only.
-- `keeper.Keeper`: one node's host memory for shards, and its S3 uploader.
-- `restore_plan`: the pure restore planner (and peer placement).
+- `tiers.TieredState`: the controller's state plane (live, peer, S3); metadata only. It reaches keepers
+  through `calls` (Ray's actors, or `calls.LocalCalls` in one process) and workers through the
+  `StateGroup` calls (control/protocols.py), so it runs in unit tests beside `fakes.LocalGroup`.
+- `keeper.KeeperStore` (`keeper.Keeper` as a Ray actor): one node's host memory for shards, its S3
+  uploader, and where bytes move from a keeper to a worker (`get_many`).
+- `restore_plan`: the pure restore planner (and peer placement); `holdings`: keepers' inventories and S3
+  manifests as its holdings.
 - `s3_store.S3Checkpoints`: the S3 format (safetensors per unit slice, manifest last).
-- `snapshots.MemorySnapshots`: whole-state copies, for the fakes and unit tests.
 """

@@ -39,8 +39,9 @@ def region_nbytes(shard: dict, region, keys: tuple[str, ...]) -> int:
     return sum(numel * shard[k].itemsize for k in keys if shard.get(k) is not None)
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
-class Keeper:
+class KeeperStore:
+    """One node's keeper, as a plain object (unit tests use it so); `Keeper` is the same as a Ray actor."""
+
     def __init__(self, node: str, keep_peer_steps: int = 2):
         import workers.state  # noqa: F401  (torch: imported now, not on a recovery's path)
 
@@ -178,3 +179,6 @@ class Keeper:
         finally:
             self.unpin(step)
         return out
+
+
+Keeper = ray.remote(num_cpus=0, max_concurrency=4)(KeeperStore)  # one per node, pinned there by tiers.py

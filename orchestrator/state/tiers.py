@@ -23,14 +23,10 @@ import logging
 import threading
 import time
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from orchestrator.cluster.discovery import node_ids
 from orchestrator.control.drain import replicated_off
 from orchestrator.runtime.metrics import payload_bytes
+from orchestrator.state.calls import RayCalls
 from orchestrator.state.holdings import keeper_holdings, s3_holdings
-from orchestrator.state.keeper import Keeper
 from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
 from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
 from planner import layout
@@ -42,15 +38,16 @@ RPC_TIMEOUT_S = 60.0
 class TieredState:
     def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, s3_every: int = 10, keep: int = 3,
                  meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True,
-                 model_units: dict[str, list[int]] | None = None):
+                 model_units: dict[str, list[int]] | None = None, calls=None):
         if s3 is not None and not model_units:
             raise ValueError("an S3 tier needs the model's units (model_units): a step is written only when whole")
+        self.calls = calls or RayCalls()  # how keepers are reached: Ray, or in one process (calls.LocalCalls)
         self.peer_every, self.s3, self.s3_every, self.keep = peer_every, s3, s3_every, keep
         self.meta, self.restore_from, self.overlap = meta or {}, restore_from, overlap
         self.model_units = dict(sorted((model_units or {}).items()))  # {unit: full shape}: the job's whole model
         self.bad_steps: set[int] = set()  # S3 steps a restore refused: their redo replaces them
         self._sourcing = False  # a restore's moments may still be pulled from the keepers (until the next step)
-        self.keepers: dict[str, ray.actor.ActorHandle] = {}
+        self.keepers: dict[str, object] = {}  # node -> its keeper's handle
         self.received_bytes = 0  # what the controller took in for state: metadata only
         self.uploads: list[dict] = []  # per S3 step: step, status (written, exists, failed, dropped), bytes, seconds, error
         self.last_restore: dict | None = None
@@ -60,25 +57,25 @@ class TieredState:
         self._uploader: threading.Thread | None = None
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
         self._placed: tuple | None = None  # (group, (avoided, alive nodes), target nodes, keeper handles)
-        self._starting: dict[str, ray.ObjectRef] = {}  # keepers started and not yet seen running
+        self._starting: dict[str, object] = {}  # keepers started and not yet seen running
         self.no_access: dict[str, str] = {}  # nodes whose keeper cannot write the bucket: what S3 answered
-        self._access: dict[str, ray.ObjectRef] = {}  # keepers' write checks not yet answered
+        self._access: dict[str, object] = {}  # keepers' write checks not yet answered
 
     def _alive_nodes(self) -> dict[str, str]:
-        return node_ids()
+        return self.calls.alive_nodes()
 
     def _keepers_on(self, nodes: list[str], ids: dict[str, str], wait: bool = True) -> list:
         """The keepers of `nodes` (alive, in `ids`), started together where missing; with `wait`, running before
         anyone sends them state. A keeper is a process (seconds to start): a group's first snapshot starts them."""
         for n in dict.fromkeys(nodes):
             if n not in self.keepers:
-                k = Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[n], soft=False)).remote(n)
+                k = self.calls.start_keeper(n, ids[n])
                 self.keepers[n], self._starting[n] = k, k.ping.remote()
                 if self.s3 is not None:  # checked as it starts, with its own node's credentials
                     self._access[n] = k.check_write.remote(self.s3.uri, self.s3.endpoint_url)
         if wait:
             pending = [self._starting.pop(n) for n in dict.fromkeys(nodes) if n in self._starting]
-            ray.get(pending, timeout=RPC_TIMEOUT_S)
+            self.calls.get(pending, timeout=RPC_TIMEOUT_S)
         return [self.keepers[n] for n in nodes]
 
     def _collect_access(self) -> None:
@@ -86,10 +83,10 @@ class TieredState:
         its keeper started (its uploads would fail), not found out at the first upload. Never blocks."""
         if not self._access:
             return
-        ready, _ = ray.wait(list(self._access.values()), num_returns=len(self._access), timeout=0)
+        ready, _ = self.calls.wait(list(self._access.values()), num_returns=len(self._access), timeout=0)
         for node in [n for n, ref in self._access.items() if ref in ready]:
             try:
-                err = ray.get(self._access.pop(node))
+                err = self.calls.get(self._access.pop(node))
             except Exception:  # noqa: BLE001 - a keeper on a lost node
                 continue
             if err is not None:
@@ -100,13 +97,13 @@ class TieredState:
     def _call_keepers(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, object]:
         """Call every keeper; those that do not answer (their node is gone) are forgotten."""
         refs = {node: getattr(k, method).remote(*args) for node, k in list(self.keepers.items())}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        ready, _ = self.calls.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         out = {}
         for node, ref in refs.items():
             try:
                 if ref not in ready:
                     raise TimeoutError(f"no answer in {timeout_s:.0f} s")
-                out[node] = ray.get(ref)
+                out[node] = self.calls.get(ref)
                 self.received_bytes += payload_bytes(out[node])
             except Exception as e:  # a keeper on a lost node: what it held is gone
                 log.info("keeper on %s is gone (%s); its state is not counted", node, type(e).__name__)
@@ -136,7 +133,7 @@ class TieredState:
     def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
         try:
             keepers = self._targets(group, frozenset(avoid))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:  # a keeper's node went while
+        except self.calls.lost as e:  # a keeper's node went while
             self._call_keepers("ping")  # this copy was placed: skip it (other tiers hold the step), forget the dead
             self._placed = None  # keepers, and place the next snapshot afresh
             log.warning("peer snapshot of step %d skipped: a keeper's node went (%s)", step, type(e).__name__)
@@ -148,7 +145,7 @@ class TieredState:
         refs = group.snapshot(step, keepers, pin=upload)
         self._check_receipts(step, refs)
         if wait:
-            receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
+            receipts = self.calls.get(refs, timeout=RPC_TIMEOUT_S)
             self.received_bytes += payload_bytes(receipts)
             if any(r is None for r in receipts):
                 log.warning("the drain snapshot of step %d is incomplete", step)
@@ -174,11 +171,11 @@ class TieredState:
         """Hold the newest snapshot's receipts; say so when an earlier snapshot did not complete."""
         done = [r for s, rs in self._receipts for r in rs]
         if done:
-            ready, _ = ray.wait(done, num_returns=len(done), timeout=0)
+            ready, _ = self.calls.wait(done, num_returns=len(done), timeout=0)
             for s, rs in self._receipts:
                 if all(r in ready for r in rs):
                     try:
-                        if any(x is None for x in ray.get(rs)):
+                        if any(x is None for x in self.calls.get(rs)):
                             log.warning("the peer snapshot of step %d is incomplete", s)
                     except Exception as e:  # a worker or keeper gone: that snapshot is incomplete
                         log.warning("the peer snapshot of step %d failed: %s", s, type(e).__name__)
@@ -234,7 +231,7 @@ class TieredState:
         t0 = time.perf_counter()
         c = self.s3
         try:
-            receipts = ray.get(refs, timeout=RPC_TIMEOUT_S)
+            receipts = self.calls.get(refs, timeout=RPC_TIMEOUT_S)
             self.received_bytes += payload_bytes(receipts)
             if any(r is None for r in receipts):
                 raise CheckpointError(f"the peer copies of step {step} are incomplete")
@@ -258,7 +255,7 @@ class TieredState:
                 tier, _, rank = t.source.holder.split(":")
                 by_node.setdefault(t.source.node, []).append((tier, int(rank), t.need.unit, t.region))
             futures = [self.keepers[n].upload.remote(step, pieces, c.uri, c.endpoint_url) for n, pieces in by_node.items()]
-            entries = [e for got in ray.get(futures, timeout=600) for e in got]
+            entries = [e for got in self.calls.get(futures, timeout=600) for e in got]
             self.received_bytes += payload_bytes(entries)
             pieces: dict[str, list] = {}
             for e in entries:

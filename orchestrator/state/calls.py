@@ -1,0 +1,114 @@
+"""How the state plane reaches keepers and waits on answers: `RayCalls` on a Ray cluster, `LocalCalls` in one
+process (the shipped fake: keepers are plain `KeeperStore` objects, every call is answered at once).
+
+`TieredState` (tiers.py) makes every remote call through one of these, so its logic (snapshots, the uploader,
+salvage, restore planning and refusal of a corrupt S3 step) runs in unit tests without a Ray cluster, beside
+`LocalGroup` (the worker side of the same calls over numpy shards). The model is torchft's
+`CheckpointTransport` with its in-process fakes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RayCalls:
+    """Keepers are Ray actors pinned to their node; answers are Ray object refs."""
+
+    def __init__(self):
+        import ray
+
+        self._ray = ray
+        self.lost = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)  # a keeper or its node gone
+
+    def start_keeper(self, node: str, node_id: str):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from orchestrator.state.keeper import Keeper
+
+        return Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(node)
+
+    def get(self, refs, timeout: float | None = None):
+        return self._ray.get(refs, timeout=timeout)
+
+    def wait(self, refs: list, num_returns: int, timeout: float | None):
+        return self._ray.wait(refs, num_returns=num_returns, timeout=timeout)
+
+    def alive_nodes(self) -> dict[str, str]:
+        from orchestrator.cluster.discovery import node_ids
+
+        return node_ids()
+
+
+class NodeGone(Exception):
+    """A call to a keeper (or worker) on a node that `LocalCalls.kill` took away."""
+
+
+class Answer:
+    """A call already answered: its value, or the exception it raised."""
+
+    def __init__(self, fn, *args, **kw):
+        try:
+            self.value, self.error = fn(*args, **kw), None
+        except Exception as e:  # noqa: BLE001 - raised again by `result`, as ray.get would
+            self.value, self.error = None, e
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class LocalHandle:
+    """`handle.method.remote(*args)` on a plain object, answered at once; every call fails once its node is gone."""
+
+    def __init__(self, obj: Any, node: str, calls: LocalCalls):
+        self._obj, self._node, self._calls = obj, node, calls
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._obj, name)
+        calls, node = self._calls, self._node
+
+        class _Method:
+            @staticmethod
+            def remote(*args, **kw) -> Answer:
+                if node in calls.dead:
+                    return Answer(_raise, NodeGone(f"node {node} is gone"))
+                return Answer(fn, *args, **kw)
+
+        return _Method
+
+
+def _raise(e: Exception):
+    raise e
+
+
+class LocalCalls:
+    """The in-process fake: nodes by name, keepers as `KeeperStore` objects; `kill(node)` takes a node away."""
+
+    lost = (NodeGone,)
+
+    def __init__(self, nodes: list[str]):
+        self.nodes, self.dead = list(nodes), set()
+        self.keepers: dict[str, Any] = {}  # node -> its KeeperStore, for tests to look into
+
+    def start_keeper(self, node: str, node_id: str) -> LocalHandle:
+        from orchestrator.state.keeper import KeeperStore
+
+        self.keepers[node] = KeeperStore(node)
+        return LocalHandle(self.keepers[node], node, self)
+
+    def handle(self, obj: Any, node: str) -> LocalHandle:
+        return LocalHandle(obj, node, self)
+
+    def get(self, refs, timeout: float | None = None):
+        return [r.result() for r in refs] if isinstance(refs, list) else refs.result()
+
+    def wait(self, refs: list, num_returns: int, timeout: float | None):
+        return list(refs), []
+
+    def alive_nodes(self) -> dict[str, str]:
+        return {n: n for n in self.nodes if n not in self.dead}
+
+    def kill(self, node: str) -> None:
+        self.dead.add(node)

@@ -1,0 +1,111 @@
+"""The tiered state plane (orchestrator/state/tiers.py) over the shipped fakes, without a Ray cluster: keepers
+as plain objects reached through `LocalCalls`, workers as `LocalGroup` over numpy shards, S3 on moto's server.
+Snapshots and the uploader write whole steps; after three of four nodes die, a restore takes each unit from the cheapest
+source left (survivors' live state, a peer snapshot on a survivor, else S3) and brings back exactly the
+committed step; a corrupt S3 piece makes it refuse that step and go back to the previous one."""
+
+import os
+
+import numpy as np
+import pytest
+
+from orchestrator.state.calls import LocalCalls
+from orchestrator.state.fakes import LocalGroup, model_units, unit_name, values
+from orchestrator.state.s3_store import S3Checkpoints
+from orchestrator.state.tiers import TieredState
+from planner import Pipeline, Plan, Stage
+from tests.moto_s3 import moto_s3
+
+pytestmark = pytest.mark.unit
+LAYERS = 4
+
+
+def plan(*stages: tuple[int, int, str]) -> Plan:
+    return Plan(model_name="m", num_layers=LAYERS, global_batch=8, pipelines=[Pipeline(
+        num_samples=8, micro_batch_size=1, num_micro_batches=8, stages=[
+            Stage(layer_start=a, layer_end=b, gpu_type="L4", node=n, devices=[f"{n}/0"]) for a, b, n in stages])])
+
+
+OLD = plan((0, 1, "a"), (1, 2, "b"), (2, 3, "c"), (3, 4, "d"))
+NEW = plan((0, 4, "a"))  # the survivor takes every layer
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    with moto_s3("tiers") as url:
+        yield url
+
+
+def trained(endpoint: str, prefix: str, steps: int = 4):
+    """Four nodes, one stage each; every step snapshotted to a peer keeper and uploaded whole to S3."""
+    calls = LocalCalls(["a", "b", "c", "d"])
+    s3 = S3Checkpoints(f"s3://tiers/{prefix}", endpoint)
+    store = TieredState(1, s3, s3_every=1, keep=3, meta={"job": prefix}, model_units=model_units(LAYERS), calls=calls)
+    group = LocalGroup(OLD, calls)
+    for step in range(steps):
+        group.commit(step)
+        assert store.after_step(group, step)
+        store.flush()  # each upload done before the next step (the one-slot coalescing is tested on Ray)
+    return calls, s3, store, group
+
+
+def expected_sources(calls: LocalCalls, step: int) -> dict[str, str]:
+    """Per unit of the new plan, the cheapest tier a survivor's keeper holds it in at `step`, else S3."""
+    best: dict[str, str] = {}
+    for node, k in calls.keepers.items():
+        if node in calls.dead:
+            continue
+        for row in k.inventory():
+            if row["step"] == step and (row["tier"] == "live" or best.get(row["unit"]) != "live"):
+                best[row["unit"]] = row["tier"]
+    return {unit_name(x): best.get(unit_name(x), "s3") for x in range(-1, LAYERS + 1)}
+
+
+def assert_holds(group: LocalGroup, step: int) -> None:
+    for shards in group.shards:
+        for unit, s in shards.items():
+            for k, v in values(step, unit).items():
+                assert np.array_equal(s[k], v), (unit, k, step)
+
+
+def test_snapshots_and_uploads_write_whole_steps_and_keep_the_newest(endpoint):
+    _, s3, store, _ = trained(endpoint, "whole")
+    assert sorted(s3.complete_steps()) == [1, 2, 3]
+    assert [u["status"] for u in store.uploads] == ["written"] * 4
+    assert store.upload_lag(3) == {"newest_step": 3, "lag_steps": 0, "backlog": 0, "dropped": 0, "failed": 0,
+                                   "no_access": []}
+
+
+def test_a_restore_mixes_live_peer_and_s3_sources_and_brings_back_the_committed_step(endpoint):
+    calls, _, store, group = trained(endpoint, "mix")
+    for n in "bcd":  # peer copies went a <-> b and c <-> d: a keeps its own state and b's copy
+        calls.kill(n)
+    store.salvage(group)  # a hands its committed state to its own keeper
+    want = expected_sources(calls, 3)
+    assert set(want.values()) == {"live", "peer", "s3"}, want  # the case this test is for
+    new = LocalGroup(NEW, calls)
+    r = store.restore(new)
+    assert r["step"] == 3 and r["refused_steps"] == []
+    assert r["s3_units"] == sorted(u for u, t in want.items() if t == "s3")
+    assert {t for t, n in r["bytes_by_tier"].items() if n} == {"live", "peer", "s3"}
+    assert_holds(new, 3)
+
+
+def test_a_corrupt_s3_piece_is_refused_and_the_previous_step_restores(endpoint, caplog):
+    calls, s3, store, group = trained(endpoint, "corrupt")
+    for n in "bcd":
+        calls.kill(n)
+    store.salvage(group)
+    want = expected_sources(calls, 3)
+    lost = sorted(u for u, t in want.items() if t == "s3")
+    manifest = s3.whole_manifest(3)
+    key = manifest["units"][lost[0]]["pieces"][0]["key"]
+    s3.client.put_object(Bucket="tiers", Key=key, Body=b"bytes that are not the piece")
+    new = LocalGroup(NEW, calls)
+    r = store.restore(new)
+    assert r["refused_steps"] == [3] and r["step"] == 2 and 3 in store.bad_steps
+    assert any("refusing checkpoint step 3" in m for m in caplog.messages)
+    assert_holds(new, 2)
