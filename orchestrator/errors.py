@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 
 class HetspotError(Exception):
     exit_code = 1
@@ -19,17 +21,31 @@ class JobFailed(HetspotError):
     exit_code = 1
 
 
-class WorkerFailure(JobFailed):
-    """A worker or its node failed. The one error type from a worker fault to the controller.
+class FailureKind(str, enum.Enum):
+    """What a worker failure was; the failure policy (control/failure.py) reads it."""
 
-    `where` names the phase and the rank (pipeline, stage, GPU type, node); `kind` is
-    a `control.failure.FailureKind` value that the controller's policy reads; `nodes`: the
-    plan's nodes found gone from the cluster when it was raised.
+    NODE_LOST = "node lost"
+    ACTOR_DIED = "actor died"
+    TIMEOUT = "timeout"
+    COLLECTIVE = "collective error"  # a peer vanished under a collective (gloo/NCCL connection errors)
+    DETERMINISTIC = "error"  # the worker's own exception: re-running would raise it again
+
+    def __str__(self) -> str:  # in logs and events, the words
+        return self.value
+
+
+class WorkerFailure(HetspotError):
+    """A worker or its node failed. The one error type from a worker fault to the controller (not the user's:
+    the controller re-plans, or ends the job with `JobFailed` naming it).
+
+    `where` names the phase and the rank (pipeline, stage, GPU type, node); `kind` is a `FailureKind`; `nodes`:
+    the plan's nodes found gone from the cluster when it was raised.
     """
 
-    def __init__(self, where: str, cause: str, kind: str = "error", nodes: list[str] | tuple = ()):
+    def __init__(self, where: str, cause: str, kind: FailureKind | str = FailureKind.DETERMINISTIC,
+                 nodes: list[str] | tuple = ()):
         super().__init__(f"{where}: {cause}")
-        self.where, self.cause, self.kind, self.nodes = where, cause, kind, list(nodes)
+        self.where, self.cause, self.kind, self.nodes = where, cause, FailureKind(kind), list(nodes)
 
 
 class ControllerLost(HetspotError):

@@ -7,6 +7,7 @@ message names the file, the field and the fix.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -84,8 +85,8 @@ class RuntimeSpec(_Section):
     )
     step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
     collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")
-    snapshot_every: int = Field(default=5, ge=1, description="copy every worker's state to a peer keeper every k "
-                                "committed steps (checkpoint.peer_every overrides it)")
+    snapshot_every: int = Field(default=5, ge=1, description="copy every worker's committed state to a keeper on "
+                                "another node every k steps (the peer tier)")
     scale_check_every: int = Field(default=10, ge=0, description="every k steps, look for nodes that joined and move "
                                    "onto a plan that uses them when that pays for the migration (0: never)")
     max_restarts: int = Field(default=100, ge=0, description="re-plans after failures before the job gives up (a "
@@ -109,11 +110,9 @@ class CheckpointSpec(_Section):
 
     uri: str = Field(description="s3://BUCKET/PREFIX: one folder per job; steps go under it")
     endpoint_url: str | None = Field(default=None, description="S3 endpoint; default AWS_ENDPOINT_URL, else AWS")
-    s3_every: int = Field(default=10, ge=1, description="upload the snapshot of every k-th committed step "
-                                                          "(of those runtime.snapshot_every keeps)")
+    s3_every: int = Field(default=50, ge=1, description="upload the committed state to S3 every k steps, from "
+                          "the keepers (a multiple of runtime.snapshot_every: uploads come from the peer snapshots)")
     keep: int = Field(default=3, ge=1, description="complete steps kept; older ones are deleted after a newer one exists")
-    peer_every: int | None = Field(default=None, ge=1, description="copy every worker's state to a keeper on another "
-                                   "node every k committed steps; default runtime.snapshot_every")
     restore_from: Literal["nearest", "s3"] = Field(default="nearest", description="nearest: survivors, then peer "
                                                    "memory, then S3; s3: S3 only (for comparison)")
     resume: Literal["auto", "never"] = Field(default="auto", description="auto: a job run through Ray Jobs "
@@ -219,6 +218,32 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec | None = Field(default=None, description="S3 checkpoints; none: snapshots in memory only")
     fleet: FleetSpec | None = Field(default=None, description="GPUs to ask Ray's autoscaler for (--address jobs)")
     steps: int = Field(default=10, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data):
+        """Spellings of the previous release, accepted for this one with a FutureWarning saying what to write."""
+        ckpt = data.get("checkpoint") if isinstance(data, dict) else None
+        if isinstance(ckpt, dict) and "peer_every" in ckpt:
+            runtime = data.get("runtime") if isinstance(data.get("runtime"), dict) else {}
+            every = ckpt["peer_every"]
+            if "snapshot_every" in runtime and runtime["snapshot_every"] != every:
+                raise ValueError("checkpoint.peer_every is the old name of runtime.snapshot_every, and the two differ; "
+                                 "keep runtime.snapshot_every only")
+            warnings.warn(f"checkpoint.peer_every is now runtime.snapshot_every; write `runtime: {{snapshot_every: "
+                          f"{every}}}` (the old name goes in the next release)", FutureWarning, stacklevel=2)
+            data = data | {"checkpoint": {k: v for k, v in ckpt.items() if k != "peer_every"},
+                           "runtime": runtime | {"snapshot_every": every}}
+        return data
+
+    @model_validator(mode="after")
+    def _s3_on_snapshots(self) -> JobSpec:
+        c, every = self.checkpoint, self.runtime.snapshot_every
+        if c is not None and c.s3_every % every:
+            raise ValueError(f"checkpoint.s3_every ({c.s3_every}) counts steps and must be a multiple of "
+                             f"runtime.snapshot_every ({every}): uploads come from the peer snapshots; use "
+                             f"{max(every, c.s3_every // every * every)} or change snapshot_every")
+        return self
 
     @property
     def model_spec(self) -> ModelSpec:

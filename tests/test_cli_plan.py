@@ -98,3 +98,24 @@ def test_mixed_cluster_plan_is_never_cut_when_piped_or_narrow(columns):
     assert "opt→host" in r.stdout or "rc " in r.stdout or "none" in r.stdout
     if "[1]" in r.stdout:  # a reason cited in a cell is printed once below the table
         assert "\n[1] " in r.stdout
+
+
+def test_one_name_per_knob_the_old_spelling_is_read_with_a_warning(tmp_path):
+    """checkpoint.peer_every, the previous release's name of runtime.snapshot_every, is read for one release with
+    a FutureWarning naming the new spelling; both given and different is refused (exit 2, naming both)."""
+    from orchestrator.job_spec import parse_job
+
+    old = {**JOB, "checkpoint": {"uri": "s3://bucket/j", "peer_every": 2, "s3_every": 4}}
+    with pytest.warns(FutureWarning, match="runtime: {snapshot_every: 2}"):
+        job = parse_job(old)
+    assert job.runtime.snapshot_every == 2 and job.checkpoint.s3_every == 4
+    both = {**old, "runtime": {"snapshot_every": 3}}
+    res = runner.invoke(app, ["plan", _write(tmp_path, both)])
+    assert res.exit_code == 2 and "checkpoint.peer_every is the old name of runtime.snapshot_every" in res.output
+
+
+def test_s3_every_counts_steps_and_must_fall_on_snapshots(tmp_path):
+    bad = {**JOB, "runtime": {"snapshot_every": 5}, "checkpoint": {"uri": "s3://bucket/j", "s3_every": 12}}
+    res = runner.invoke(app, ["plan", _write(tmp_path, bad)])
+    assert res.exit_code == 2 and "checkpoint.s3_every (12) counts steps" in res.output and "use 10" in res.output
+    assert "Traceback" not in res.output

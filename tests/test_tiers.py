@@ -109,3 +109,20 @@ def test_a_corrupt_s3_piece_is_refused_and_the_previous_step_restores(endpoint, 
     assert r["refused_steps"] == [3] and r["step"] == 2 and 3 in store.bad_steps
     assert any("refusing checkpoint step 3" in m for m in caplog.messages)
     assert_holds(new, 2)
+
+
+def test_s3_every_counts_steps_on_the_snapshot_steps(endpoint):
+    """Snapshots every 2 steps and S3 every 4: peer copies at steps 1, 3, 5, 7, uploads at steps 3 and 7."""
+    calls = LocalCalls(["a", "b", "c", "d"])
+    s3 = S3Checkpoints("s3://tiers/every", endpoint)
+    store = TieredState(2, s3, s3_every=4, keep=5, meta={"job": "every"}, model_units=model_units(LAYERS), calls=calls)
+    group = LocalGroup(OLD, calls)
+    taken = []
+    for step in range(8):
+        group.commit(step)
+        taken.append(store.after_step(group, step))
+        store.flush()
+    assert [s for s, t in enumerate(taken) if t] == [1, 3, 5, 7]
+    assert sorted(s3.complete_steps()) == [3, 7]
+    with pytest.raises(ValueError, match="multiple of peer_every"):
+        TieredState(2, s3, s3_every=5, model_units=model_units(LAYERS), calls=calls)

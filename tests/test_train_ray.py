@@ -15,7 +15,7 @@ import ray
 import torch
 
 from orchestrator.cluster.embedded import EmbeddedCluster
-from orchestrator.errors import JobFailed
+from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec, parse_job
 from orchestrator.runtime.worker_group import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
@@ -179,7 +179,7 @@ def test_worker_error_names_rank_and_stage(cluster):
     try:
         run.start()
         ray.get(run.workers[1].inject_fault.remote(1, "raise"))
-        with pytest.raises(JobFailed, match=r"rank 1 \(pipeline 0, stage 1.*L4 on b\).*step 1.*injected fault"):
+        with pytest.raises(WorkerFailure, match=r"rank 1 \(pipeline 0, stage 1.*L4 on b\).*step 1.*injected fault"):
             run.run(3)
     finally:
         run.shutdown()
@@ -194,7 +194,7 @@ def test_killed_actor_ends_job_quickly(cluster):
         killer = threading.Timer(2.0, lambda: ray.kill(run.workers[1]))
         t0 = time.monotonic()
         killer.start()
-        with pytest.raises(JobFailed, match=r"rank 1 .* died"):
+        with pytest.raises(WorkerFailure, match=r"rank 1 .* died"):
             run.run(3)
         assert time.monotonic() - t0 < 30
     finally:
@@ -274,7 +274,7 @@ def test_node_lost_mid_training_replans_and_matches_uninterrupted_run(cluster):
 
 def test_plan_breaking_the_tp_contract_is_refused_before_actors(cluster):
     bad = mk([P(4, 4, [S(0, 4, "a", ["a/0"])]), P(4, 4, [S(0, 4, "a", ["a/1", "a/2"])])])
-    with pytest.raises(JobFailed, match="layer 0 has TP degree 2 in pipeline 1 but 1 elsewhere"):
+    with pytest.raises(WorkerFailure, match="layer 0 has TP degree 2 in pipeline 1 but 1 elsewhere"):
         PlanRun(job(8), bad).start()
 
 

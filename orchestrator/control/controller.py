@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.control.drain import drain_copy_s, notice_decision
-from orchestrator.control.failure import Abort, Replan, failure_policy
+from orchestrator.control.failure import Replan, failure_policy
 from orchestrator.control.protocols import (
     Clock,
     InterruptionSource,
@@ -47,8 +47,20 @@ from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
-State = enum.Enum("State", {s.upper(): s for s in (
-    "waiting", "discovering", "planning", "launching", "training", "recovering", "draining", "done", "failed")})
+
+
+class State(enum.Enum):
+    """The controller's states, each one handler (`Controller._handlers`)."""
+
+    WAITING = "waiting"  # a fleet's demand stands on the autoscaler until every type's minimum is up
+    DISCOVERING = "discovering"  # asks the node source which GPU nodes exist now (less the doomed ones)
+    PLANNING = "planning"  # the planner's plan for them (after a loss: the top candidates, weighed with migration)
+    LAUNCHING = "launching"  # the plan's workers start; the state plane restores the newest step it holds
+    TRAINING = "training"  # one committed step per call; snapshots after steps; notices and joins looked at
+    RECOVERING = "recovering"  # a failure the policy re-plans: survivors keep their state, their group goes
+    DRAINING = "draining"  # a notice leaves time: the committed step is kept off the doomed nodes, then re-plan
+    DONE = "done"  # every step committed, the last upload in S3, the fleet's demand withdrawn
+    FAILED = "failed"  # the policy aborted (deterministic error, restarts spent) or no plan fits; `error` says why
 
 
 @dataclass
@@ -71,7 +83,7 @@ class Controller:
                  make_group: Callable[[Plan], WorkerGroup], *, store: StatePlane | None = None,
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
-                 max_restarts: int = 3, snapshot_every: int = 1, drain_margin_s: float = 1.0,
+                 max_restarts: int = 100, snapshot_every: int = 1, drain_margin_s: float = 1.0,
                  on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0,
                  capacity=None, sleep: Callable[[float], None] | None = None):
         self.model, self.train, self.steps = model, train, steps
@@ -88,6 +100,7 @@ class Controller:
         self.sleep = sleep or time.sleep
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
+        self._failure: tuple | None = None  # (the WorkerFailure being recovered from, when it was detected)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
         self._launch_s = 5.0  # the last launch's start-up (placing workers, process group), for migration costs
@@ -293,7 +306,18 @@ class Controller:
         self.progress.drains += 1
         return State.DISCOVERING
 
-    def _recover(self) -> State:  # the next launch restores the newest step the tiers hold, rolls progress to it
+    def _recover(self) -> State:
+        """After a failure the policy re-plans: survivors keep their committed state (tier "live") and their group
+        goes; the next launch, on a new plan, restores the newest step the tiers hold and rolls progress to it."""
+        failure, detected_s = self._failure
+        if self.group is not None:
+            self._salvage()
+            self.group.shutdown()
+        self._event("re-plan", str(failure), detected_s=detected_s, failure=failure.kind, nodes=failure.nodes)
+        if self.user_plan:
+            log.warning("replacing the plan given with --plan by a planner plan on the surviving GPUs "
+                        "(--replan-on-loss)")
+            self.user_plan = False
         return State.DISCOVERING
 
     def _roll_to(self, step: int) -> None:  # progress goes on after `step`: later steps are redone, none skipped
@@ -310,19 +334,13 @@ class Controller:
         decision = failure_policy(failure, self.progress.restarts, self.max_restarts, self.user_plan,
                                   self.replan_user_plan)
         log.warning("worker failure (%s): %s -> %s", failure.kind, failure, type(decision).__name__)
-        if self.group is not None:
-            if isinstance(decision, Replan):
-                self._salvage()
-            self.group.shutdown()
         if isinstance(decision, Replan):
             self.progress.restarts += 1
-            self._event("re-plan", str(failure), detected_s=detected_s, failure=failure.kind, nodes=failure.nodes)
-            if self.user_plan:
-                log.warning("replacing the plan given with --plan by a planner plan on the surviving GPUs "
-                            "(--replan-on-loss)")
-                self.user_plan = False
+            self._failure = (failure, detected_s)
             return State.RECOVERING
-        return self._fail(decision.reason if isinstance(decision, Abort) else str(failure))
+        if self.group is not None:
+            self.group.shutdown()
+        return self._fail(decision.reason)
 
     def _salvage(self) -> None:  # survivors keep their committed state (tier "live") before their group goes
         try:

@@ -8,6 +8,7 @@ drain when it fits, else falls back to recovery when the node goes. Pure.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from orchestrator.control.migration import bandwidths, node_bytes
 from planner import ClusterSpec, Plan
@@ -15,9 +16,15 @@ from planner.layout import stage_layers
 from planner.specs import ModelSpec, TrainSpec
 
 
+class NoticeDecision(NamedTuple):
+    drain: bool  # drain now (the copy fits before the deadline); False: train on, recover when the node goes
+    notices: list  # the notices on the plan's nodes
+    left_s: float  # seconds to the nearest of their deadlines
+
+
 def notice_decision(notices: list, used: set[str], now: float, margin_s: float,
-                    copy_s: Callable[[set[str]], float]) -> tuple[bool, list, float] | None:
-    """None when no notice concerns the plan's nodes; else (drain?, those notices, seconds left).
+                    copy_s: Callable[[set[str]], float]) -> NoticeDecision | None:
+    """None when no notice concerns the plan's nodes; else the decision, with those notices and the time left.
 
     The controller looks at notices at step boundaries, so a drain starts with the step
     in flight already committed and needs only to keep that step off the doomed nodes:
@@ -31,7 +38,7 @@ def notice_decision(notices: list, used: set[str], now: float, margin_s: float,
     if not mine:
         return None
     left = min(n.deadline_s for n in mine) - now
-    return left >= margin_s + copy_s({n.node for n in mine}), mine, left
+    return NoticeDecision(left >= margin_s + copy_s({n.node for n in mine}), mine, left)
 
 
 def replicated_off(p: Plan, doomed: set[str]) -> bool:

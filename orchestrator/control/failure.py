@@ -9,19 +9,9 @@ same: a failure policy returns a decision, the controller applies it and logs th
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from orchestrator.errors import WorkerFailure
-
-
-class FailureKind(str, enum.Enum):
-    NODE_LOST = "node lost"
-    ACTOR_DIED = "actor died"
-    TIMEOUT = "timeout"
-    COLLECTIVE = "collective error"  # a peer vanished under a collective (gloo/NCCL connection errors)
-    DETERMINISTIC = "error"  # the worker's own exception: re-running would raise it again
-
+from orchestrator.errors import FailureKind, WorkerFailure  # noqa: F401 - FailureKind is read from here too
 
 TRANSIENT = frozenset({FailureKind.NODE_LOST, FailureKind.ACTOR_DIED, FailureKind.TIMEOUT, FailureKind.COLLECTIVE})
 
@@ -52,13 +42,8 @@ def classify_error(exc_type: str, message: str) -> FailureKind:
     return FailureKind.DETERMINISTIC
 
 
-def is_transient(kind: str) -> bool:
+def is_transient(kind: FailureKind | str) -> bool:
     return FailureKind(kind) in TRANSIENT
-
-
-@dataclass(frozen=True)
-class Continue:
-    pass
 
 
 @dataclass(frozen=True)
@@ -71,7 +56,7 @@ class Abort:
     reason: str
 
 
-Decision = Continue | Replan | Abort
+Decision = Replan | Abort
 
 
 def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int,

@@ -128,6 +128,7 @@ class Candidate:
     migration_bytes: dict[str, int]  # by tier ("live", "peer", "s3"): what the slowest node pulls (nodes pull at once)
     startup_s: float  # placing workers and joining their process group (0 for the plan running now)
     restore_s: float | None = None  # how long the pull holds training, where known (migration.held_s: the moments
+    plan: object = None  # the Plan itself (None for the running one): a decision carries it, not its name
 
 
 def migration_cost_s(c: Candidate, bandwidth: dict[str, float]) -> float:

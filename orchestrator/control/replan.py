@@ -34,10 +34,11 @@ TOP_K = 4  # candidate plans weighed per re-plan
 
 @dataclass(frozen=True)
 class ScaleDecision:
-    chosen: str
+    chosen: str  # the chosen candidate's name, for the event
     move: bool
     reason: str
     finish_s: dict[str, float]  # per candidate: migration plus the remaining steps, predicted
+    plan: object = None  # the chosen Plan (None: stay on the running one)
 
 
 def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: float,
@@ -62,7 +63,7 @@ def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: f
                              f"below its migration cost {migration_cost_s(c, bandwidth):.1f} s", finish)
     return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s (migration "
                          f"{finish[best] - tokens_left / next(c for c in candidates if c.name == best).tokens_per_s:.1f} s "
-                         f"included) against {stay:.1f} s on the running plan", finish)
+                         f"included) against {stay:.1f} s on the running plan", finish, _plan_of(candidates, best))
 
 
 def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: dict[str, float]) -> ScaleDecision:
@@ -77,7 +78,12 @@ def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: di
     fastest = max(candidates, key=lambda c: c.tokens_per_s).name
     why = "also the fastest" if best == fastest else (
         f"{fastest} is faster but finishes at {finish[fastest]:.1f} s with its migration")
-    return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s, migration included ({why})", finish)
+    return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s, migration included ({why})", finish,
+                         _plan_of(candidates, best))
+
+
+def _plan_of(candidates: list[Candidate], name: str):
+    return next(c.plan for c in candidates if c.name == name)
 
 
 def joined_nodes(known: set[str] | None, cluster: ClusterSpec) -> tuple[set[str], str]:
@@ -148,7 +154,7 @@ def renamed(p: Plan, rename: dict[str, str]) -> Plan:
 def _candidates(plans: list[Plan], old: Plan | None, model: ModelSpec, train: TrainSpec,
                 startup_s: float, bw: dict[str, float]) -> list[Candidate]:
     return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s, slowest_pull(old, p, model, train, bw), startup_s,
-                      pull_held_s(old, p, model, train, bw)) for i, p in enumerate(plans)]
+                      pull_held_s(old, p, model, train, bw), p) for i, p in enumerate(plans)]
 
 
 def _numbers(d: ScaleDecision, cands: list[Candidate], steps_left: int) -> dict:
@@ -167,7 +173,7 @@ def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None,
     cands = _candidates(plans, old, model, train, startup_s, bw)
     d = replan_policy(cands, steps_left * tokens_per_step(model, train.global_batch), bw)
     log.info("re-plan: %s", d.reason)
-    return plans[[c.name for c in cands].index(d.chosen)], {"choice": d.reason} | _numbers(d, cands, steps_left)
+    return d.plan, {"choice": d.reason} | _numbers(d, cands, steps_left)
 
 
 def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, cluster: ClusterSpec,
@@ -192,6 +198,6 @@ def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, 
     left = steps_left * tokens_per_step(model, train.global_batch)
     stay = Candidate("running", now * scale, {}, 0.0)
     d = scale_policy(stay, cands, left, bw)
-    chosen = plans[[c.name for c in cands].index(d.chosen)] if d.move else running
+    chosen = d.plan if d.move else running
     extra = {"calibration": round(scale, 6)} if scale != 1.0 else {}
     return chosen, d, _numbers(d, [stay, *cands], steps_left) | extra

@@ -29,7 +29,7 @@ class Assumptions:
     detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
     startup_s: float = 4.3  # bench/recovery.py: detection to restored minus the restore itself, median
     snapshot_every: int = 1  # peer snapshots every k steps (runtime.snapshot_every)
-    s3_every: int = 10  # of those, every k-th goes to S3 (checkpoint.s3_every)
+    s3_every: int = 10  # S3 uploads every k steps, a multiple of snapshot_every (checkpoint.s3_every)
     ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
     s3_gb_s: float = 1.0  # per node, S3 read and write
     overlap: bool = True  # restores bring AdamW's moments beside the first step (workers/actor.py load_state)
@@ -64,7 +64,7 @@ def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, mod
         if redo == "snapshot":  # only a snapshot survived: back to the newest peer snapshot
             redo_steps = max(redo_steps, 0.5 + (a.snapshot_every - 1) / 2)
         elif redo == "s3":
-            redo_steps = max(redo_steps, 0.5 + a.snapshot_every * a.s3_every / 2)
+            redo_steps = max(redo_steps, 0.5 + a.s3_every / 2)
         nbytes = layer_bytes(model, train, layer)
         by_tier[tier] += nbytes
         bw = bandwidths(cluster, node) | {"s3": a.s3_gb_s * 1e9}  # each node over its own link

@@ -42,7 +42,7 @@ def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int],
         except RayActorError as e:
             if "creation task" in str(e):  # the worker's constructor raised: any plan would too
                 raise WorkerFailure(f"{what} failed", f"{describe(index[f])} could not start: "
-                                    f"{creation_error(e)}", FailureKind.DETERMINISTIC.value) from None
+                                    f"{creation_error(e)}", FailureKind.DETERMINISTIC) from None
             raise failure(f"{what} failed", f"{describe(index[f])} died ({type(e).__name__})",
                           FailureKind.ACTOR_DIED, plan_nodes) from None
     return results
@@ -53,9 +53,9 @@ def failure(where: str, cause: str, kind: FailureKind, plan_nodes: list[str]) ->
     from orchestrator.cluster.discovery import node_ids
 
     if kind == FailureKind.DETERMINISTIC:
-        return WorkerFailure(where, cause, kind.value)
+        return WorkerFailure(where, cause, kind)
     gone = sorted(set(plan_nodes) - set(node_ids()))
-    return WorkerFailure(where, cause, (FailureKind.NODE_LOST if gone else kind).value, gone)
+    return WorkerFailure(where, cause, FailureKind.NODE_LOST if gone else kind, gone)
 
 
 def creation_error(e: Exception) -> str:

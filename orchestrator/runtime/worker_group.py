@@ -73,14 +73,14 @@ class PlanRun:
             check_runtime_plan(self.plan, self.job.model_spec)
         except PlanContractError as e:
             raise WorkerFailure("start-up", f"refusing to start a plan that breaks the plan contract: {e}",
-                                FailureKind.DETERMINISTIC.value) from None
+                                FailureKind.DETERMINISTIC) from None
         from orchestrator.cluster.discovery import node_ids
 
         ids = node_ids()
         missing = sorted(set(self.plan.nodes()) - set(ids))
         if missing:
             raise WorkerFailure("start-up", f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
-                            f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST.value)
+                            f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST)
         declared = {n.gpu_type for n in self.job.cluster.nodes} if self.job.cluster else set()
         slow = slowdowns(self.plan, self.job.runtime.emulate_speed, declared)
         model_json, train_json = self.job.model_spec.model_dump_json(), self.job.train.model_dump_json()
@@ -114,11 +114,11 @@ class PlanRun:
             gone = sorted(used - set(node_ids())) if pending else []
             if gone:
                 raise WorkerFailure("start-up", f"node(s) {', '.join(gone)} went while the plan's workers were "
-                                    "being placed", FailureKind.NODE_LOST.value, nodes=gone)
+                                    "being placed", FailureKind.NODE_LOST, nodes=gone)
             if pending and time.monotonic() > until:
                 raise WorkerFailure("start-up", f"could not place the plan's {len(self.workers)} workers within "
                                     f"{timeout_s:.0f} s; are the plan's nodes and GPUs in the cluster?",
-                                    FailureKind.TIMEOUT.value)
+                                    FailureKind.TIMEOUT)
 
     def run(self, steps: int, first_step: int = 0,
             on_step: Callable[[int, float, float], None] | None = None) -> TrainResult:

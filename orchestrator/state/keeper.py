@@ -3,7 +3,7 @@
 One keeper actor runs on every node of the job (orchestrator/state/tiers.py
 starts them, pinned to their node). Workers hand it their shards, by
 (tier, step, rank of the plan that wrote them):
-  - "peer": every `checkpoint.peer_every` steps each worker copies its committed
+  - "peer": every `runtime.snapshot_every` steps each worker copies its committed
     shards to the keeper of *another* node (Gemini, SOSP'23: checkpoints in
     peers' CPU memory), so one node's loss never takes a unit's live copies and
     its snapshot together when another placement exists;

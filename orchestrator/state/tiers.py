@@ -1,9 +1,9 @@
 """`TieredState`: the controller's state plane on Ray. It moves metadata only.
 
 Three tiers hold the committed training state (ARCHITECTURE.md, "State and where it lives"): 1. live: survivors'
-shards, handed to their own node's keeper after a failure (`salvage`); 2. peer: every `peer_every` steps each worker
+shards, handed to their own node's keeper after a failure (`salvage`); 2. peer: every `peer_every` steps (the job's `runtime.snapshot_every`) each worker
 copies its shards to a keeper on another node (`after_step`; placement by `restore_plan.peer_placement`, again when
-nodes join or go); 3. S3: every `s3_every`-th snapshot, the keepers upload one object per unit slice (a cover chosen
+nodes join or go); 3. S3: every `s3_every` steps (a multiple of `peer_every`), the keepers upload one object per unit slice (a cover chosen
 by the restore planner, so replicas are not uploaded twice), then the controller writes the manifest, last and once.
 The cover is of the job's whole model (`model_units`), not of whatever the keepers still answer for: when a node's
 loss took every copy of some unit, that step is not written (a step that exists is whole). One uploader thread
@@ -39,6 +39,8 @@ class TieredState:
     def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, s3_every: int = 10, keep: int = 3,
                  meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True,
                  model_units: dict[str, list[int]] | None = None, calls=None):
+        if s3_every % peer_every:
+            raise ValueError(f"s3_every ({s3_every} steps) must be a multiple of peer_every ({peer_every})")
         if s3 is not None and not model_units:
             raise ValueError("an S3 tier needs the model's units (model_units): a step is written only when whole")
         self.calls = calls or RayCalls()  # how keepers are reached: Ray, or in one process (calls.LocalCalls)
@@ -141,7 +143,7 @@ class TieredState:
         if keepers is None:
             log.warning("no node outside %s to keep a snapshot of step %d on", sorted(avoid), step)
             return
-        upload = self.s3 is not None and (step + 1) % (self.s3_every * self.peer_every) == 0
+        upload = self.s3 is not None and (step + 1) % self.s3_every == 0
         refs = group.snapshot(step, keepers, pin=upload)
         self._check_receipts(step, refs)
         if wait:
