@@ -1,10 +1,21 @@
 """moto's threaded S3 server on 127.0.0.1, reached by boto3 over HTTP, for the tests that need S3."""
 
 import contextlib
+import os
 
 import boto3
 
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+# The same as environment variables, for hetspot's processes (the nodes' keepers and workers take credentials
+# from their environment, as nodes with an instance role would; moto accepts any).
+TEST_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def use_test_credentials() -> None:
+    """Put TEST_ENV in this process's environment where nothing is set (Ray nodes started later inherit it)."""
+    for k, v in TEST_ENV.items():
+        os.environ.setdefault(k, v)
 
 
 @contextlib.contextmanager

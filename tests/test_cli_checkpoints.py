@@ -12,12 +12,11 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.main import app
 from orchestrator.state.s3_store import S3Checkpoints
-from tests.moto_s3 import moto_s3
+from tests.moto_s3 import TEST_ENV, moto_s3
 
 pytestmark = pytest.mark.unit
 runner = CliRunner()
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-         "AWS_EC2_METADATA_DISABLED": "true"}
+CREDS = TEST_ENV
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from tests.moto_s3 import CREDS, moto_s3
+from tests.moto_s3 import CREDS, TEST_ENV, moto_s3
 
-ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-       "AWS_EC2_METADATA_DISABLED": "true"}
+ENV = TEST_ENV
 TOKENS = np.random.default_rng(3).integers(0, 64, 6000, dtype=np.uint16)
 
 

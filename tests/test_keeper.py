@@ -2,14 +2,13 @@
 and for how long, the regions it cuts for a restore (weights now, moments deferred), its S3 uploads, a
 corrupt S3 piece refused, and its own write check. S3 is moto's server reached by boto3."""
 
-import os
 
 import numpy as np
 import pytest
 
 from orchestrator.state.keeper import KeeperStore
 from orchestrator.state.s3_store import S3Checkpoints
-from tests.moto_s3 import moto_s3
+from tests.moto_s3 import moto_s3, use_test_credentials
 
 pytestmark = pytest.mark.unit
 
@@ -23,9 +22,7 @@ def shards(rank: int, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def s3():
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
+    use_test_credentials()
     with moto_s3("keep") as url:
         yield url
 

@@ -7,7 +7,6 @@ S3 step) agree to 1e-5 relative in float64. Bytes are checked by tier.
 """
 
 import logging
-import os
 import threading
 import time
 
@@ -22,7 +21,7 @@ from orchestrator.runtime.controller_actor import make_controller
 from orchestrator.runtime.worker_group import PlanRun
 from orchestrator.state.s3_store import S3Checkpoints
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage
-from tests.moto_s3 import moto_s3
+from tests.moto_s3 import moto_s3, use_test_credentials
 from workers.state import assemble
 
 pytestmark = pytest.mark.ray
@@ -32,9 +31,7 @@ BASE = NodeSpec(name="base", gpu_type="A100-80GB", num_gpus=1, inter_node_bw_gb_
 
 @pytest.fixture(scope="module")
 def cluster():
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)  # the nodes' processes read S3 with these, as with an instance role
+    use_test_credentials()  # the nodes' processes read S3 with these, as with an instance role
     ec = EmbeddedCluster(ClusterSpec(nodes=[BASE]))
     ec.connect()
     for hidden in (32, 128):  # before any scenario kills nodes (a peer copy may sit on the base node)

@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.moto_s3 import moto_s3
+from tests.moto_s3 import TEST_ENV, moto_s3
 
 pytestmark = pytest.mark.ray
 HETSPOT = str(Path(sys.executable).parent / "hetspot")
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-         "AWS_EC2_METADATA_DISABLED": "true"}
+CREDS = TEST_ENV
 MODEL = {"name": "gpt-resume", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "vocab_size": 64, "seq_len": 16}
 
 

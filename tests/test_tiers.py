@@ -4,7 +4,6 @@ Snapshots and the uploader write whole steps; after three of four nodes die, a r
 source left (survivors' live state, a peer snapshot on a survivor, else S3) and brings back exactly the
 committed step; a corrupt S3 piece makes it refuse that step and go back to the previous one."""
 
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from orchestrator.state.fakes import LocalGroup, model_units, unit_name, values
 from orchestrator.state.s3_store import S3Checkpoints
 from orchestrator.state.tiers import TieredState
 from planner import Pipeline, Plan, Stage
-from tests.moto_s3 import moto_s3
+from tests.moto_s3 import moto_s3, use_test_credentials
 
 pytestmark = pytest.mark.unit
 LAYERS = 4
@@ -32,9 +31,7 @@ NEW = plan((0, 4, "a"))  # the survivor takes every layer
 
 @pytest.fixture(scope="module")
 def endpoint():
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
+    use_test_credentials()
     with moto_s3("tiers") as url:
         yield url
 

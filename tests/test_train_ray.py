@@ -19,6 +19,7 @@ from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec, parse_job
 from orchestrator.runtime.worker_group import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
+from tests.moto_s3 import use_test_credentials
 from workers.state import assemble, full_state
 
 pytestmark = pytest.mark.ray
@@ -33,13 +34,10 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def cluster():
-    import os
 
     # The nodes' processes (keepers upload and read S3) take credentials from their environment,
     # as nodes with an instance role or profile would; moto accepts any.
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
+    use_test_credentials()
     ec = EmbeddedCluster(CLUSTER)
     ec.connect()
     yield ec

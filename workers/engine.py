@@ -41,8 +41,10 @@ from planner.plan_types import Plan
 from planner.schedule import op_order
 from planner.specs import ModelSpec, TrainSpec
 from workers.data import Dataset
+from workers.grad_sync import GradSync
 from workers.model import Stage
 from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
+from workers.optim_state import OptimizerState
 
 
 class StepError(RuntimeError):
@@ -71,7 +73,7 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
-class Engine:
+class Engine(GradSync, OptimizerState):
     def __init__(self, plan: Plan, rank: int, model: ModelSpec, train: TrainSpec, dataset: Dataset,
                  dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu",
                  device_budget_bytes: float | None = None, meter_memory: bool = False,
@@ -181,37 +183,6 @@ class Engine:
         self._moments_counted = False  # AdamW's moments join the meter's static state after the first step
         self.restoring: Future | None = None  # an overlapped restore's second half (AdamW's moments), in flight
         self.incomplete: str | None = None  # why that half failed: this rank's state is not a step's, nor exported
-
-    def _adamw(self, params: list) -> torch.optim.AdamW:
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.train.lr, betas=self.train.betas,
-                                 eps=self.train.eps, fused=True)
-
-    def _copy_back(self, layer: int) -> None:
-        """After a layer's host update: its resident device copies take the new weights."""
-        with torch.no_grad():
-            for n in self.resident_by_layer.get(layer, ()):
-                self.resident[n].copy_(self.opt_params[n], non_blocking=True)
-
-    def _grad_to_master(self, master: torch.nn.Parameter):
-        pause = self.meter.paused if self.offload_opt else contextlib.nullcontext  # host bytes are not the device's
-
-        def hook(p: torch.Tensor) -> None:
-            with pause():
-                g = p.grad if p.grad.device == master.device else p.grad.to(master.device)  # D2H in compute dtype
-                if master.grad is None:
-                    master.grad = g.to(master.dtype, copy=True)
-                else:
-                    master.grad.add_(g)
-            p.grad = None
-
-        return hook
-
-    @property
-    def grad_params(self) -> dict[str, torch.nn.Parameter]:
-        """The parameters whose `.grad` holds the step's gradient: host masters under offload."""
-        return self.opt_params if self.separate else self.module.params
 
     def close(self) -> None:
         if getattr(self, "updater", None) is not None:
@@ -339,31 +310,6 @@ class Engine:
     def _saved_hooks(self):
         return self.store.hooks() if self.store is not None else contextlib.nullcontext()
 
-    def _update(self) -> None:
-        if self.updater is not None and self._skip:  # fp16 overflow: no update this step
-            for q in self.opt_params.values():
-                q.grad = None
-            return
-        if self.updater is not None:  # host AdamW per layer on a thread; the next forward waits per layer
-            self.updater.start()
-            return
-        if not self._skip:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.mixed:  # the compute copies take the new master weights
-            with torch.no_grad():
-                for n, p in self.module.params.items():
-                    p.copy_(self.opt_params[n])
-        if self.meter.enabled and not self._moments_counted:
-            self._moments_counted = True
-            self.meter.set_static(self._device_state() + [t for st in self.optimizer.state.values()
-                                                          for t in st.values() if torch.is_tensor(t) and t.dim() > 0])
-
-    def _device_state(self) -> list[torch.Tensor]:
-        """Tensors that stay on the device between steps: the compute copies, and fp32 masters when mixed."""
-        masters = list(self.opt_params.values()) if self.mixed and not self.offload_opt else []
-        return list(self.resident.values()) + masters
-
     def settle(self) -> None:
         """Wait for an overlapped host update and an overlapped restore to finish (before reading or replacing
         state)."""
@@ -389,146 +335,13 @@ class Engine:
             self.restoring = None
         return time.perf_counter() - t0
 
-    def host_state_bytes(self) -> int:
-        """Bytes of offloaded state in host memory at the step's peak: the host masters, their gradients
-        (accumulated there during backward, in the masters' dtype) and AdamW's moments; 0 without offload."""
-        if not self.offload_opt:
-            return 0
-        masters = sum(p.numel() * p.element_size() for p in self.opt_params.values())
-        states = self.updater.states() if self.updater is not None else self.optimizer.state.values()
-        moments = sum(t.numel() * t.element_size() for st in states for t in st.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
-        return 2 * masters + moments
-
-    def device_state_bytes(self) -> int:
-        """Bytes of parameters and optimizer state that stay on the device. Gradients, activations
-        and prefetched weights are created during the step; the meter tracks them as they live."""
-        params = sum(p.numel() * p.element_size() for p in self.resident.values())
-        if self.offload_opt:
-            return params
-        masters = sum(p.numel() * 4 for p in self.opt_params.values()) if self.mixed else params
-        return params + 3 * masters if self.mixed else 3 * params  # (compute copies,) masters, AdamW's two moments
-
     def _emulate_slowdown(self, busy_s: float) -> None:
         # Fake GPUs of a slower type run the same math, then wait out the speed gap.
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * busy_s)
-
-    # -- gradient sync: one bucket per layer, launched as its gradients are ready -----
-    def _plan_sync(self) -> None:
-        """Buckets: per (segment, TP rank) group (AutoHet §4, layer-wise sync across asymmetric replicas),
-        one flat all-reduce per extended layer, last layer first, the order backward finishes them.
-
-        Every rank of a group holds the same layers, so every rank issues the same all-reduces in
-        the same order, whether it overlaps them with backward or not. With device gradients
-        (no optimizer offload) and `overlap_sync`, a layer's bucket is launched asynchronously as
-        soon as the last micro-batch's backward has accumulated its last gradient, so the
-        all-reduce of layer k runs while layer k-1 is back-propagated (the cost model's
-        assumption: the sync overlaps the last micro-batch's backward); `_sync_grads` waits
-        for them before clipping. Offloaded gradients stream to the host instead, and their
-        buckets are reduced after backward, in the same order."""
-        n_layers = self.model.num_layers
-        self.buckets: list[tuple[int, object, list[str]]] = []  # (extended layer, group, parameter names)
-        for gg, group in self.grad_groups:
-            by_layer: dict[int, list[str]] = {}
-            for name in self.grad_params:
-                layer = extended_layer(self.module.specs[name].layer, n_layers)
-                if gg.start <= layer < gg.end:
-                    by_layer.setdefault(layer, []).append(name)
-            self.buckets += [(layer, group, by_layer[layer]) for layer in sorted(by_layer, reverse=True)]
-        self._final_bwd = False  # counting gradients of the last micro-batch's backward
-        self._inflight: list = []
-        self.sync_trace: list[tuple[str, int, float]] = []  # ("ready" | "launch", layer, time) of the last step
-        self._left: dict[int, int] = {}  # gradients per layer, counted down in the last backward
-        if self.offload_opt:
-            return
-        by_name = {name: b for b in self.buckets for name in b[2]}
-        for name, p in self.module.params.items():
-            layer = extended_layer(self.module.specs[name].layer, n_layers)
-            self._left[layer] = self._left.get(layer, 0) + 1
-            p.register_post_accumulate_grad_hook(self._on_grad(layer, by_name.get(name)))
-
-    def _on_grad(self, layer: int, bucket):
-        def hook(_p: torch.Tensor) -> None:
-            if not self._final_bwd:
-                return
-            self._count[layer] -= 1
-            if self._count[layer] == 0:
-                self.sync_trace.append(("ready", layer, time.perf_counter()))
-                if bucket is not None and self.overlap_sync:
-                    self._launch(bucket, async_op=True)
-
-        return hook
-
-    def _launch(self, bucket, async_op: bool) -> None:
-        layer, group, names = bucket
-        params = [self.grad_params[n] for n in names]
-        flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self.device)  # host grads: via the device
-        self.sync_trace.append(("launch", layer, time.perf_counter()))
-        work = dist.all_reduce(flat, group=group, async_op=async_op)
-        self._inflight.append((id(bucket), work, flat, params))
-
-    def _sync_grads(self) -> None:
-        """Every bucket reduced: those launched during backward are waited for, the others run now."""
-        launched = {b for b, _, _, _ in self._inflight}
-        for bucket in self.buckets:
-            if id(bucket) not in launched:
-                self._launch(bucket, async_op=False)
-        for _, work, flat, params in self._inflight:
-            if work is not None:
-                work.wait()
-            at = 0
-            for p in params:
-                p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
-                at += p.numel()
-        self._inflight = []
-
-    def _unscale(self) -> None:
-        """fp16: gradients back to their true scale; a non-finite one anywhere skips the update on every
-        rank and halves the scale; 2000 good steps in a row double it (torch.amp.GradScaler's rule)."""
-        bad = torch.zeros((), device=self.device)
-        for p in self.grad_params.values():
-            if p.grad is not None:
-                p.grad.mul_(1.0 / self.loss_scale)
-                bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float().to(self.device))
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self._skip = bool(bad.item())
-        self._good_steps = 0 if self._skip else self._good_steps + 1
-        if self._skip:
-            self.loss_scale /= 2
-        elif self._good_steps % 2000 == 0:
-            self.loss_scale *= 2
-
-    def _clip(self) -> None:
-        """Global-norm clip; each element counted once: replica 0 only, TP-replicated params on TP rank 0."""
-        if self.train.grad_clip is None:
-            return
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.info.pipeline == 0:
-            for name, p in self.grad_params.items():
-                if self.module.specs[name].shard_dim is not None or self.info.tp_rank == 0:
-                    sq += p.grad.double().pow(2).sum().to(self.device)
-        dist.all_reduce(sq)
-        coef = self.train.grad_clip / (float(sq.sqrt()) + 1e-6)
-        if coef < 1.0:
-            for p in self.grad_params.values():
-                p.grad.mul_(coef)
 
     def _peak_mem(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    # -- optimizer state, for workers/state.py ---------------------------------
-    def optimizer_states(self):
-        """AdamW's per-parameter state dicts (host optimizer's under offload)."""
-        return self.updater.states() if self.updater is not None else self.optimizer.state.values()
-
-    def optimizer_state(self, q: torch.Tensor) -> dict:
-        return self.updater.state_of(q) if self.updater is not None else self.optimizer.state.get(q, {})
-
-    def set_optimizer_state(self, q: torch.Tensor, state: dict) -> None:
-        if self.updater is not None:
-            self.updater.set_state(q, state)
-        else:
-            self.optimizer.state[q] = state

@@ -94,7 +94,7 @@ class SystemClock:
 
 
 class NoInterruptions:
-    """No notices: the default until the notice pollers exist."""
+    """No notices: the default where no notice source is configured (runtime.notices: none, no Ray drain)."""
 
     def poll(self) -> list[Notice]:
         return []

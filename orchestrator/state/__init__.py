@@ -1,4 +1,4 @@
-"""Training state outside the workers, in tiers (ARCHITECTURE.md, "State and where it lives").
+"""Training state outside the workers, in tiers (README.md, "When a node is lost").
 
 - `tiers.TieredState`: the controller's state plane (live, peer, S3); metadata only. It reaches keepers
   through `calls` (Ray's actors, or `calls.LocalCalls` in one process) and workers through the

@@ -1,6 +1,6 @@
 """`TieredState`: the controller's state plane on Ray. It moves metadata only.
 
-Three tiers hold the committed training state (ARCHITECTURE.md, "State and where it lives"): 1. live: survivors'
+Three tiers hold the committed training state (README.md, "When a node is lost"): 1. live: survivors'
 shards, handed to their own node's keeper after a failure (`salvage`); 2. peer: every `peer_every` steps (the job's `runtime.snapshot_every`) each worker
 copies its shards to a keeper on another node (`after_step`; placement by `restore_plan.peer_placement`, again when
 nodes join or go); 3. S3: every `s3_every` steps (a multiple of `peer_every`), the keepers upload one object per unit slice (a cover chosen
