@@ -2,7 +2,7 @@
 AdamW's moments on a thread beside it (workers/actor.py `load_state`), and the step waits for them before
 its update. The resumed run must be the uninterrupted one, step for step, in every optimizer placement."""
 
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -58,13 +58,25 @@ def test_moments_that_arrive_during_the_first_step_resume_the_same_training(prec
         import_pieces(b, pieces(shards, b, ("param",)), opt)
         assert all(not st for st in b.optimizer_states())  # no moments yet
 
-        def later():
-            time.sleep(0.5)
-            import_moments(b, pieces(shards, b, MOMENTS), opt)
+        order: list[str] = []
+        waiting = threading.Event()
 
-        b.restoring = pool.submit(later)
+        def later():  # the moments arrive only once the step's update has asked for them
+            assert waiting.wait(60), "the step never waited for the moments"
+            import_moments(b, pieces(shards, b, MOMENTS), opt)
+            order.append("moments in")
+
+        pulled = pool.submit(later)
+
+        class Watched:  # the engine's wait for the restore, seen
+            def result(self, timeout=None):
+                order.append("update waits")
+                waiting.set()
+                return pulled.result(timeout)
+
+        b.restoring = Watched()
         first = b.step(2)
-        assert first.extra["restore_wait_s"] > 0.1  # the step's update waited for them
+        assert order == ["update waits", "moments in"] and first.extra["restore_wait_s"] > 0
         got = [first.loss] + [b.step(s).loss for s in (3, 4)]
     finally:
         b.close(), pool.shutdown()
