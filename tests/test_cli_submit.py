@@ -164,7 +164,7 @@ def test_status_shows_where_the_s3_tier_stands(monkeypatch):
 
     row = {"step": 41, "loss": 2.5, "tokens_per_s": 1000.0, "mfu": None, "step_time_s": 0.5, "restarts": 1,
            "device_memory_bytes": 0, "steps": 100, "upload_lag_steps": 3, "upload_backlog": 2, "s3_step": 38,
-           "failed_uploads": 1}
+           "failed_uploads": 1, "s3_no_access": ["node-7"]}
     log = "hetspot: job x\n" + progress_line(row) + "\n"
 
     class FakeJobs:
@@ -179,3 +179,4 @@ def test_status_shows_where_the_s3_tier_stands(monkeypatch):
     res = runner.invoke(app, ["status", "job-1", "--address", "http://127.0.0.1:1"])
     assert res.exit_code == 0, res.output
     assert "S3: newest step 38, 3 steps behind, 2 upload(s) in flight or waiting, 1 failed" in res.output
+    assert "S3: no write access from node-7" in " ".join(res.output.split())  # a keeper's own check (issue 29)
