@@ -1,6 +1,12 @@
 """Shared fixtures. Ray tests share one embedded test cluster per module (see tests/test_train_ray.py)."""
 
 import os
+import tempfile
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+# hypothesis keeps its files (example database, constants) outside the checkout, not in a `.hypothesis/` folder
+# of the user's clone.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      os.path.join(tempfile.gettempdir(), f"hetspot-hypothesis-{os.getuid()}"))

@@ -119,3 +119,13 @@ def test_s3_every_counts_steps_and_must_fall_on_snapshots(tmp_path):
     res = runner.invoke(app, ["plan", _write(tmp_path, bad)])
     assert res.exit_code == 2 and "checkpoint.s3_every (12) counts steps" in res.output and "use 10" in res.output
     assert "Traceback" not in res.output
+
+
+def test_version_and_short_help():
+    from importlib.metadata import version
+
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"hetspot {version('hetspot')}"
+    for args in (["-h"], ["plan", "-h"], ["submit", "-h"]):
+        res = runner.invoke(app, args, prog_name="hetspot")
+        assert res.exit_code == 0 and "Usage: hetspot" in res.output, (args, res.output)

@@ -15,11 +15,25 @@ from orchestrator.cli.common import console, err_console
 from orchestrator.cli.common import print_json as _print_json
 from orchestrator.errors import HetspotError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic training on mixed spot GPUs.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic training on mixed spot GPUs.",
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("hetspot")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            v = "unknown (not installed)"
+        console.print(f"hetspot {v}", highlight=False)
+        raise typer.Exit(0)
 
 
 @app.callback()
-def _root() -> None:
+def _root(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="print hetspot's version and exit")) -> None:
     """hetspot: plan, train and keep training on mixed, preemptible GPUs."""
 
 
