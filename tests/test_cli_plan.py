@@ -129,3 +129,25 @@ def test_version_and_short_help():
     for args in (["-h"], ["plan", "-h"], ["submit", "-h"]):
         res = runner.invoke(app, args, prog_name="hetspot")
         assert res.exit_code == 0 and "Usage: hetspot" in res.output, (args, res.output)
+
+
+def test_address_comes_from_the_environment_flags_win_and_a_missing_one_exits_2(monkeypatch, tmp_path):
+    import re
+
+    from orchestrator import api
+
+    raw = runner.invoke(app, ["status", "-h"], prog_name="hetspot", terminal_width=200).output
+    out = " ".join(re.sub(r"[│╭╮╰╯─]", " ", raw).split())
+    assert "env var: HETSPOT_ADDRESS, RAY_API_SERVER_ADDRESS" in out, out
+    assert "[required]" not in out.split("--address <str>")[1].split(" --")[0], out  # the job id is; not this
+    for var in ("HETSPOT_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    res = runner.invoke(app, ["status", "job-1"])
+    assert res.exit_code == 2 and "--address is needed" in res.output and "Traceback" not in res.output
+    seen = []
+    monkeypatch.setattr(api, "inventory", lambda *a: seen.append(a) or {"nodes": [], "gpus_by_type": {}})
+    monkeypatch.setenv("HETSPOT_ADDRESS", "http://head:8265")
+    runner.invoke(app, ["inventory", "--job", "job.yaml", "--json"])
+    runner.invoke(app, ["inventory", "--json"])
+    runner.invoke(app, ["inventory", "--address", "http://other:8265", "--json"])
+    assert [a[:2] for a in seen] == [(None, "job.yaml"), ("http://head:8265", None), ("http://other:8265", None)]

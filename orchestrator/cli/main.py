@@ -7,6 +7,7 @@ code (2 for configuration), never a traceback.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import typer
@@ -76,8 +77,23 @@ TOKEN_HELP = "file with the cluster's auth token (default: RAY_AUTH_TOKEN, RAY_A
 
 
 def _address_option(required: bool):
-    help_ = "Ray dashboard of a running cluster, http://HEAD:8265 (or HETSPOT_ADDRESS)"
-    return typer.Option(... if required else None, "--address", envvar=ADDRESS_ENV, help=help_, show_envvar=False)
+    """--address, read from HETSPOT_ADDRESS (or Ray's RAY_API_SERVER_ADDRESS) when not given; where a command
+    needs one, `_need_address` says so (exit 2) instead of the parser marking the flag required."""
+    help_ = "Ray dashboard of a running cluster, http://HEAD:8265" + ("" if required else "; none: run locally")
+    return typer.Option(None, "--address", envvar=ADDRESS_ENV, help=help_, show_envvar=True)
+
+
+def _need_address(address: str | None) -> str:
+    if not address:
+        from orchestrator.errors import ConfigError
+
+        raise ConfigError("--address is needed: the Ray dashboard of a running cluster, http://HEAD:8265 (or set "
+                          "HETSPOT_ADDRESS)")
+    return address
+
+
+def _env_address() -> str | None:
+    return next((os.environ[k] for k in ADDRESS_ENV if os.environ.get(k)), None)
 
 
 def _token_option():
@@ -114,7 +130,7 @@ def submit(
         if replan_on_loss:
             raise ConfigError("--replan-on-loss goes with --plan, for local runs only; on a cluster the job always "
                               "re-plans on the GPUs it finds")
-        jobs = RayJobs(address, token_file)
+        jobs = RayJobs(_need_address(address), token_file)
         job_id = jobs.submit(job, steps, resume)
         if as_json:
             _print_json({"job_id": job_id, "address": jobs.url})
@@ -158,14 +174,14 @@ def submit(
 @_user_errors
 def status(
     job_id: str = typer.Argument(..., help="the id `hetspot submit --address` printed"),
-    address: str = _address_option(True),
+    address: str | None = _address_option(True),
     token_file: str | None = _token_option(),
     as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
 ) -> None:
     """A submitted job's state and its last committed step (loss, tokens/s, MFU)."""
     from orchestrator.runtime.ray_jobs import RayJobs
 
-    st = RayJobs(address, token_file).status(job_id)
+    st = RayJobs(_need_address(address), token_file).status(job_id)
     if as_json:
         _print_json(st)
         return
@@ -199,7 +215,7 @@ def status(
 @_user_errors
 def logs(
     job_id: str = typer.Argument(..., help="job id"),
-    address: str = _address_option(True),
+    address: str | None = _address_option(True),
     token_file: str | None = _token_option(),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
 ) -> None:
@@ -207,7 +223,7 @@ def logs(
     from orchestrator.runtime.progress_lines import dedupe_worker_lines
     from orchestrator.runtime.ray_jobs import RayJobs
 
-    jobs = RayJobs(address, token_file)
+    jobs = RayJobs(_need_address(address), token_file)
     if follow:
         seen: set[str] = set()
         for chunk in jobs.follow(job_id):
@@ -221,20 +237,20 @@ def logs(
 @_user_errors
 def stop(
     job_id: str = typer.Argument(..., help="job id"),
-    address: str = _address_option(True),
+    address: str | None = _address_option(True),
     token_file: str | None = _token_option(),
 ) -> None:
     """Stop a submitted job (its controller, workers and placement groups go with it)."""
     from orchestrator.runtime.ray_jobs import RayJobs
 
-    stopped = RayJobs(address, token_file).stop(job_id)
+    stopped = RayJobs(_need_address(address), token_file).stop(job_id)
     console.print(f"{job_id}: {'stop requested' if stopped else 'already finished'}")
 
 
 @app.command(name="list")
 @_user_errors
 def list_jobs(
-    address: str = _address_option(True),
+    address: str | None = _address_option(True),
     token_file: str | None = _token_option(),
     as_json: bool = typer.Option(False, "--json", help="print the jobs as JSON"),
 ) -> None:
@@ -243,7 +259,7 @@ def list_jobs(
 
     from orchestrator.runtime.ray_jobs import RayJobs
 
-    rows = RayJobs(address, token_file).list()
+    rows = RayJobs(_need_address(address), token_file).list()
     if as_json:
         _print_json(rows)
         return
@@ -258,8 +274,9 @@ def list_jobs(
 @app.command()
 @_user_errors
 def inventory(
-    address: str | None = typer.Option(None, "--address", envvar=ADDRESS_ENV, show_envvar=False,
-                                       help="a running cluster: dashboard http://HEAD:8265, or GCS HOST:6379 / auto"),
+    address: str | None = typer.Option(None, "--address", help="a running cluster: dashboard http://HEAD:8265, or "
+                                       "GCS HOST:6379 / auto (default: HETSPOT_ADDRESS or RAY_API_SERVER_ADDRESS "
+                                       "when --job is not given either)"),
     token_file: str | None = _token_option(),
     job_file: str | None = typer.Option(None, "--job", help="show the embedded test cluster of this job file"),
     ec2_region: str | None = typer.Option(None, "--ec2-region", help="read EC2 facts for nodes with an instance id"),
@@ -271,6 +288,8 @@ def inventory(
 
     from orchestrator import api
 
+    if address is None and job_file is None:  # flags win over the environment
+        address = _env_address()
     result = api.inventory(address, job_file, ec2_region, endpoint_url, token_file)
     if as_json:
         _print_json(result)
