@@ -151,3 +151,13 @@ def test_address_comes_from_the_environment_flags_win_and_a_missing_one_exits_2(
     runner.invoke(app, ["inventory", "--json"])
     runner.invoke(app, ["inventory", "--address", "http://other:8265", "--json"])
     assert [a[:2] for a in seen] == [(None, "job.yaml"), ("http://head:8265", None), ("http://other:8265", None)]
+
+
+def test_help_does_not_import_the_planner():
+    """`hetspot --help` stays quick: the planner (and its pydantic models) load only for a command that plans."""
+    code = ("import sys; sys.argv = ['hetspot', '--help']\nfrom orchestrator.cli.main import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('PLANNER', sorted(m for m in sys.modules if m == 'planner' or m.startswith('planner.')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "PLANNER []", r.stdout[-500:]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.catalog import canonical_gpu_type
-
 # Ray's AWS launcher picks a default Deep Learning AMI per region (its DEFAULT_AMI table);
 # these are the regions it knows. Another region needs an ImageId of the user's own.
 AWS_REGIONS = ("us-east-1", "us-east-2", "us-west-1", "us-west-2", "ca-central-1", "eu-central-1", "eu-west-1",
@@ -70,6 +68,10 @@ def parse_mix(text: str) -> list[tuple[NodeKind, int]]:
         if not sep or not count.strip().lstrip("-").isdigit():
             raise MixError(f"--mix entry {part!r} must be GPU_TYPE:NODES, like 'l4:4'")
         try:
+            from planner.catalog import (
+                canonical_gpu_type,  # the planner: imported when a mix is read, not for --help
+            )
+
             gpu = canonical_gpu_type(name)
         except ValueError as e:
             raise MixError(f"--mix entry {part!r}: {e}") from None
