@@ -33,8 +33,11 @@ def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput")
             "speedup": bp.estimate.step_time_s / best.estimate.step_time_s,
             "num_pipelines": len(bp.pipelines),
         }
+        if bp is not None and objective == "cost" and best.estimate.cost_per_mtok and bp.estimate.cost_per_mtok:
+            baselines[name]["cost_ratio"] = bp.estimate.cost_per_mtok / best.estimate.cost_per_mtok  # >1: hetspot is cheaper
     return {
         "job": job.name,
+        "objective": objective,
         "model": model.model_dump() | {"num_params": model.num_params},
         "plan": best.model_dump(),
         "estimate": best.estimate.model_dump(),

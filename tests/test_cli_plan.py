@@ -161,3 +161,36 @@ def test_help_does_not_import_the_planner():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "PLANNER []", r.stdout[-500:]
+
+
+def test_the_cost_objective_compares_dollars_per_million_tokens():
+    """Under --objective cost the baselines are compared on what the objective weighs ($ per million tokens),
+    not tokens/s, and the plan chosen for cost is no dearer than any baseline under the same cost model."""
+    job = str(ROOT / "examples" / "risk-cost.yaml")
+    res = runner.invoke(app, ["plan", job, "--objective", "cost", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    mine = out["estimate"]["cost_per_mtok"]
+    fits = {n: b for n, b in out["baselines"].items() if b is not None}
+    assert out["objective"] == "cost" and fits
+    for name, b in fits.items():
+        assert mine <= b["estimate"]["cost_per_mtok"] * (1 + 1e-9), (name, mine, b["estimate"]["cost_per_mtok"])
+    table = " ".join(runner.invoke(app, ["plan", job, "--objective", "cost"], terminal_width=200).output.split())
+    assert "$ per M tokens" in table and "hetspot saves" in table and "hetspot speedup" not in table
+    assert f"${mine:.4f}" in table
+
+
+def test_stop_reports_as_json(monkeypatch):
+    from orchestrator.runtime import ray_jobs
+
+    class FakeJobs:
+        def __init__(self, *a, **kw):
+            pass
+
+        def stop(self, job_id):
+            return job_id == "running-1"
+
+    monkeypatch.setattr(ray_jobs, "RayJobs", FakeJobs)
+    for job_id, stopped in (("running-1", True), ("done-2", False)):
+        res = runner.invoke(app, ["stop", job_id, "--address", "http://127.0.0.1:1", "--json"])
+        assert res.exit_code == 0 and json.loads(res.output) == {"job_id": job_id, "stopped": stopped}

@@ -239,11 +239,15 @@ def stop(
     job_id: str = typer.Argument(..., help="job id"),
     address: str | None = _address_option(True),
     token_file: str | None = _token_option(),
+    as_json: bool = typer.Option(False, "--json", help="print {job_id, stopped} as JSON"),
 ) -> None:
     """Stop a submitted job (its controller, workers and placement groups go with it)."""
     from orchestrator.runtime.ray_jobs import RayJobs
 
     stopped = RayJobs(_need_address(address), token_file).stop(job_id)
+    if as_json:
+        _print_json({"job_id": job_id, "stopped": bool(stopped)})
+        return
     console.print(f"{job_id}: {'stop requested' if stopped else 'already finished'}")
 
 

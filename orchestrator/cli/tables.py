@@ -59,6 +59,19 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
         line += f" (expected preemptions cost {est['preemption_loss'] * 100:.1f}% of the time)"
     console.print(line)
     b = Table(title="Against baselines (same cost model)")
+    if result.get("objective") == "cost":  # what the objective weighs: $ per million tokens
+        for col in ("plan", "$ per M tokens", "tokens/s", "hetspot saves"):
+            b.add_column(col, overflow="fold")
+        b.add_row("hetspot", _usd(est.get("cost_per_mtok")), f"{est['tokens_per_s']:,.0f}", "1.00x")
+        for name, bl in result["baselines"].items():
+            if bl is None:
+                b.add_row(name, "does not fit", "-", "-")
+            else:
+                e, ratio = bl["estimate"], bl.get("cost_ratio")
+                b.add_row(name, _usd(e.get("cost_per_mtok")), f"{e['tokens_per_s']:,.0f}",
+                          f"{ratio:.2f}x" if ratio is not None else "-")
+        console.print(b)
+        return
     for col in ("plan", "tokens/s", "step", "hetspot speedup"):
         b.add_column(col, overflow="fold")
     b.add_row("hetspot", f"{est['tokens_per_s']:,.0f}", _fmt_time(est["step_time_s"]), "1.00x")
@@ -69,6 +82,10 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
             e = bl["estimate"]
             b.add_row(name, f"{e['tokens_per_s']:,.0f}", _fmt_time(e["step_time_s"]), f"{bl['speedup']:.2f}x")
     console.print(b)
+
+
+def _usd(v: float | None) -> str:
+    return f"${v:.4f}" if v is not None else "-"
 
 
 def _offload(pol: dict[str, Any], layers: int, reasons: list[str]) -> str:
