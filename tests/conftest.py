@@ -10,3 +10,13 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # of the user's clone.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
                       os.path.join(tempfile.gettempdir(), f"hetspot-hypothesis-{os.getuid()}"))
+
+
+MARKERS = {"unit", "sweep", "ray", "gpu", "slow"}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test says what it needs (pyproject's markers): a test without one is a collection error."""
+    bare = [it.nodeid for it in items if not {m.name for m in it.iter_markers()} & MARKERS]
+    if bare:
+        raise RuntimeError(f"tests without a marker ({', '.join(sorted(MARKERS))}): " + ", ".join(bare[:10]))

@@ -29,6 +29,7 @@ def _param(p: Path):
     return pytest.param(p, id=p.stem, marks=[pytest.mark.ray] + ([pytest.mark.slow] if slow else []))
 
 
+@pytest.mark.unit
 def test_one_scenario_per_fault_kind_and_at_least_one_runs_by_default():
     from orchestrator.drills.scenario import KINDS
 
@@ -66,6 +67,7 @@ def shared():
 _REF: dict = {}
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("path", [_param(p) for p in DRILLS])
 def test_drill_scenario_holds_the_oracle(shared, path):
     from orchestrator.drills.runner import Drill
@@ -87,6 +89,7 @@ def test_drill_scenario_holds_the_oracle(shared, path):
     assert out["recoveries"], "a fault with no recovery event"
 
 
+@pytest.mark.unit
 def test_check_samples_finds_repeats_and_gaps():
     ok = {0: [(0, 3), (3, 1)], 1: [(4, 4)]}
     assert check_samples(ok, 2, 4)["exactly_once"]
@@ -105,6 +108,7 @@ TRACE = "\n".join(json.dumps(x) for x in [
 ])
 
 
+@pytest.mark.unit
 def test_trace_maps_every_remove_to_a_preemption_and_every_add_to_a_join():
     tr = parse_trace(TRACE)
     assert tr.first_nodes == 8 and tr.end_s == 240.0 and len(tr.events) == 5
@@ -157,6 +161,7 @@ def _run_cli(tmp_path, name: str, text: str, args: list[str]) -> subprocess.Comp
                           timeout=60)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(BAD_SCENARIOS))
 def test_bad_scenario_exits_2_naming_the_line(tmp_path, case):
     body, words = BAD_SCENARIOS[case]
@@ -167,6 +172,7 @@ def test_bad_scenario_exits_2_naming_the_line(tmp_path, case):
         assert w in msg, (w, msg)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(BAD_TRACES))
 def test_bad_trace_exits_2_naming_the_line(tmp_path, case):
     body, words = BAD_TRACES[case]
@@ -179,6 +185,7 @@ def test_bad_trace_exits_2_naming_the_line(tmp_path, case):
             assert w in msg, (w, msg)
 
 
+@pytest.mark.unit
 def test_simulate_ranks_the_strategies_and_holds_hetspot_near_the_oracle(tmp_path):
     """A small fleet over the test's own trace: the free re-plan oracle trains the most; hetspot's
     recovery (peers first) beats S3-only checkpoint-restart; every strategy saw the same events."""
@@ -201,6 +208,7 @@ def test_simulate_ranks_the_strategies_and_holds_hetspot_near_the_oracle(tmp_pat
     assert out["assumptions"]["ckpt_every_s"] == 120
 
 
+@pytest.mark.unit
 def test_simulate_charges_a_drain_when_the_notice_covers_the_copy():
     """With a notice that leaves time to copy the doomed nodes' state off at the next step boundary, hetspot
     redoes no work; without a notice, or when the copy takes longer than the notice, preemptions redo the
@@ -222,6 +230,7 @@ def test_simulate_charges_a_drain_when_the_notice_covers_the_copy():
     assert lost(0.01, 120) > 0.0  # 10 MB/s: a node's ~2 GB take minutes, longer than the notice
 
 
+@pytest.mark.unit
 def test_simulate_cli_json_and_bad_fleet(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(TRACE)
@@ -246,6 +255,7 @@ def _one_gpu_plan(nodes: list[str], gpu: str = "T4"):
         stages=[Stage(layer_start=0, layer_end=4, gpu_type=gpu, node=n, devices=[f"{n}/0"])]) for n in nodes])
 
 
+@pytest.mark.unit
 def test_replayed_reference_segments_the_committed_plans_and_places_them_on_like_nodes():
     """Steps group into runs of one plan; a plan's gone nodes map onto up nodes of the same kind (a node it
     already uses keeps its place), and nodes are added only where too few of a kind are up."""
@@ -305,6 +315,7 @@ def test_trace_replay_holds_the_replayed_plans_reference_bit_for_bit(shared):
     assert r.oracle_holds
 
 
+@pytest.mark.unit
 def test_unknown_reference_kind_exits_2(tmp_path):
     r = _run_cli(tmp_path, "t.jsonl", TRACE, ["drill", "--trace", "{}", "--reference", "oracle"])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from planner import ClusterSpec, ModelSpec, NodeSpec, PlanningError, TrainSpec, plan
 from planner.catalog import CATALOG, gpu_info
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.sweep  # pure, but minutes: a sweep over many clusters
 
 
 @st.composite

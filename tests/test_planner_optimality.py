@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec, evaluate, plan
 from tests.enumerator import best_plan
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.sweep  # pure, but minutes: a sweep over many clusters
 
 TYPES = ["A100-80GB", "A100-40GB", "L4", "T4", "V100-16GB", "H100-SXM"]
 
