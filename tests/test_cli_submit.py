@@ -89,12 +89,11 @@ def test_global_batch_smaller_than_pipelines(files):
 
 
 def test_inventory_unreachable_address_fails_fast():
-    import time
+    import ray
 
-    t0 = time.monotonic()
     res = runner.invoke(app, ["inventory", "--address", "127.0.0.1:1"])
     assert res.exit_code == 2 and "cannot reach a Ray cluster" in res.output
-    assert time.monotonic() - t0 < 10
+    assert not ray.is_initialized()  # refused by the reachability check, before Ray's own connect and its retries
 
 
 @pytest.mark.parametrize("args", [
