@@ -123,3 +123,4 @@ def test_s3_every_counts_steps_on_the_snapshot_steps(endpoint):
     assert sorted(s3.complete_steps()) == [3, 7]
     with pytest.raises(ValueError, match="multiple of peer_every"):
         TieredState(2, s3, s3_every=5, model_units=model_units(LAYERS), calls=calls)
+    assert TieredState(1000, calls=calls).s3 is None  # without an S3 tier, s3_every means nothing

@@ -39,7 +39,7 @@ class TieredState:
     def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, s3_every: int = 10, keep: int = 3,
                  meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True,
                  model_units: dict[str, list[int]] | None = None, calls=None):
-        if s3_every % peer_every:
+        if s3 is not None and s3_every % peer_every:
             raise ValueError(f"s3_every ({s3_every} steps) must be a multiple of peer_every ({peer_every})")
         if s3 is not None and not model_units:
             raise ValueError("an S3 tier needs the model's units (model_units): a step is written only when whole")
