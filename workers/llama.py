@@ -8,7 +8,7 @@ open models trained today.
 Canonical names are those of Hugging Face `transformers`' `LlamaForCausalLM`
 ("model.layers.3.self_attn.q_proj.weight", ...), and the RoPE layout is theirs
 (`rotate_half` over the two halves of each head), so an export to that format is
-a copy of the tensors by name (orchestrator/hf_format.py) and a checkpoint saved
+a copy of the tensors by name (workers/hf_format.py) and a checkpoint saved
 by `transformers` imports without any permutation.
 
 Tensor parallelism (Megatron-LM), as for the GPT (workers/model.py): q, k, v,

@@ -15,7 +15,7 @@ States (one job):
   (orchestrator/control/protocols.py): unit tests drive `step()` with orchestrator/control/fakes.py.
 Step s is committed when every worker finished its gradient sync for s and was told to apply the update
 (two-phase; the worker group does it). The state plane (`StatePlane`: state/tiers.TieredState on Ray,
-state/snapshots.MemorySnapshots for fakes) snapshots after steps, salvages survivors' state after a failure
+control/snapshots.MemorySnapshots for fakes) snapshots after steps, salvages survivors' state after a failure
 and restores the newest step it can; the job resumes after it: no sample lost or repeated. Joined nodes are
 weighed every `scale_check_every` steps (orchestrator/control/replan.py).
 """
