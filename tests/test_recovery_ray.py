@@ -554,4 +554,5 @@ def test_a_node_without_credentials_for_the_bucket_is_named_at_its_keepers_start
     assert lag["no_access"] == ["cred-none"], (lag, c.store.no_access)
     assert "NoCredentialsError" in c.store.no_access["cred-none"]
     assert any("cred-none cannot write" in r.getMessage() for r in caplog.records), caplog.text
+    c.store.flush()  # no upload thread outlives the test's cluster
     c.group.shutdown()

@@ -29,10 +29,18 @@ class RayCalls:
         return Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(node)
 
     def get(self, refs, timeout: float | None = None):
+        self._connected()
         return self._ray.get(refs, timeout=timeout)
 
     def wait(self, refs: list, num_returns: int, timeout: float | None):
+        self._connected()
         return self._ray.wait(refs, num_returns=num_returns, timeout=timeout)
+
+    def _connected(self) -> None:
+        """A call after the driver left Ray (an uploader thread outliving its job) fails; it must not start a
+        local Ray instance in this process, as `ray.get` without a connection would."""
+        if not self._ray.is_initialized():
+            raise ConnectionError("not connected to Ray (the job's driver shut its connection down)")
 
     def alive_nodes(self) -> dict[str, str]:
         from orchestrator.cluster.discovery import node_ids
