@@ -92,6 +92,13 @@ def _need_address(address: str | None) -> str:
     return address
 
 
+def _jobs(address: str | None, token_file: str | None):
+    """The Ray Jobs client of a command that needs a running cluster (exit 2 without an address)."""
+    from orchestrator.runtime.ray_jobs import RayJobs
+
+    return RayJobs(_need_address(address), token_file)
+
+
 def _env_address() -> str | None:
     return next((os.environ[k] for k in ADDRESS_ENV if os.environ.get(k)), None)
 
@@ -123,14 +130,13 @@ def submit(
     job = api.with_restore_from(load_job(job_file), restore_from, job_file)  # validate before anything starts
     if address:
         from orchestrator.errors import ConfigError
-        from orchestrator.runtime.ray_jobs import RayJobs
 
         if plan_file:
             raise ConfigError("--plan works for local runs only; on a cluster the job plans on the GPUs it finds")
         if replan_on_loss:
             raise ConfigError("--replan-on-loss goes with --plan, for local runs only; on a cluster the job always "
                               "re-plans on the GPUs it finds")
-        jobs = RayJobs(_need_address(address), token_file)
+        jobs = _jobs(address, token_file)
         job_id = jobs.submit(job, steps, resume)
         if as_json:
             _print_json({"job_id": job_id, "address": jobs.url})
@@ -179,9 +185,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
 ) -> None:
     """A submitted job's state and its last committed step (loss, tokens/s, MFU)."""
-    from orchestrator.runtime.ray_jobs import RayJobs
-
-    st = RayJobs(_need_address(address), token_file).status(job_id)
+    st = _jobs(address, token_file).status(job_id)
     if as_json:
         _print_json(st)
         return
@@ -221,9 +225,7 @@ def logs(
 ) -> None:
     """The job driver's output: progress lines, and worker lines naming node, rank and stage."""
     from orchestrator.runtime.progress_lines import dedupe_worker_lines
-    from orchestrator.runtime.ray_jobs import RayJobs
-
-    jobs = RayJobs(_need_address(address), token_file)
+    jobs = _jobs(address, token_file)
     if follow:
         seen: set[str] = set()
         for chunk in jobs.follow(job_id):
@@ -242,9 +244,7 @@ def stop(
     as_json: bool = typer.Option(False, "--json", help="print {job_id, stopped} as JSON"),
 ) -> None:
     """Stop a submitted job (its controller, workers and placement groups go with it)."""
-    from orchestrator.runtime.ray_jobs import RayJobs
-
-    stopped = RayJobs(_need_address(address), token_file).stop(job_id)
+    stopped = _jobs(address, token_file).stop(job_id)
     if as_json:
         _print_json({"job_id": job_id, "stopped": bool(stopped)})
         return
@@ -261,9 +261,7 @@ def list_jobs(
     """hetspot jobs on a running cluster, oldest first."""
     from rich.table import Table
 
-    from orchestrator.runtime.ray_jobs import RayJobs
-
-    rows = RayJobs(_need_address(address), token_file).list()
+    rows = _jobs(address, token_file).list()
     if as_json:
         _print_json(rows)
         return
