@@ -226,3 +226,28 @@ def test_the_running_plans_measured_throughput_calibrates_the_scale_up_decision(
     _, d, extra = consider_joined(planner, model, train, running, both, 100_000, 3.0, predicted / 1000)
     assert d.move and extra["calibration"] == pytest.approx(1e-3, rel=1e-2)
     assert extra["predicted_tokens_per_s"]["running"] == pytest.approx(predicted / 1000, rel=1e-2)
+
+
+def test_a_node_joining_before_the_running_plan_is_measured_is_weighed_once_it_is():
+    """The L4 joins one step after the job starts on a T4 (as a replacement node does right after a re-plan):
+    the controller waits for two measured steps before weighing it, so the decision is calibrated (the model's
+    predictions alone decline it) and the job moves."""
+    from orchestrator.control.controller import Controller, State
+    from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
+    from planner import evaluate
+    from planner.specs import tokens_per_step
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
+    train = TrainSpec(global_batch=8)
+    t4 = ClusterSpec(nodes=[NodeSpec(name="t4", gpu_type="T4", num_gpus=1)])
+    both = ClusterSpec(nodes=[*t4.nodes, NodeSpec(name="l4", gpu_type="L4", num_gpus=1)])
+    predicted = evaluate(Planner(model, train).plan(t4), t4, model, train).tokens_per_s
+    tick = tokens_per_step(model, train.global_batch) * 1000 / predicted  # each step measures 1/1000 of it
+    log: list = []
+    c = Controller(model, train, 100_000, FakeNodes(t4, t4, both), lambda p: FakeWorkerGroup(p, log),
+                   clock=FakeClock(tick=tick), scale_check_every=1)
+    while c.state != State.DONE and not any(e["kind"].startswith("scale-up") for e in c.progress.events):
+        c.step()
+    ev = next(e for e in c.progress.events if e["kind"].startswith("scale-up"))
+    assert ev["kind"] == "scale-up" and ev["at_step"] == 2, ev
+    assert ev["calibration"] == pytest.approx(1e-3, rel=1e-2)

@@ -239,7 +239,10 @@ class Controller:
         if self.capacity is not None:  # substitutes for types that stay dry while the job runs
             self._substitutions(self.capacity.tick())
         cluster = self.nodes.discover().without_nodes(self.doomed)
-        self._known_nodes, joined = joined_nodes(self._known_nodes, cluster)
+        known, joined = joined_nodes(self._known_nodes, cluster)
+        if joined and self.progress.committed < self._plan_from + 1:
+            return False  # weighed once the running plan's speed is measured (2 steps): predictions alone mislead
+        self._known_nodes = known
         got = joined and consider_joined(self.planner, self.model, self.train, self.plan, cluster,
                                          self.steps - self.progress.committed - 1, self._launch_s,
                                          self._measured_tokens_per_s())
