@@ -89,6 +89,10 @@ class RuntimeSpec(_Section):
                                 "another node every k steps (the peer tier)")
     scale_check_every: int = Field(default=10, ge=0, description="every k steps, look for nodes that joined and move "
                                    "onto a plan that uses them when that pays for the migration (0: never)")
+    recovery: Literal["in-place", "restart"] = Field(
+        default="in-place", description="in-place: after a failure, a drain or a move, survivors keep their processes "
+        "and the state they hold, re-form their groups under the new plan and receive only what they lack; restart: "
+        "every worker process is replaced (survivors hand their state to their node's keeper first)")
     max_restarts: int = Field(default=100, ge=0, description="re-plans after failures before the job gives up (a "
                               "spot job sees many; a deterministic error stops it at once whatever this is)")
     profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "

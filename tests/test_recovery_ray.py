@@ -147,26 +147,115 @@ def restore_events(c) -> list[dict]:
     return [e for e in c.progress.events if e["kind"] == "restore"]
 
 
-def test_node_killed_mid_step_with_a_live_dp_peer_loses_no_step_and_reads_no_s3(cluster, endpoint):
-    """Acceptance 1: one node hard-killed while its peers wait in the step's collective; the survivor's
-    committed state restores the new plan: 0 lost steps, 0 S3 bytes, and the oracle holds."""
-    a, b = nodes(cluster, ("live-a", "H100-SXM", 1), ("live-b", "L4", 1))
-    j = make_job([a, b], endpoint, "live")
+@pytest.mark.parametrize("recovery", ["in-place", "restart"])
+def test_node_killed_mid_step_with_a_live_dp_peer_loses_no_step_and_reads_no_s3(cluster, endpoint, recovery):
+    """One node hard-killed while its DP peer waits in the step's collective: 0 lost steps, 0 S3 bytes, and the
+    oracle holds. In place, the survivor is the same process before and after and nothing moves at all (its own
+    memory is the source); on the restart path a new process reads the survivor's state from its node's keeper."""
+    a, b = nodes(cluster, (f"live-a-{recovery}", "H100-SXM", 1), (f"live-b-{recovery}", "L4", 1))
+    j = with_runtime(make_job([a, b], endpoint, f"live-{recovery}"), recovery=recovery)
     c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
     run_until(c, 1)
     c.store.flush()
     assert S3Checkpoints(j.checkpoint.uri, endpoint).complete_steps()[0] == 1  # S3 could serve step 1, too
+    survivor = c.group.pids[1]
     ray.get(c.group.run.workers[0].inject_fault.remote(2, "hang"))  # live-a's rank stalls inside step 2
-    killer = threading.Timer(1.5, kill, (cluster, "live-a"))
+    killer = threading.Timer(1.5, kill, (cluster, a.name))
     killer.start()
-    assert c.run() == State.DONE, c.error
+    run_until(c, 2)
     killer.join()
+    assert (c.group.pids == [survivor]) == (recovery == "in-place"), (c.group.pids, survivor)
+    assert c.run() == State.DONE, c.error
     (r,) = restore_events(c)
-    assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0 and r["bytes_by_tier"]["live"] > 0
+    params = sum(t.numel() for t in reference(j)[1].values())
+    if recovery == "in-place":
+        assert r["bytes_by_tier"] == {"live": 0, "peer": 0, "s3": 0} and r["in_place_bytes"] == 3 * 8 * params
+    else:
+        assert r["bytes_by_tier"] == {"live": 3 * 8 * params, "peer": 0, "s3": 0}
+    assert r["step"] == 1
     replan = next(e for e in c.progress.events if e["kind"] == "re-plan")
-    assert replan["failure"] == "node lost" and replan["nodes"] == ["live-a"] and replan["detected_s"] <= replan["t_s"]
+    assert replan["failure"] == "node lost" and replan["nodes"] == [a.name] and replan["detected_s"] <= replan["t_s"]
     assert c.progress.restarts == 1  # step 1 was the last committed one, so nothing is redone
     assert_matches_reference(j, c.progress.losses, final_state(j))
+
+
+@pytest.mark.parametrize("kind", ["exit-update", "update"])
+def test_a_worker_failing_in_the_middle_of_its_update_is_replaced_not_reused(cluster, endpoint, kind):
+    """In place, a rank killed half-way through its optimizer update of step 2 ("exit-update"), or whose update
+    fails half-way while its process lives on ("update": its state is then no step's, though its committed step
+    still reads 1), is replaced; so is its DP peer, which committed step 2 beyond the job's committed step 1.
+    No process is reused, step 1 comes from the peer snapshots, and the oracle holds."""
+    a, b = nodes(cluster, (f"upd-a-{kind}", "H100-SXM", 1), (f"upd-b-{kind}", "L4", 1))
+    j = make_job([a, b], endpoint, f"update-{kind}")
+    c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+    try:
+        run_until(c, 1)
+        before = list(c.group.pids)
+        ray.get(c.group.run.workers[1].inject_fault.remote(2, kind))
+        assert c.run() == State.DONE, c.error
+        replan = next(e for e in c.progress.events if e["kind"] == "re-plan")
+        assert "commit of step 2" in replan["cause"] and replan["at_step"] == 1
+        assert not set(before) & set(c.group.pids), (before, c.group.pids)
+        (r,) = restore_events(c)
+        assert r["step"] == 1 and r["in_place_bytes"] == 0 and r["bytes_by_tier"]["peer"] > 0
+        assert_matches_reference(j, c.progress.losses, final_state(j))
+    finally:
+        for n in (a.name, b.name):
+            if n in cluster.nodes:
+                cluster.remove(n)
+
+
+def overlap_bytes(old: dict, new: dict) -> int:
+    """Bytes of `new`'s need ({"unit", "region", "nbytes"}) that `old` (the same unit) already covers."""
+    numel = inter = 1
+    for (a, b), (c, d) in zip(old["region"], new["region"], strict=True):
+        numel, inter = numel * (d - c), inter * max(0, min(b, d) - max(a, c))
+    return new["nbytes"] * inter // numel
+
+
+def test_a_loss_that_changes_the_layout_reshards_survivors_in_memory(cluster, endpoint):
+    """A TP-2 first stage on m1, then one stage each on m2 and m3; m3 goes. Whatever layout the re-plan on m1 and
+    m2 takes (a new split of the layers, another TP degree), every survivor stays in its process and reads in
+    place exactly the regions its process held before; only the rest moves (from other survivors and the peer
+    copy of m3's layers): the restore's figures checked against the two plans' regions. The oracle holds."""
+    m1, m2, m3 = nodes(cluster, ("rs-1", "A100-80GB", 2), ("rs-2", "L4", 1), ("rs-3", "L4", 1))
+
+    def st(a, b, n, tp=1):
+        return Stage(layer_start=a, layer_end=b, gpu_type=n.gpu_type, node=n.name,
+                     devices=[f"{n.name}/{i}" for i in range(tp)])
+    plan = Plan(model_name="gpt-32", num_layers=4, global_batch=8, pipelines=[Pipeline(
+        num_samples=8, micro_batch_size=4, num_micro_batches=2, stages=[st(0, 2, m1, 2), st(2, 3, m2), st(3, 4, m3)])])
+    j = make_job([m1, m2, m3], endpoint, "reshard")
+    c = make_controller(j, STEPS, first_plan=plan)
+    try:
+        run_until(c, 1)
+        c.store.flush()  # step 1's peer copies are in (its upload waits for them): step 1 is what comes back
+        old = dict(zip(c.group.pids, c.group.needs(), strict=True))
+        lost = c.group.pids[3]
+        kill(cluster, "rs-3")
+        run_until(c, 2)
+        new_plan = c.plan
+        new = list(zip(c.group.pids, c.group.needs(), strict=True))
+        assert [(s.layer_start, s.layer_end, s.tp) for s in new_plan.pipelines[0].stages] != [(0, 2, 2), (2, 3, 1)] \
+            or len(new_plan.pipelines) > 1  # the layout changed
+        assert {pid for pid, _ in new} <= set(old) - {lost}  # every rank is a survivor's process, none started
+        held = {pid: {n["unit"]: n for n in needs} for pid, needs in old.items()}
+        in_place = sum(overlap_bytes(held[pid][n["unit"]], n) for pid, needs in new for n in needs
+                       if n["unit"] in held.get(pid, {}))
+        total = sum(n["nbytes"] for _, needs in new for n in needs)
+        (r,) = restore_events(c)
+        assert r["step"] == 1 and r["in_place_bytes"] == in_place > 0
+        assert r["bytes"] == total - in_place and r["bytes_by_tier"]["s3"] == 0
+        assert c.run() == State.DONE, c.error
+        assert_matches_reference(j, c.progress.losses, final_state(j))
+    finally:
+        for n in ("rs-1", "rs-2"):
+            if n in cluster.nodes:
+                cluster.remove(n)
+
+
+def with_runtime(j: JobSpec, **runtime) -> JobSpec:
+    return j.model_copy(update={"runtime": j.runtime.model_copy(update=runtime)})
 
 
 def test_moments_restore_beside_the_first_step_and_the_oracle_holds(cluster, endpoint):
@@ -175,7 +264,7 @@ def test_moments_restore_beside_the_first_step_and_the_oracle_holds(cluster, end
     keeper holds every moments answer 3 s: the restore returns sooner than that, the first step takes it, every
     byte is counted, and the losses and final parameters are the uninterrupted run's."""
     a, b = nodes(cluster, ("ovl-a", "H100-SXM", 1), ("ovl-b", "L4", 1))
-    j = make_job([a, b], endpoint, "overlap")
+    j = with_runtime(make_job([a, b], endpoint, "overlap"), recovery="restart")  # new processes read a keeper
     c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
     run_until(c, 1)
     ray.get(c.store.keepers["ovl-b"].delay_moments.remote(3.0))
@@ -202,6 +291,7 @@ def test_survivor_blocked_in_a_collective_is_released_within_the_collective_time
     c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
     try:
         run_until(c, 1)
+        kept, stalled = c.group.pids
         ray.get(c.group.run.workers[1].inject_fault.remote(2, "hang"))  # hang-b's rank never reaches the sync
         t_stall = c.clock.now() - c.started_at
         assert c.run() == State.DONE, c.error
@@ -209,7 +299,9 @@ def test_survivor_blocked_in_a_collective_is_released_within_the_collective_time
         assert replan["at_step"] == 1 and "step 2" in replan["cause"]
         assert replan["failure"] == "collective error" and replan["nodes"] == []  # no node went
         assert replan["detected_s"] - t_stall < 3.0 + 2.0, (replan, t_stall)  # the timeout, a step and slack
-        assert replan["t_s"] - t_stall < 3.0 + 4.0  # survivors' state handed over, the group shut down
+        # survivors' state kept; the stalled rank is given the 2 s grace, then replaced (never reused)
+        assert replan["t_s"] - t_stall < 3.0 + 2.0 + 4.0
+        assert kept in c.group.pids and stalled not in c.group.pids  # the stalled process is never reused
         (r,) = restore_events(c)
         assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0  # both nodes' live state survived
         assert_matches_reference(j, c.progress.losses, final_state(j))
@@ -376,7 +468,7 @@ def test_controller_receives_metadata_only_whatever_the_model_size(cluster):
         (r,) = restore_events(c)
         assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0
         got[hidden] = {"received": sum(g.received_bytes for g in groups) + c.store.received_bytes,
-                       "restored": r["bytes"]}
+                       "restored": r["bytes"] + r["in_place_bytes"]}  # moved, or read in place
         assert_matches_reference(j, c.progress.losses)
     small, big = got[32], got[128]
     assert big["restored"] > 8 * small["restored"]  # the state moved grew with the model...

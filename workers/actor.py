@@ -6,8 +6,10 @@ import os
 import socket
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import ray
 import torch
 
@@ -21,7 +23,9 @@ from workers.engine import Engine, StepResult
 from workers.faults import FaultInjector
 from workers.logs import structured_logger
 from workers.state import (
+    KEYS,
     MOMENTS,
+    answer,
     export_shards,
     import_full,
     import_moments,
@@ -30,6 +34,7 @@ from workers.state import (
     to_numpy,
 )
 
+BYTE_TIERS = ("in_place", "live", "peer", "s3")  # where a restore's bytes came from; in place: this process
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,31 +48,28 @@ def compute_dtype(runtime_dtype: str, precision: str, gpu_type: str) -> str:
     return {"fp16": "float16", "fp32": "float32", "fp64": "float64"}[precision]
 
 
-@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1})
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1, "serve": 1})
 class TrainWorker:
     """One rank. `step` and `commit` run in order on the default thread; `hand_over` runs on a
     "control" thread so a survivor blocked in a collective on a dead peer can still give up
     its committed state (which a pending, uncommitted step has not touched), and `receipt`
     on a thread of its own, so a copy to a peer keeper completes beside the next steps.
-    `state_lock` keeps a commit from changing the state while `hand_over` copies it."""
+    `state_lock` keeps a commit from changing the state while `hand_over` copies it.
+
+    In-place recovery (runtime.recovery: in-place) keeps the process across plans: `retain` keeps the
+    committed state and lets go of the stage and its groups, `reconfigure` makes the process a rank of the
+    next plan, and `get_many` (on the "serve" thread) hands the kept state to ranks that need it."""
 
     def __init__(self, plan_json: str, rank: int, model_json: str, train_json: str, data: dict,
                  dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False,
                  overlap_sync: bool = True):
         torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
-        model, train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
-        dataset = make_dataset(data.get("kind", "synthetic"), model.seq_len, model.vocab_size, train.seed,
-                               data.get("path"), data.get("dtype", "uint16"), data.get("endpoint_url"))
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        plan = Plan.model_validate_json(plan_json)
-        r = ranks(plan)[rank]
-        budget = device_budget_bytes(plan.pipelines[r.pipeline].stages[r.stage].gpu_type, train)
-        dtype = compute_dtype(dtype, train.precision, plan.pipelines[r.pipeline].stages[r.stage].gpu_type)
-        self.engine = Engine(plan, rank, model, train, dataset, DTYPES[dtype], slowdown, device,
-                             device_budget_bytes=budget, meter_memory=meter_memory, overlap_sync=overlap_sync)
-        info, st = self.engine.info, self.engine.stage_spec
-        self.log = structured_logger("hetspot.worker", node=info.node, rank=rank, pipeline=info.pipeline,
-                                     stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)
+        self.model, self.train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
+        self.dataset = make_dataset(data.get("kind", "synthetic"), self.model.seq_len, self.model.vocab_size,
+                                    self.train.seed, data.get("path"), data.get("dtype", "uint16"),
+                                    data.get("endpoint_url"))
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.options = {"dtype": dtype, "meter_memory": meter_memory, "overlap_sync": overlap_sync}
         self.log_every = log_every
         self.faults = FaultInjector()
         self.state_lock = threading.Lock()
@@ -75,6 +77,37 @@ class TrainWorker:
         self.keeper = None
         self.puts_ready = threading.Condition()
         self._restore_pool: ThreadPoolExecutor | None = None
+        self.retained: tuple[int, dict] | None = None  # (step, shards): committed state kept for the next plan
+        self.engine: Engine | None = None
+        self._configure(plan_json, rank, slowdown)
+
+    def _configure(self, plan_json: str, rank: int, slowdown: float) -> None:
+        plan = Plan.model_validate_json(plan_json)
+        r = ranks(plan)[rank]
+        gpu = plan.pipelines[r.pipeline].stages[r.stage].gpu_type
+        dtype = compute_dtype(self.options["dtype"], self.train.precision, gpu)
+        self.engine = Engine(plan, rank, self.model, self.train, self.dataset, DTYPES[dtype], slowdown, self.device,
+                             device_budget_bytes=device_budget_bytes(gpu, self.train),
+                             meter_memory=self.options["meter_memory"], overlap_sync=self.options["overlap_sync"])
+        info, st = self.engine.info, self.engine.stage_spec
+        self.log = structured_logger("hetspot.worker", node=info.node, rank=rank, pipeline=info.pipeline,
+                                     stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)
+
+    def reconfigure(self, plan_json: str, rank: int, slowdown: float) -> int:
+        """Become `rank` of another plan in this same process (in-place recovery): the process, its imports and
+        its device context stay; the stage is built anew at `connect`, and the state it held before comes from
+        `retained` (0 bytes moved) through the restore like any other source. Returns the process id."""
+        if self.engine is not None:
+            self._close_engine()
+        self._configure(plan_json, rank, slowdown)
+        return os.getpid()
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()
+        except Exception as e:  # a failed overlapped update: this engine's state is not used again
+            self.log.warning("closing the old stage: %s", e)
+        self.engine = None
 
     def rendezvous_address(self) -> str:
         """Rank 0 picks a free port on its node for torch.distributed's TCP rendezvous."""
@@ -99,6 +132,7 @@ class TrainWorker:
             r = self.engine.step(step_index, before=self.faults, commit=False)
         except Exception as e:
             self.log.error("step %d failed: %s", step_index, e)
+            self._let_go(e)
             raise
         peak, budget = r.extra.get("device_peak_bytes"), r.extra.get("device_budget_bytes")
         if self.engine.meter.enabled and budget and peak > budget:
@@ -109,9 +143,17 @@ class TrainWorker:
                           r.time_s, r.peak_mem_bytes / 2**20)
         return r
 
+    def _let_go(self, e: BaseException) -> None:
+        """After a failed step: drop this rank's process groups, so peers blocked on it in a collective fail now
+        (Engine.drop_groups); the failed step's frames, which hold its pending sends, are cleared first."""
+        while e is not None:
+            traceback.clear_frames(e.__traceback__)
+            e = e.__cause__ or e.__context__
+        self.engine.drop_groups()
+
     def commit(self, step_index: int) -> None:
         with self.state_lock:
-            self.engine.commit(step_index)
+            self.engine.commit(step_index, during=self.faults.during_update)
 
     def set_keeper(self, keeper) -> None:
         """The keeper this rank's peer snapshots go to (set apart from `snapshot`: an actor handle in a
@@ -150,6 +192,65 @@ class TrainWorker:
         ray.get(keeper.put.remote("live", step, self.engine.rank, shards), timeout=60)
         return {"rank": self.engine.rank, "step": step}
 
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:
+        """Make this rank's pending receive or collective fail now (Engine.abort_groups), so its default thread is
+        free for `retain` (in-place recovery: the controller aborts every survivor once a failure is seen)."""
+        e = self.engine
+        if e is not None:
+            e.abort_groups()
+
+    def retain(self, step: int | None) -> dict | None:
+        """After a failure (in-place recovery): keep committed step `step` (None: whatever step is committed) in
+        this process for the next plan, and let go of this plan's stage and groups. Only a rank that proves it
+        holds exactly that step is kept: its stage's committed step is `step`, no update was under way and no
+        overlapped restore or update failed; or the stage never got state and the step kept from before is
+        `step`. None: this process is not to be reused (the group replaces it)."""
+        e, kept = self.engine, None
+        try:
+            if e is not None and e.module is not None and not e.updating and e.incomplete is None \
+                    and step in (None, e.committed_step):
+                with self.state_lock:
+                    shards = to_numpy(export_shards(e)) if e.committed_step >= 0 else {}  # settles; may raise
+                kept = (e.committed_step, shards)
+            elif self.retained is not None and step in (None, self.retained[0]):
+                kept = self.retained
+        except Exception as err:  # an overlapped update or restore failed: its state is no step's
+            self.log.warning("not kept for the next plan: %s", err)
+        if e is not None:
+            self._close_engine()
+        self.retained = kept
+        if kept is None:
+            return None
+        nbytes = sum(v.nbytes for sh in kept[1].values() for v in sh.values() if isinstance(v, np.ndarray))
+        return {"step": kept[0], "pid": os.getpid(), "bytes": nbytes}
+
+    def held(self) -> list[dict]:
+        """What `retain` kept, as a keeper's inventory rows (a source for the restore planner)."""
+        if self.retained is None:
+            return []
+        step, shards = self.retained
+        return [{"unit": unit, "region": sh["slice"], "step": step, "shape": sh["shape"],
+                 "optimizer_steps": sh["optimizer_steps"]} for unit, sh in shards.items()]
+
+    @ray.method(concurrency_group="serve")
+    def get_many(self, requests: list[tuple], step: int, s3: tuple | None = None,
+                 keys: tuple[str, ...] | None = None) -> list[dict]:
+        """The kept state's regions, as a keeper answers them (tier "live": another worker's memory); served on
+        a thread of its own, so ranks restoring at once read each other's kept state."""
+        return self._serve(requests, step, keys, "live")
+
+    def _serve(self, requests: list[tuple], step: int, keys: tuple[str, ...] | None, tier: str) -> list[dict]:
+        keys = KEYS if keys is None else tuple(keys)
+        held = self.retained
+        if held is None or held[0] != step:
+            return [{"error": f"{self.engine.where} keeps step {held and held[0]}, not step {step}"}]
+        return [answer(held[1][unit], region, keys, tier) for _, unit, region in requests]
+
+    def drop_retained(self) -> None:
+        """The state kept for a restore is no longer needed (every rank committed a step since)."""
+        self.retained = None
+
     def needs(self) -> list[dict]:
         return needs(self.engine)
 
@@ -186,11 +287,14 @@ class TrainWorker:
         by_keeper: dict = {}
         for i, (_, _, keeper, request) in enumerate(transfers):
             by_keeper.setdefault(keeper, []).append((i, request))
-        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3, keys)) for k, reqs in by_keeper.items()]
-        nbytes, deferred = {"live": 0, "peer": 0, "s3": 0}, {"live": 0, "peer": 0, "s3": 0}
+        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3, keys)) for k, reqs in by_keeper.items()
+                   if k is not None]
+        if None in by_keeper:  # what this process kept itself: nothing moves ("in_place")
+            futures.append((by_keeper[None], self._serve([r for _, r in by_keeper[None]], step, keys, "in_place")))
+        nbytes, deferred = dict.fromkeys(BYTE_TIERS, 0), dict.fromkeys(BYTE_TIERS, 0)
         got: dict = {}
         for reqs, fut in futures:
-            answers = ray.get(fut, timeout=300)
+            answers = fut if isinstance(fut, list) else ray.get(fut, timeout=300)
             if answers and "error" in answers[0]:
                 return {"error": answers[0]["error"]}, nbytes, deferred
             for (i, _), a in zip(reqs, answers, strict=True):

@@ -24,7 +24,9 @@ computes, prefetched `prefetch_depth` layers ahead.
 from __future__ import annotations
 
 import contextlib
+import gc
 import resource
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,6 +47,8 @@ from workers.grad_sync import GradSync
 from workers.model import Stage
 from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
 from workers.optim_state import OptimizerState
+
+ABORT_TAG = 999_983  # the receives that close a group's pairs (abort_groups); steps use tags below 2 x micro-batches
 
 
 class StepError(RuntimeError):
@@ -98,7 +102,10 @@ class Engine(GradSync, OptimizerState):
         self.where = (f"rank {rank} (pipeline {self.info.pipeline}, stage {self.info.stage}, "
                       f"TP rank {self.info.tp_rank}, {self.stage_spec.gpu_type} on {self.info.node})")
         self.module: Stage | None = None
+        self.tp_group, self.grad_groups = None, []
+        self._groups_lock, self._aborted = threading.Lock(), False
         self.committed_step = -1  # the newest step whose update is applied (set by restores too)
+        self.updating = False  # inside an update: a failure now leaves state that is no step's (never reused)
         self._pending: int | None = None  # a step synced and clipped, waiting for commit()
 
     # -- set-up --------------------------------------------------------------
@@ -189,8 +196,54 @@ class Engine(GradSync, OptimizerState):
             self.updater.join()
         if getattr(self, "store", None) is not None:
             self.store.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.drop_groups()
+
+    def drop_groups(self) -> None:
+        """Let go of this rank's process groups, after a failed step or before the process joins another plan's:
+        their pairs are closed first (`abort_groups`), so a peer blocked on this rank fails at once instead of
+        at the collective timeout, then the groups are destroyed. The module keeps its tensors; it cannot run a
+        TP step until rebuilt."""
+        with self._groups_lock:
+            self._abort_locked()
+            self.tp_group, self.grad_groups = None, []
+            self.buckets, self._inflight = [], []
+            for h in getattr(self, "_sync_hooks", ()):
+                h.remove()
+            self._sync_hooks = []
+            if self.module is not None:
+                self.module.tp_group = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        gc.collect()
+
+    def abort_groups(self) -> None:
+        """Make every operation of this rank's groups fail now, from any thread: an in-place recovery's way to free
+        a survivor blocked in a receive or a collective on a lost peer (torchft aborts its process groups alike).
+        NCCL aborts its communicators. Gloo has no abort that wakes a pending receive (`abort` and `shutdown`
+        leave it waiting) and does not close a group's pairs while anything refers to it, but a receive that
+        times out closes its pair: one 1 ms receive from each member, on a tag no step uses, closes them all.
+        Both ends' pending operations then fail, so the peers blocked on this rank are freed too."""
+        with self._groups_lock:
+            self._abort_locked()
+
+    def _abort_locked(self) -> None:
+        if not dist.is_initialized() or self._aborted:
+            return
+        self._aborted = True
+        if self.device.type == "cuda":
+            dist.distributed_c10d._abort_process_group()
+            return
+        groups = [None, *([self.tp_group] if self.tp_group is not None else []), *(g for _, g in self.grad_groups)]
+        for g in groups:
+            me, size = dist.get_rank(g), dist.get_world_size(g)
+            for r in range(size):
+                if r == me:
+                    continue
+                try:
+                    w = dist.irecv(torch.empty(1), group=g, group_src=r, tag=ABORT_TAG)
+                    w.wait(timeout=timedelta(milliseconds=1))
+                except Exception:  # noqa: BLE001 - the timeout (or an already closed pair) is the point
+                    pass
 
     # -- one step -------------------------------------------------------------
     def step(self, step_index: int, before: Callable[[int], None] | None = None, commit: bool = True) -> StepResult:
@@ -213,12 +266,17 @@ class Engine(GradSync, OptimizerState):
             raise StepError(f"{self.where} failed at step {step_index}: {type(e).__name__}: {e}",
                             type(e).__name__) from e
 
-    def commit(self, step_index: int) -> None:
-        """Apply the optimizer update of `step_index`, whose gradients are synced and clipped."""
+    def commit(self, step_index: int, during: Callable[[int], None] | None = None) -> None:
+        """Apply the optimizer update of `step_index`, whose gradients are synced and clipped. `during(step_index)`
+        runs once the update has changed the state (fault injection: a failure there leaves state no step's)."""
         if self._pending != step_index:
             raise RuntimeError(f"{self.where}: commit of step {step_index}, but the step ready to commit is "
                                f"{self._pending}")
+        self.updating = True
         self._update()
+        if during is not None:
+            during(step_index)
+        self.updating = False
         self._pending = None
         self.committed_step = step_index
 

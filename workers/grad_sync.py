@@ -41,13 +41,14 @@ class GradSync:
         self._inflight: list = []
         self.sync_trace: list[tuple[str, int, float]] = []  # ("ready" | "launch", layer, time) of the last step
         self._left: dict[int, int] = {}  # gradients per layer, counted down in the last backward
+        self._sync_hooks: list = []  # removed with the groups their buckets name (Engine.drop_groups)
         if self.offload_opt:
             return
         by_name = {name: b for b in self.buckets for name in b[2]}
         for name, p in self.module.params.items():
             layer = extended_layer(self.module.specs[name].layer, n_layers)
             self._left[layer] = self._left.get(layer, 0) + 1
-            p.register_post_accumulate_grad_hook(self._on_grad(layer, by_name.get(name)))
+            self._sync_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(layer, by_name.get(name))))
 
     def _on_grad(self, layer: int, bucket):
         def hook(_p: torch.Tensor) -> None:

@@ -84,6 +84,26 @@ def cut(shard: dict, region, keys: tuple[str, ...] = KEYS) -> dict:
     return out
 
 
+def shard_nbytes(shard: dict, keys: tuple[str, ...] = KEYS) -> int:
+    return sum(shard[k].nbytes for k in keys if shard.get(k) is not None)
+
+
+def region_nbytes(shard: dict, region, keys: tuple[str, ...]) -> int:
+    """The bytes `cut(shard, region, keys)` would give, without cutting."""
+    numel = 1
+    for a, b in region:
+        numel *= b - a
+    return sum(numel * shard[k].itemsize for k in keys if shard.get(k) is not None)
+
+
+def answer(shard: dict, region, keys: tuple[str, ...], tier: str) -> dict:
+    """A holder's answer for one region of a shard (a keeper's, or a kept worker process's): the tensors `keys`
+    cut to it, their bytes, and the bytes of the keys left out (an overlapped restore asks for them later)."""
+    tensors = cut(shard, region, keys)
+    return {"tier": tier, "tensors": tensors, "bytes": shard_nbytes(tensors),
+            "deferred": region_nbytes(shard, region, tuple(k for k in KEYS if k not in keys))}
+
+
 def to_numpy(shards: dict[str, dict]) -> dict[str, dict]:
     """Shards with numpy arrays instead of CPU tensors: Ray moves numpy arrays without pickling their data."""
     return {n: {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for n, s in shards.items()}

@@ -253,7 +253,7 @@ class Controller:
         self._event("scale-up" if d.move else "scale-up-declined", f"nodes joined ({joined}): {d.reason}", **extra)
         if d.move:
             self.store.drain(self.group, self.progress.committed, set())  # the committed step, kept on its nodes
-            self.group.shutdown()
+            self.group.release()
             self.plan, self.cluster = new, cluster
         return d.move
 
@@ -304,7 +304,7 @@ class Controller:
                 self.progress.snapshot_step = self.progress.committed
         except WorkerFailure as e:
             return self._decide(e)
-        self.group.shutdown()
+        self.group.release()
         self._mark("snapshot_s")  # the doomed node's state is out: it may go now
         self.progress.drains += 1
         return State.DISCOVERING
@@ -315,7 +315,7 @@ class Controller:
         failure, detected_s = self._failure
         if self.group is not None:
             self._salvage()
-            self.group.shutdown()
+            self.group.release()
         self._event("re-plan", str(failure), detected_s=detected_s, failure=failure.kind, nodes=failure.nodes)
         if self.user_plan:
             log.warning("replacing the plan given with --plan by a planner plan on the surviving GPUs "
@@ -347,7 +347,7 @@ class Controller:
 
     def _salvage(self) -> None:  # survivors keep their committed state (tier "live") before their group goes
         try:
-            self.store.salvage(self.group, self.doomed)
+            self.store.salvage(self.group, self.doomed, self.progress.committed)
         except Exception as e:  # the other tiers still hold the state; a failed salvage costs bytes, not the job
             log.warning("salvaging survivors' state failed: %s", e)
 

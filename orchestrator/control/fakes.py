@@ -58,6 +58,9 @@ class FakeWorkerGroup:
         self.applied = state["applied"]
         self.log.append(("import", state["applied"]))
 
+    def release(self) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         self.log.append(("shutdown",))
 

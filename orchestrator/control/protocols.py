@@ -31,7 +31,8 @@ class WorkerGroup(Protocol):
     def step(self, step_index: int) -> float: ...  # the committed step's loss; raises WorkerFailure
     def export_state(self) -> tuple[Any, float]: ...  # (canonical state, optimizer steps)
     def import_state(self, state: Any, optimizer_steps: float) -> None: ...
-    def shutdown(self) -> None: ...
+    def release(self) -> None: ...  # the group ends; in place, the processes that kept their state stay for the next
+    def shutdown(self) -> None: ...  # the group ends with every process
 
 
 class StateGroup(WorkerGroup, Protocol):
@@ -41,6 +42,7 @@ class StateGroup(WorkerGroup, Protocol):
 
     plan: Any  # the Plan the workers run
     holds_state: bool  # the workers hold the committed state (set by the state plane around restores)
+    in_place: bool  # survivors keep their processes and state across plans (runtime.recovery: in-place)
 
     def snapshot(self, step: int, keepers: list, pin: bool = False) -> list: ...  # per rank: its peer copy's answer
     def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]: ...  # live copies, per rank
@@ -48,6 +50,10 @@ class StateGroup(WorkerGroup, Protocol):
     def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None,
              overlap: bool = True) -> list[dict]: ...  # per rank: {"bytes": {tier: n}, ...} or {"error": ...}
     def settle_restore(self, timeout_s: float = 60.0) -> None: ...  # an overlapped restore's moments are in
+    # in place only:
+    def retain(self, step: int | None, avoid: set[str]) -> list[dict | None]: ...  # per rank: kept, or None
+    def held(self) -> list[dict]: ...  # per kept process: {"rank", "node", "handle", "rows"}
+    def drop_retained(self) -> None: ...  # the kept copies are no longer needed
 
 
 class StateCalls(Protocol):
@@ -64,7 +70,8 @@ class StateCalls(Protocol):
 class StatePlane(Protocol):
     def after_step(self, group: WorkerGroup, step: int, avoid: set[str]) -> bool: ...  # True: a snapshot was taken
     def drain(self, group: WorkerGroup, step: int, avoid: set[str]) -> None: ...  # state off the `avoid` nodes, now
-    def salvage(self, group: WorkerGroup, avoid: set[str]) -> None: ...  # survivors off `avoid` keep their state
+    def salvage(self, group: WorkerGroup, avoid: set[str], step: int | None) -> None: ...  # survivors off `avoid`
+    # keep committed step `step`
     def restore(self, group: WorkerGroup, avoid: set[str]) -> dict | None: ...  # {"step", "tier", "bytes", ...};
     # None: a fresh start; no source on the `avoid` nodes
     def flush(self) -> None: ...  # uploads in flight complete

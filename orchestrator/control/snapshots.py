@@ -30,7 +30,7 @@ class MemorySnapshots:
         state, optimizer_steps = group.export_state()
         self._latest = (step, state, optimizer_steps)
 
-    def salvage(self, group, avoid: set[str] = frozenset()) -> None:
+    def salvage(self, group, avoid: set[str] = frozenset(), step: int | None = None) -> None:
         """Nothing to keep from a failed group: the snapshot is already here."""
 
     def restore(self, group, avoid: set[str] = frozenset()) -> dict | None:

@@ -21,7 +21,7 @@ import ray
 from orchestrator.control.controller import Controller, State
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.ray_notices import RayNotices
-from orchestrator.runtime.worker_group import RayWorkerGroup
+from orchestrator.runtime.worker_group import RayWorkerGroup, WorkerPool
 from planner import Plan
 
 
@@ -34,8 +34,9 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
     """
     from orchestrator.cluster.node_sources import DeclaredNodes
 
+    pool = WorkerPool() if job.runtime.recovery == "in-place" else None  # processes kept across plans
     return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
-                      lambda p: RayWorkerGroup(job, p, on_step), store=make_store(job), first_plan=first_plan,
+                      lambda p: RayWorkerGroup(job, p, on_step, pool), store=make_store(job), first_plan=first_plan,
                       interruptions=RayNotices(None if job.runtime.notices == "none" else job.runtime.notices,
                                                job.runtime.notice_poll_s),
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,

@@ -58,15 +58,63 @@ def slowdowns(plan: Plan, emulate: bool, declared: set[str] = frozenset()) -> di
     return {t: fastest / gpu_info(t).peak_tflops for t in types}
 
 
+@dataclass
+class Kept:
+    """A worker process kept from one plan for the next (in-place recovery), with what it held."""
+
+    actor: object
+    pg: object  # its placement group (one GPU on its node): removing it would end the process
+    node: str
+    span: tuple[int, int]  # the extended layers its last stage held
+    pid: int
+    step: int  # the committed step it keeps in memory (-1: none)
+
+
+class WorkerPool:
+    """Worker processes between plans (in-place recovery; AutoHet's local-first recovery taken to the process):
+    survivors of a failure, a drain or a move, each keeping its committed state. The next plan's ranks take the
+    kept process on their node that held the most of their layers; the ones no rank takes serve their state to
+    the restore and are ended once every rank has committed a step (`end_idle`)."""
+
+    def __init__(self) -> None:
+        self.idle: list[Kept] = []
+
+    def take(self, node: str, span: tuple[int, int]) -> Kept | None:
+        here = [k for k in self.idle if k.node == node]
+        if not here:
+            return None
+        best = max(here, key=lambda k: (min(k.span[1], span[1]) - max(k.span[0], span[0]), -k.pid))
+        self.idle.remove(best)
+        return best
+
+    def end_idle(self) -> None:
+        for k in self.idle:
+            _end(k.actor, k.pg)
+        self.idle = []
+
+
+def _end(actor, pg) -> None:
+    ray.kill(actor, no_restart=True)
+    try:
+        remove_placement_group(pg)
+    except Exception as e:  # the cluster may already be gone; record and move on
+        log.debug("removing placement group failed: %s", e)
+
+
 class PlanRun:
     def __init__(self, job: JobSpec, plan: Plan):
         self.job, self.plan = job, plan
         self.ranks = layout.ranks(plan)
         self.workers: list = []
-        self.pgs: list = []
+        self.pgs: list = []  # per worker: its placement group (one GPU, pinned to the plan's node)
+        self.kept: list[Kept | None] = []  # per worker: the process it was kept from, None if started here
+        self.pids: list[int] = []  # per worker: its process id, once joined
         self.received_bytes = 0  # what this process took in from the workers (state stays out of it)
 
-    def start(self, timeout_s: float = 120.0) -> None:
+    def start(self, timeout_s: float = 120.0, pool: WorkerPool | None = None) -> None:
+        """Place the plan's workers and join them in one process group. With a `pool`, a rank on a node with a kept
+        process becomes that process (`reconfigure`: no process start, no imports, the device context kept);
+        only the other ranks start one."""
         from workers.actor import TrainWorker
 
         try:
@@ -85,23 +133,36 @@ class PlanRun:
         slow = slowdowns(self.plan, self.job.runtime.emulate_speed, declared)
         model_json, train_json = self.job.model_spec.model_dump_json(), self.job.train.model_dump_json()
         plan_json = self.plan.model_dump_json()
+        spans = layout.rank_spans(self.plan)
+        joined = []
         for p in self.plan.pipelines:
             for st in p.stages:
-                pg = placement_group([{"GPU": 1}] * st.tp, strategy="STRICT_PACK",
-                                     bundle_label_selector=[{"ray.io/node-id": ids[st.node]}] * st.tp)
-                self.pgs.append(pg)
-                for k in range(st.tp):
+                for _ in range(st.tp):
+                    rank = len(self.workers)
+                    kept = pool.take(st.node, spans[rank][1:]) if pool is not None else None
+                    self.kept.append(kept)
+                    if kept is not None:
+                        self.workers.append(kept.actor)
+                        self.pgs.append(kept.pg)
+                        joined.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.gpu_type]))
+                        continue
+                    pg = placement_group([{"GPU": 1}], strategy="STRICT_PACK",
+                                         bundle_label_selector=[{"ray.io/node-id": ids[st.node]}])
+                    self.pgs.append(pg)
                     self.workers.append(TrainWorker.options(
                         num_gpus=1,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
-                    ).remote(plan_json, len(self.workers), model_json, train_json, self.job.data.model_dump(),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                    ).remote(plan_json, rank, model_json, train_json, self.job.data.model_dump(),
                              self.job.runtime.dtype, slow[st.gpu_type], self.job.runtime.log_every,
                              self.job.runtime.meter_memory, self.job.runtime.overlap_grad_sync))
+        if joined:
+            log.info("%d of %d workers stay in their processes; %d start", len(joined), len(self.workers),
+                     len(self.workers) - len(joined))
         self._await_placement(timeout_s, node_ids)
         # Inside _gather, so an error in a worker's constructor names the rank and is classified.
         init = self._gather([self.workers[0].rendezvous_address.remote()], "start-up", timeout_s)[0]
-        self._gather([w.connect.remote(init, self.job.runtime.collective_timeout_s) for w in self.workers],
-                     "start-up", timeout_s)
+        self.pids = self._gather([w.connect.remote(init, self.job.runtime.collective_timeout_s)
+                                  for w in self.workers], "start-up", timeout_s)
 
     def _await_placement(self, timeout_s: float, node_ids) -> None:
         """Wait for the placement groups; a plan node that dies meanwhile fails the start-up at once (a node
@@ -164,35 +225,49 @@ class PlanRun:
         st = self.plan.pipelines[r.pipeline].stages[r.stage]
         return f"rank {rank} (pipeline {r.pipeline}, stage {r.stage}, {st.gpu_type} on {r.node})"
 
-    def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        for pg in self.pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception as e:  # the cluster may already be gone; record and move on
-                log.debug("removing placement group failed: %s", e)
-        self.workers, self.pgs = [], []
+    def shutdown(self, keep: list[dict | None] | None = None, pool: WorkerPool | None = None) -> None:
+        """End the run: every worker, or, with `keep` (per rank: what `retain` kept, None: not kept), all but the
+        kept ones, which go to `pool` for the next plan."""
+        spans = layout.rank_spans(self.plan)
+        for i, (w, pg) in enumerate(zip(self.workers, self.pgs, strict=False)):
+            got = keep[i] if keep is not None and i < len(keep) else None
+            if got is not None and pool is not None:
+                pool.idle.append(Kept(w, pg, self.ranks[i].node, spans[i][1:], got["pid"], got["step"]))
+            else:
+                _end(w, pg)
+        self.workers, self.pgs, self.kept = [], [], []
 
 
 class RayWorkerGroup:
-    """The controller's WorkerGroup over a PlanRun; every fault arrives as a WorkerFailure."""
+    """The controller's WorkerGroup over a PlanRun; every fault arrives as a WorkerFailure.
 
-    def __init__(self, job: JobSpec, plan: Plan, on_step=None):
+    With a `pool` (runtime.recovery: in-place) the group's processes outlive it: `retain` has each survivor keep
+    its committed state, `release` hands the survivors to the pool, and the next group's ranks take them."""
+
+    def __init__(self, job: JobSpec, plan: Plan, on_step=None, pool: WorkerPool | None = None):
         self.run = PlanRun(job, plan)
-        self.plan = plan
+        self.plan, self.pool = plan, pool
+        self.in_place = pool is not None
         self.on_step = on_step
         self.last_peak_mem = 0
         self.last_samples: list[tuple[int, int]] = []  # (first sample, count) per micro-batch of the last step
         self.real_gpus = False
         self.holds_state = False  # the workers hold the job's state (restored, or trained from step 0)
         self.keepers: list = []  # each rank's peer keeper, as last set
+        self.retained: list[dict | None] | None = None  # per rank, what `retain` kept
+        self.step_times: list[float] = []  # seconds per step trained by this group
 
     def start(self) -> None:
-        self.run.start()
+        self.run.start(pool=self.pool)
+
+    @property
+    def pids(self) -> list[int]:
+        """Per rank: its worker's process id (a kept process keeps its id across plans)."""
+        return self.run.pids
 
     def step(self, step_index: int) -> float:
         r = self.run.run(1, first_step=step_index, on_step=self.on_step)
+        self.step_times.append(r.step_time_s[0])
         self.last_peak_mem, self.real_gpus = r.peak_mem_bytes[0], r.real_gpus
         self.last_samples = r.samples[0]
         return r.losses[0]
@@ -249,5 +324,57 @@ class RayWorkerGroup:
     def import_state(self, state: dict, optimizer_steps: float) -> None:
         self.run.import_state(state, optimizer_steps)
 
+    def retain(self, step: int | None, avoid: set[str] = frozenset(), grace_s: float | None = None) -> list[dict | None]:
+        """After a failure or before a move: each survivor off `avoid` keeps committed step `step` in its own
+        memory (TrainWorker.retain); per rank what it kept, None for a rank that did not prove it holds exactly
+        that step within `grace_s` (dead, still blocked, or mid-update): it is replaced. A failed rank lets go of
+        its groups at once (Engine.drop_groups), so a survivor blocked on it is released within milliseconds; the
+        grace, by default 3 of the group's step times (2 to 10 s), covers a survivor still computing. Every
+        survivor is aborted first (TrainWorker.abort), so one blocked on a live but stalled peer is freed too."""
+        if grace_s is None:
+            times = sorted(self.step_times[-10:])
+            grace_s = min(10.0, max(2.0, 3 * times[len(times) // 2])) if times else 10.0
+        mine = [(w, r.node not in avoid) for w, r in zip(self.run.workers, self.run.ranks, strict=True)]
+        aborts = [w.abort.remote() for w, keep in mine if keep]  # survivors blocked on a lost peer fail now
+        ray.wait(aborts, num_returns=len(aborts), timeout=min(2.0, grace_s))
+        refs = [w.retain.remote(step) if keep else None for w, keep in mine]
+        live = [r for r in refs if r is not None]
+        ray.wait(live, num_returns=len(live), timeout=grace_s)
+        out = []
+        for i, r in enumerate(refs):
+            try:
+                out.append(ray.get(r, timeout=0) if r is not None else None)
+            except Exception as e:  # a dead or stuck rank: not reused
+                log.info("%s is not kept: %s", self.run._describe(i), type(e).__name__)
+                out.append(None)
+        self.retained = out
+        return out
+
+    def held(self) -> list[dict]:
+        """The state kept in worker processes, per process: {"rank" (in this plan, None for an idle kept process),
+        "node", "handle", "rows" (inventory rows as a keeper's)}."""
+        procs = [(i, w, r.node) for i, (w, r) in enumerate(zip(self.run.workers, self.run.ranks, strict=True))
+                 if self.run.kept and self.run.kept[i] is not None and self.run.kept[i].step >= 0]
+        procs += [(None, k.actor, k.node) for k in (self.pool.idle if self.pool else []) if k.step >= 0]
+        rows = self.run._gather([w.held.remote() for _, w, _ in procs], "listing kept state", 60.0) if procs else []
+        return [{"rank": i, "node": n, "handle": w, "rows": r} for (i, w, n), r in zip(procs, rows, strict=True)]
+
+    def drop_retained(self) -> None:
+        """Every rank has committed a step since the restore: the kept copies go, and so do idle kept processes."""
+        for w, k in zip(self.run.workers, self.run.kept, strict=False):
+            if k is not None:
+                w.drop_retained.remote()
+        if self.pool is not None:
+            self.pool.end_idle()
+
+    def release(self) -> None:
+        """End this group but, in place, keep the processes that `retain` kept, for the next plan."""
+        if self.pool is None:
+            self.shutdown()
+            return
+        self.run.shutdown(self.retained, self.pool)
+
     def shutdown(self) -> None:
         self.run.shutdown()
+        if self.pool is not None:
+            self.pool.end_idle()

@@ -42,6 +42,7 @@ class LocalGroup:
         self.step: int | None = None
         self.shards: list[dict] = [{} for _ in self.ranks]
         self.holds_state = False
+        self.in_place = False  # its ranks hand their state to keepers (the restart path's salvage)
 
     def commit(self, step: int) -> None:
         self.step, self.holds_state = step, True

@@ -22,6 +22,21 @@ def keeper_holdings(inventory: dict[str, list[dict]], tiers=TIERS, step: int | N
     return holdings, sources, opt, shapes
 
 
+def process_holdings(held: list[dict]):
+    """(Holdings, their sources, optimizer steps by step) from the state kept in worker processes (in-place
+    recovery): per process {"rank" (its rank in the new plan, None: idle), "node", "handle", "rows"}. A process's
+    own rank reads it in place (the restore planner's cost class 0)."""
+    holdings, sources, opt = [], {}, {}
+    for i, p in enumerate(held):
+        holder = f"process:{p['node']}:{i}"
+        for row in p["rows"]:
+            holdings.append(Holding("live", holder, p["node"], row["unit"], tuple(tuple(r) for r in row["region"]),
+                                    row["step"], p["rank"]))
+            sources[(holder, row["step"])] = ("process", p["handle"], p["rank"])
+            opt[row["step"]] = row["optimizer_steps"]
+    return holdings, sources, opt
+
+
 def s3_holdings(manifests: list[dict]):
     """(Holdings, their sources, optimizer steps by step) from complete S3 steps' manifests."""
     holdings, sources, opt = [], {}, {}

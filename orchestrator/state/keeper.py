@@ -27,18 +27,6 @@ import ray
 log = logging.getLogger("hetspot.keeper")
 
 
-def shard_nbytes(shard: dict, keys: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")) -> int:
-    return sum(shard[k].nbytes for k in keys if shard.get(k) is not None)
-
-
-def region_nbytes(shard: dict, region, keys: tuple[str, ...]) -> int:
-    """The bytes `cut(shard, region, keys)` would give, without cutting."""
-    numel = 1
-    for a, b in region:
-        numel *= b - a
-    return sum(numel * shard[k].itemsize for k in keys if shard.get(k) is not None)
-
-
 class KeeperStore:
     """One node's keeper, as a plain object (unit tests use it so); `Keeper` is the same as a Ray actor."""
 
@@ -61,6 +49,8 @@ class KeeperStore:
     def put(self, tier: str, step: int, rank: int, shards: dict, pin: bool = False) -> dict:
         """Keep a worker's shards; for "peer", only the newest `keep_peer_steps` steps stay, and
         pinned ones (an S3 upload of them is coming) until `unpin`."""
+        from workers.state import shard_nbytes
+
         opt = max((s["optimizer_steps"] for s in shards.values()), default=0.0)
         with self.lock:
             self.held[(tier, step, rank)] = (shards, opt)
@@ -92,6 +82,8 @@ class KeeperStore:
 
     def inventory(self) -> list[dict]:
         """What this keeper holds, as metadata: one row per (tier, step, rank, unit)."""
+        from workers.state import shard_nbytes
+
         with self.lock:
             items = list(self.held.items())
         return [{"tier": tier, "step": step, "rank": rank, "unit": unit, "region": [list(r) for r in s["slice"]],
@@ -110,7 +102,7 @@ class KeeperStore:
         mismatch answers {"error": ...} instead.
         """
         from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
-        from workers.state import KEYS, MOMENTS, cut
+        from workers.state import KEYS, MOMENTS, answer, cut
 
         keys = KEYS if keys is None else tuple(keys)
         if self.moments_delay_s and keys == MOMENTS:
@@ -136,9 +128,7 @@ class KeeperStore:
             tier, rank, unit, region = req
             with self.lock:
                 shard = self.held[(tier, step, rank)][0][unit]
-            tensors = cut(shard, region, keys)
-            out.append({"tier": tier, "tensors": tensors, "bytes": shard_nbytes(tensors),
-                        "deferred": region_nbytes(shard, region, tuple(k for k in KEYS if k not in keys))})
+            out.append(answer(shard, region, keys, tier))
         return out
 
     def delay_uploads(self, seconds: float) -> None:

@@ -26,7 +26,7 @@ import time
 from orchestrator.control.drain import replicated_off
 from orchestrator.runtime.metrics import payload_bytes
 from orchestrator.state.calls import RayCalls
-from orchestrator.state.holdings import keeper_holdings, s3_holdings
+from orchestrator.state.holdings import keeper_holdings, process_holdings, s3_holdings
 from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
 from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
 from planner import layout
@@ -117,6 +117,8 @@ class TieredState:
         if self._sourcing:  # a step is committed: every rank has its moments, the live copies can go
             self._sourcing = False
             self._call_keepers("clear", "live")
+            if group.in_place:
+                group.drop_retained()
         if (step + 1) % self.peer_every:
             return False
         self.snapshot(group, step, avoid)
@@ -130,7 +132,7 @@ class TieredState:
         "live"), so a stage that stays where it was reads it from its own node."""
         if avoid and not replicated_off(group.plan, avoid):
             self.snapshot(group, step, avoid, wait=True)
-        self.salvage(group, avoid)
+        self.salvage(group, avoid, step)
 
     def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
         try:
@@ -284,15 +286,23 @@ class TieredState:
                 raise TimeoutError(f"S3 uploads still running after {timeout_s:.0f} s")
 
     # -- after a failure ----------------------------------------------------------------
-    def salvage(self, group, avoid: set[str] = frozenset()) -> None:
-        """Survivors (off the `avoid` nodes) hand the committed state they hold to their own node's keeper (tier
-        "live")."""
-        if not getattr(group, "holds_state", False):
-            return  # a group that failed before its state was restored holds nothing worth keeping
-        ids = self._alive_nodes()
+    def salvage(self, group, avoid: set[str] = frozenset(), step: int | None = None) -> None:
+        """Survivors (off the `avoid` nodes) keep committed step `step` (None: the step each holds): in their own
+        processes when the group recovers in place (nothing moves; a rank that cannot prove it holds that step
+        is replaced), else handed to their own node's keeper (tier "live")."""
         if self._sourcing:  # the moments of the restore still being pulled come from the live tier
             group.settle_restore()
             self._sourcing = False
+        if group.in_place:  # even a group that failed before its restore: its processes still keep the step
+            got = group.retain(step, avoid)
+            self.received_bytes += payload_bytes(got)
+            kept = [g for g in got if g is not None]
+            log.info("%d of %d workers keep their committed state (step %s) in their own processes", len(kept),
+                     len(got), sorted({g["step"] for g in kept}))
+            return
+        if not group.holds_state:
+            return  # a group that failed before its state was restored holds nothing worth keeping
+        ids = self._alive_nodes()
         self._call_keepers("clear", "live")
         ranks = layout.ranks(group.plan)
         keep = [r.node in ids and r.node not in avoid for r in ranks]
@@ -338,6 +348,9 @@ class TieredState:
         needs = [Need(i, ranks[i].node, n["unit"], tuple(tuple(r) for r in n["region"]), n["nbytes"])
                  for i, rank_needs in enumerate(needs_by_rank) for n in rank_needs]
         kh, ksrc, kopt, _ = self._keeper_holdings()
+        if group.in_place:  # what kept processes hold in their own memory: the cheapest source of all
+            ph, psrc, popt = process_holdings(group.held())
+            kh, ksrc, kopt = ph + kh, psrc | ksrc, popt | kopt
         kh = [h for h in kh if h.node not in avoid]
         # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
         newest_upload = max((u["step"] for u in self.uploads if u["status"] in ("written", "exists")), default=-1)
@@ -360,7 +373,11 @@ class TieredState:
             ids = self._alive_nodes() if any(t.source.tier == "s3" for t in rp.transfers) else {}
             for t in rp.transfers:
                 kind, *rest = sources[(t.source.holder, rp.step)]
-                if kind == "keeper":  # a shard a keeper holds
+                if kind == "process":  # a kept process's memory: read in place when it is the rank's own
+                    handle, rank = rest
+                    keeper = None if rank == t.need.rank else handle
+                    request = ("memory", t.need.unit, t.region)
+                elif kind == "keeper":  # a shard a keeper holds
                     node, tier, rank = rest
                     keeper, request = self.keepers[node], (tier, rank, t.need.unit, t.region)
                 else:  # an S3 piece, read by the keeper of the worker's node (once per node)
@@ -377,9 +394,11 @@ class TieredState:
             refused.add(rp.step)
             self.bad_steps.add(rp.step)  # its redo replaces it in S3
         by_tier = {t: sum(r["bytes"].get(t, 0) for r in results) for t in TIERS}
+        in_place = sum(r["bytes"].get("in_place", 0) for r in results)
         self.last_restore = {  # times: planning (sources listed), the slowest rank's pull and load, in all
-            "step": rp.step, "tier": next((t for t in reversed(TIERS) if by_tier[t]), "live"),
-            "bytes": sum(by_tier.values()), "bytes_by_tier": by_tier, "refused_steps": sorted(refused),
+            "step": rp.step, "tier": next((t for t in reversed(TIERS) if by_tier[t]), "in place" if in_place else "live"),
+            "bytes": sum(by_tier.values()), "bytes_by_tier": by_tier, "in_place_bytes": in_place,
+            "refused_steps": sorted(refused),
             "s3_units": sorted({t.need.unit for t in rp.transfers if t.source.tier == "s3"}),
             "plan_s": round(t_load - t0, 3), "restore_s": round(time.perf_counter() - t0, 3)} | {
             k: round(max(r.get(k, 0.0) for r in results), 3) for k in ("pull_s", "import_s")} | {
