@@ -1,4 +1,4 @@
-"""Recovery on the local Ray test cluster: detection, re-plan, restore by tier, and a notice-driven drain.
+"""Recovery on the local Ray test cluster: in place against restart, restore by tier, and a notice-driven drain.
 
     python bench/recovery.py [--trials 5]
 
@@ -7,7 +7,8 @@ that the job uses and the bench removes (a hard kill: `remove_node`). The
 embedded cluster's head has tuned health checks (orchestrator/cluster/embedded.py).
 Per trial, from the kill: time until the controller sees the failure
 (detection), has a new plan, has restored state, and has committed the first
-new step, and the restore's bytes by tier. Then, in the same run, after a real
+new step, and the restore's bytes by tier; trials alternate between in-place
+recovery (survivors keep their processes) and the restart path. Then, in the same run, after a real
 node loss, the same state restored into the same new plan by the restore
 planner (survivors' live state, peer memory) with the moments overlapped (the weights
 before training resumes, AdamW's moments beside the first step: also timed until they
@@ -55,12 +56,13 @@ def until(c, pred) -> float:
     return time.perf_counter()
 
 
-def kill_trial(ec: EmbeddedCluster, i: int) -> dict:
-    doomed = NodeSpec(name=f"h100-{i}", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
+def kill_trial(ec: EmbeddedCluster, i: int, recovery: str) -> dict:
+    doomed = NodeSpec(name=f"h100-{recovery}-{i}", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
     ec.nodes[doomed.name] = ec.add(doomed)
-    c = make_controller(job(doomed), steps=100)
+    c = make_controller(job(doomed, recovery=recovery), steps=100)
     until(c, lambda c: c.progress.committed >= 2)
     committed = c.progress.committed
+    survivors = {pid for pid, r in zip(c.group.pids, c.group.run.ranks, strict=True) if r.node != doomed.name}
     t0 = time.perf_counter()
     ec.remove(doomed.name)
     t_detect = until(c, lambda c: c.state == State.RECOVERING)
@@ -68,11 +70,13 @@ def kill_trial(ec: EmbeddedCluster, i: int) -> dict:
     t_restored = until(c, lambda c: c.state == State.TRAINING)
     t_step = until(c, lambda c: c.progress.committed > committed)
     restore = next(e for e in reversed(c.progress.events) if e["kind"] == "restore")
+    kept = len(survivors & set(c.group.pids))
     c.group.shutdown()
-    return {"detect_s": t_detect - t0, "plan_s": t_plan - t0, "restored_s": t_restored - t0,
+    return {"recovery": recovery, "detect_s": t_detect - t0, "plan_s": t_plan - t0, "restored_s": t_restored - t0,
             "restore_only_s": restore["restore_s"],
             "first_step_s": t_step - t0, "lost_steps": committed - restore["step"],
-            "tiers": fmt_tiers(restore["bytes_by_tier"])}
+            "tiers": fmt_tiers(restore["bytes_by_tier"]), "in_place": restore.get("in_place_bytes", 0),
+            "kept": f"{kept} of {len(survivors)}"}
 
 
 def fmt_tiers(by_tier: dict) -> str:
@@ -86,7 +90,7 @@ def tier_restore(ec: EmbeddedCluster, endpoint: str, hidden: int | None, repeats
     ec.nodes[doomed.name] = ec.add(doomed)
     model = {"preset": "small"} if hidden is None else {
         "name": f"bench-{hidden}", "num_layers": 6, "hidden_size": hidden, "num_heads": 8, "vocab_size": 256, "seq_len": 64}
-    j = parse_job(job(doomed).model_dump() | {"model": model, "checkpoint": {
+    j = parse_job(job(doomed, recovery="restart").model_dump() | {"model": model, "checkpoint": {  # new processes
         "uri": f"s3://bench/tiers-{hidden}", "endpoint_url": endpoint, "s3_every": 1}})
     c = make_controller(j, steps=100)
     until(c, lambda c: c.progress.committed >= 2)
@@ -171,15 +175,24 @@ def main() -> None:
     ec = EmbeddedCluster(ClusterSpec(nodes=[STAY]), object_store_mb=1024)  # room for the larger model's copies
     ec.connect()
     try:
-        trials = [] if args.only_tiers else [kill_trial(ec, i) for i in range(args.trials)]
-        print("| kill trial | detect s | new plan s | restored s (restore alone) | first new step s | lost steps "
-              "| restored from |")
-        print("|---|---|---|---|---|---|---|")
+        trials = [] if args.only_tiers else [kill_trial(ec, i, r) for i in range(args.trials)
+                                             for r in ("in-place", "restart")]  # interleaved: same load for both
+        print("| kill trial | recovery | survivors' processes kept | detect s | new plan s | restored s (restore "
+              "alone) | first new step s | lost steps | moved | read in place MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for i, t in enumerate(trials):
-            print(f"| {i} | {t['detect_s']:.2f} | {t['plan_s']:.2f} | {t['restored_s']:.2f} ({t['restore_only_s']:.2f}) | {t['first_step_s']:.2f} "
-                  f"| {t['lost_steps']} | {t['tiers']} |")
-        for k in ("detect_s", "plan_s", "restored_s", "first_step_s") if trials else ():
-            print(f"median {k}: {statistics.median(t[k] for t in trials):.2f}")
+            print(f"| {i // 2} | {t['recovery']} | {t['kept']} | {t['detect_s']:.2f} | {t['plan_s']:.2f} "
+                  f"| {t['restored_s']:.2f} ({t['restore_only_s']:.2f}) | {t['first_step_s']:.2f} | {t['lost_steps']} "
+                  f"| {t['tiers']} | {t['in_place'] / 2**20:.1f} |")
+        for path in ("in-place", "restart") if trials else ():
+            got = [t for t in trials if t["recovery"] == path]
+            print(f"median, {path}: " + ", ".join(f"{k} {statistics.median(t[k] for t in got):.2f}"
+                                                 for k in ("detect_s", "plan_s", "restored_s", "first_step_s")))
+        if trials:
+            med = {p: statistics.median(t["first_step_s"] for t in trials if t["recovery"] == p)
+                   for p in ("in-place", "restart")}
+            print(f"kill -> first new step: in place {med['in-place']:.2f} s, restart {med['restart']:.2f} s "
+                  f"({med['restart'] / med['in-place']:.1f}x)")
         print("\n| model | state MiB | first recovery: restored from | hetspot restore s (tiers) | moments in by s "
               "| every byte first s | S3-only restore s | S3-only / hetspot |")
         print("|---|---|---|---|---|---|---|---|")

@@ -57,6 +57,7 @@ CASES = {
     "betas-one": (_with("train", betas=[0.9]), ["betas"]),
     "precision-fp8": (_with("train", precision="fp8"), ["precision"]),
     "steps-zero": (GOOD | {"steps": 0}, ["steps"]),
+    "recovery-unknown": (_with("runtime", recovery="reboot"), ["recovery", "in-place", "restart"]),
     "gpu-unknown": (_node(gpu_type="B9000"), ["gpu_type"]),
     "gpus-zero": (_node(num_gpus=0), ["num_gpus"]),
     "gpus-bool": (_node(num_gpus=True), ["num_gpus"]),

@@ -231,6 +231,31 @@ def test_simulate_charges_a_drain_when_the_notice_covers_the_copy():
 
 
 @pytest.mark.unit
+def test_simulate_charges_in_place_recovery_a_re_form_and_restart_a_process_start():
+    """In place, a loss that leaves every rank of the new plan on a survivor's GPU costs the re-form; a rank on a
+    GPU the old plan did not use starts a process beside it; the restart path starts every process. Over a
+    trace, in-place recovery is down for less time and trains more than the restart path, all else equal."""
+    from orchestrator.drills.fleet import Assumptions, FleetSim
+    from orchestrator.drills.recovery_model import relaunch_s
+    from planner import ClusterSpec, NodeSpec
+    from planner.specs import ModelSpec, TrainSpec
+
+    a = Assumptions(reform_s=0.5, startup_s=30.0)
+    old = _one_gpu_plan(["a", "b", "c"])
+    assert relaunch_s(old, _one_gpu_plan(["a", "b"]), {"c"}, a) == 0.5
+    assert relaunch_s(old, _one_gpu_plan(["a", "b", "d"]), {"c"}, a) == 30.0  # a process starts on d
+    assert relaunch_s(old, _one_gpu_plan(["a", "b"]), {"c"}, Assumptions(recovery="restart", startup_s=30.0)) == 30.0
+
+    fleet = ClusterSpec(nodes=[NodeSpec(name=f"n{i}", gpu_type="L4", num_gpus=2, inter_node_bw_gb_s=10)
+                               for i in range(8)])
+    runs = {way: FleetSim(parse_trace(TRACE), fleet, ModelSpec.preset("gpt-350m"), TrainSpec(global_batch=64),
+                          Assumptions(recovery=way, notice_s=0)).run()["strategies"]["hetspot"]
+            for way in ("in-place", "restart")}
+    assert runs["in-place"]["recoveries"] >= 1 and runs["in-place"]["down_s"] < runs["restart"]["down_s"]
+    assert runs["in-place"]["tokens"] > runs["restart"]["tokens"]
+
+
+@pytest.mark.unit
 def test_simulate_cli_json_and_bad_fleet(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(TRACE)

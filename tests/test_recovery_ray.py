@@ -298,9 +298,10 @@ def test_survivor_blocked_in_a_collective_is_released_within_the_collective_time
         replan = next(e for e in c.progress.events if e["kind"] == "re-plan")
         assert replan["at_step"] == 1 and "step 2" in replan["cause"]
         assert replan["failure"] == "collective error" and replan["nodes"] == []  # no node went
-        assert replan["detected_s"] - t_stall < 3.0 + 2.0, (replan, t_stall)  # the timeout, a step and slack
+        # the timeout, the second a collective error waits for a rank naming its cause (detect.py), a step, slack
+        assert replan["detected_s"] - t_stall < 3.0 + 1.0 + 2.0, (replan, t_stall)
         # survivors' state kept; the stalled rank is given the 2 s grace, then replaced (never reused)
-        assert replan["t_s"] - t_stall < 3.0 + 2.0 + 4.0
+        assert replan["t_s"] - t_stall < 3.0 + 1.0 + 2.0 + 4.0
         assert kept in c.group.pids and stalled not in c.group.pids  # the stalled process is never reused
         (r,) = restore_events(c)
         assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0  # both nodes' live state survived
@@ -552,7 +553,8 @@ def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cl
         kill(cluster, *doomed)
         proxy.delay_s = 0.0
         assert c.run() == State.DONE, c.error
-        first_try = next(u for u in c.store.uploads if u["step"] == 2)
+        first_try = next(u for u in c.store.uploads if u["step"] == 2 and u["status"] != "dropped")  # the held one
+        # (the redone step 2 may be dropped for step 3 before the held upload ends)
         assert first_try["status"] == "failed" and "not written" in first_try["error"], c.store.uploads
         assert any(u in first_try["error"] for u in lost)
         steps = every_step_is_whole(j)

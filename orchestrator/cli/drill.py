@@ -87,7 +87,11 @@ def simulate(
     model: str = typer.Option("7b", "--model", help="a model preset (7b, 70b, llama-8b, ...)"),
     global_batch: int = typer.Option(1024, "--global-batch", min=1, max=65536),
     detect_s: float = typer.Option(None, "--detect-s", help="seconds to detect a lost node (default: measured)"),
-    startup_s: float = typer.Option(None, "--startup-s", help="seconds to start a plan's workers (default: measured)"),
+    startup_s: float = typer.Option(None, "--startup-s", help="seconds from a worker process start to ready "
+                                    "(default 30: an assumption for GPUs; the CPU test cluster measures 4.3)"),
+    reform_s: float = typer.Option(None, "--reform-s", help="seconds for survivors to re-form their groups in place "
+                                   "(default: measured on the test cluster)"),
+    recovery: str = typer.Option("in-place", "--recovery", help="hetspot's recovery: in-place or restart"),
     ckpt_every_min: float = typer.Option(30.0, "--ckpt-every-min", help="s3-only's checkpoint interval"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     plot: Path = typer.Option(None, "--plot", help="write a PNG: tokens/s and tokens trained over the trace"),
@@ -101,20 +105,21 @@ def simulate(
 
     if model.lower() not in PRESETS:
         raise ConfigError(f"--model {model!r}: not a preset; use one of {', '.join(PRESETS)}")
-    for name, v in (("--detect-s", detect_s), ("--startup-s", startup_s)):
+    for name, v in (("--detect-s", detect_s), ("--startup-s", startup_s), ("--reform-s", reform_s)):
         if v is not None and not 0 <= v <= 3600:
             raise ConfigError(f"{name} {v}: give seconds from 0 to 3600")
+    if recovery not in ("in-place", "restart"):
+        raise ConfigError(f"--recovery {recovery!r}: give in-place or restart")
     if not 1 <= ckpt_every_min <= 24 * 60:
         raise ConfigError(f"--ckpt-every-min {ckpt_every_min}: give minutes from 1 to 1440")
     if plot is not None:
         _pyplot()
     tr = load_trace(trace)
     fleet = load_fleet(cluster)
-    a = Assumptions(ckpt_every_s=ckpt_every_min * 60)
-    if detect_s is not None:
-        a.detect_s = detect_s
-    if startup_s is not None:
-        a.startup_s = startup_s
+    a = Assumptions(ckpt_every_s=ckpt_every_min * 60, recovery=recovery)
+    for name, v in (("detect_s", detect_s), ("startup_s", startup_s), ("reform_s", reform_s)):
+        if v is not None:
+            setattr(a, name, v)
     spec = ModelSpec.preset(model)
     result = FleetSim(tr, fleet, spec, TrainSpec(global_batch=global_batch), a).run()
     by_type: dict[str, int] = {}

@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 
 from orchestrator.control.drain import drain_copy_s
 from orchestrator.control.replan import choose_replan, consider_joined
-from orchestrator.drills.recovery_model import Assumptions, nodes_of, restore_cost, state_io_s
+from orchestrator.drills.recovery_model import (
+    Assumptions,
+    nodes_of,
+    relaunch_s,
+    restore_cost,
+    state_io_s,
+)
 from orchestrator.drills.trace import Trace, fleet_slots
 from planner import ClusterSpec, Plan, PlanningError, evaluate
 from planner.baselines import megatron_symmetric
@@ -217,7 +223,7 @@ class FleetSim:
             steps_left = int(left_s * old.estimate.tokens_per_s / tok)
             try:
                 new, _ = choose_replan(self, self.model, self.train, old, cluster, steps_left,
-                                       self.a.startup_s)
+                                       relaunch_s(old, old, gone, self.a) if r.name == "hetspot" else self.a.startup_s)
             except PlanningError:
                 new = None
         if new is None:
@@ -231,9 +237,10 @@ class FleetSim:
         copy_s = drain_copy_s(old, self.model, self.train, self.fleet, gone)
         step = old.estimate.step_time_s
         q = min(1.0, max(0.0, (self.a.notice_s - DRAIN_MARGIN_S - copy_s) / step)) if self.a.notice_s > 0 else 0.0
-        drain_s = copy_s + self.a.startup_s + restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
+        start_s = relaunch_s(old, new, gone, self.a) if r.name == "hetspot" else self.a.startup_s
+        drain_s = copy_s + start_s + restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
         restore_s, redo_s, _ = restore_cost(old, new, gone, cluster, self.model, self.train, self.a)
-        fail_s = self.a.detect_s + self.a.startup_s + restore_s
+        fail_s = self.a.detect_s + start_s + restore_s
         self._charge(r, now, (1 - q) * redo_s, q * drain_s + (1 - q) * fail_s, new)
 
     def _charge(self, r: Run, now: float, redo_s: float, down_s: float, new: Plan) -> None:
@@ -263,7 +270,7 @@ class FleetSim:
         steps_left = int(left_s * r.tps / tok)
         got = consider_joined(self, self.model, self.train, r.plan, cluster, steps_left, self.a.startup_s)
         if got is not None and got[1].move:
-            move_s = self.a.startup_s + restore_cost(r.plan, got[0], set(), cluster, self.model, self.train, self.a)[0]
+            move_s = relaunch_s(r.plan, got[0], set(), self.a) + restore_cost(r.plan, got[0], set(), cluster, self.model, self.train, self.a)[0]
             self._charge(r, now, 0.0, move_s, got[0])
 
     def _first(self, r: Run, cluster: ClusterSpec) -> Plan | None:

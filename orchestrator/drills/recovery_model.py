@@ -27,7 +27,11 @@ from planner.specs import ModelSpec, TrainSpec
 @dataclass
 class Assumptions:
     detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
-    startup_s: float = 4.3  # bench/recovery.py: detection to restored minus the restore itself, median
+    recovery: str = "in-place"  # runtime.recovery: in-place (survivors re-form) or restart (every process anew)
+    reform_s: float = 0.5  # in place: survivors' groups re-formed, a new rendezvous (bench/recovery.py, CPU cluster)
+    startup_s: float = 30.0  # a worker process start to ready: the restart path's, and in place that of ranks on GPUs
+    # the old plan did not use. An assumption for GPU fleets (CUDA context, model build, NCCL communicator);
+    # the CPU test cluster measures 4.3 s (bench/recovery.py, restart path)
     snapshot_every: int = 1  # peer snapshots every k steps (runtime.snapshot_every)
     s3_every: int = 10  # S3 uploads every k steps, a multiple of snapshot_every (checkpoint.s3_every)
     ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
@@ -42,6 +46,25 @@ class Assumptions:
 
 def nodes_of(plan: Plan | None) -> set[str]:
     return set(plan.nodes()) if plan is not None else set()
+
+
+def gpus_by_node(plan: Plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in plan.pipelines:
+        for st in p.stages:
+            out[st.node] = out.get(st.node, 0) + st.tp
+    return out
+
+
+def relaunch_s(old: Plan | None, new: Plan, gone: set[str], a: Assumptions) -> float:
+    """Seconds from a decision to the new plan's workers joined. Restart: every process starts (`startup_s`). In
+    place: survivors re-form (`reform_s`); when the new plan uses more GPUs on a node than the old plan's
+    survivors there, those ranks start processes, at once, beside the re-form."""
+    if a.recovery == "restart" or old is None:
+        return a.startup_s
+    before = {n: k for n, k in gpus_by_node(old).items() if n not in gone}
+    fresh = any(k > before.get(n, 0) for n, k in gpus_by_node(new).items())
+    return max(a.reform_s, a.startup_s if fresh else 0.0)
 
 
 def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,

@@ -249,7 +249,7 @@ class Drill(FaultInjection):
         events = c.progress.events
         restores = [e for e in events if e["kind"] == "restore"]
         by_tier = {t: sum(e["bytes_by_tier"].get(t, 0) for e in restores if "bytes_by_tier" in e)
-                   for t in ("live", "peer", "s3")}
+                   for t in ("live", "peer", "s3")} | {"in_place": sum(e.get("in_place_bytes", 0) for e in restores)}
         recoveries = recovery_timeline(events, commits)
         end = c.store.upload_lag(c.progress.committed)
         got = {"lost_steps": lost, "replans": sum(e["kind"] == "re-plan" for e in events),

@@ -7,7 +7,7 @@ faults to inject, each at a step or a time, and what the recovery must show:
     job: {model: ..., train: ..., cluster: {nodes: [...]}, steps: 6}
     faults:
       - {kind: preempt, at_step: 3, nodes: [l4-a]}
-    expect: {lost_steps: 0, replans: 1, bytes: {s3: 0, live: ">0"}}
+    expect: {lost_steps: 0, replans: 1, bytes: {s3: 0, in_place: ">0"}}
 
 Fault kinds (`KINDS`): preempt (hard kill; at a step the node's ranks stall
 inside that step first, so the kill lands mid-step), notice (a cloud spot notice
@@ -66,8 +66,9 @@ class Expect(BaseModel):
     final_nodes: list[str] | None = Field(default=None, description="the nodes the last plan trains on")
     s3_last_step: bool | None = Field(default=None, description="true: the job's last step is in S3 at the end, "
                                       "whole (no fault kept the newest state from landing)")
-    bytes: dict[Literal["live", "peer", "s3"], int | str] = Field(
-        default={}, description="bytes restored per tier: an exact count, 0, or '>0'")
+    bytes: dict[Literal["in_place", "live", "peer", "s3"], int | str] = Field(
+        default={}, description="bytes restored per tier (in_place: read by a survivor from its own memory, "
+        "nothing moved; live: from other survivors' memory or their node's keeper): an exact count, 0, or '>0'")
 
     @field_validator("failed_uploads")
     @classmethod

@@ -18,34 +18,58 @@ from ray.exceptions import RayActorError, RayTaskError
 from orchestrator.control.failure import FailureKind, classify_error
 from orchestrator.errors import WorkerFailure
 
+CAUSE_WAIT_S = 1.0  # after a collective error, how long other ranks' answers may name its cause
+
 
 def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int], str], plan_nodes: list[str],
            on_result: Callable[[object], None] = lambda r: None) -> list:
-    """Results in rank order; the first failure raises a WorkerFailure with the rank's identity and kind."""
+    """Results in rank order; the first failure raises a WorkerFailure with the rank's identity and kind.
+
+    A failed rank closes its groups at once (Engine.drop_groups), so its peers' collective errors can arrive
+    before its own answer: a collective error is held for up to CAUSE_WAIT_S while the other ranks answer, and
+    an error that names a cause (a dead actor, a deterministic error) is raised instead."""
     index = {f: i for i, f in enumerate(futures)}
     results: list = [None] * len(futures)
     pending, deadline = list(futures), time.monotonic() + timeout_s
+    held: WorkerFailure | None = None
+    held_until = 0.0
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        until = min(deadline, held_until) if held is not None else deadline
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
         if not ready:
+            if held is not None:
+                raise held
             slow = ", ".join(describe(index[f]) for f in pending[:4])
             raise failure(what, f"did not finish within {timeout_s:.0f} s; still waiting on {slow}",
                           FailureKind.TIMEOUT, plan_nodes)
-        f = ready[0]
-        try:
-            results[index[f]] = ray.get(f)
-            on_result(results[index[f]])
-        except RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            kind = classify_error(getattr(cause, "cause_type", type(cause).__name__), str(cause))
-            raise failure(f"{what} failed", str(cause), kind, plan_nodes) from None
-        except RayActorError as e:
-            if "creation task" in str(e):  # the worker's constructor raised: any plan would too
-                raise WorkerFailure(f"{what} failed", f"{describe(index[f])} could not start: "
-                                    f"{creation_error(e)}", FailureKind.DETERMINISTIC) from None
-            raise failure(f"{what} failed", f"{describe(index[f])} died ({type(e).__name__})",
-                          FailureKind.ACTOR_DIED, plan_nodes) from None
+        got = _answer(ready[0], index[ready[0]], what, describe, plan_nodes, results, on_result)
+        if got is None:
+            continue
+        if got.kind != FailureKind.COLLECTIVE:
+            raise got
+        if held is None:
+            held, held_until = got, time.monotonic() + CAUSE_WAIT_S
+    if held is not None:
+        raise held
     return results
+
+
+def _answer(f, i: int, what: str, describe, plan_nodes, results: list, on_result) -> WorkerFailure | None:
+    """Store rank i's result; its failure, if it failed."""
+    try:
+        results[i] = ray.get(f)
+        on_result(results[i])
+        return None
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        kind = classify_error(getattr(cause, "cause_type", type(cause).__name__), str(cause))
+        return failure(f"{what} failed", str(cause), kind, plan_nodes)
+    except RayActorError as e:
+        if "creation task" in str(e):  # the worker's constructor raised: any plan would too
+            return WorkerFailure(f"{what} failed", f"{describe(i)} could not start: {creation_error(e)}",
+                                 FailureKind.DETERMINISTIC)
+        return failure(f"{what} failed", f"{describe(i)} died ({type(e).__name__})", FailureKind.ACTOR_DIED,
+                       plan_nodes)
 
 
 def failure(where: str, cause: str, kind: FailureKind, plan_nodes: list[str]) -> WorkerFailure:
