@@ -3,7 +3,8 @@
     python bench/recovery.py [--trials 5]
 
 Cluster: an L4 node (2 fake GPUs) that stays, and per trial a fresh H100 node
-that the job uses and the bench removes (a hard kill: `remove_node`). The
+that the bench removes (a hard kill: `remove_node`); the kill trials run two
+data-parallel replicas, one on each node, so the L4's survivor holds every layer. The
 embedded cluster's head has tuned health checks (orchestrator/cluster/embedded.py).
 Per trial, from the kill: time until the controller sees the failure
 (detection), has a new plan, has restored state, and has committed the first
@@ -39,7 +40,7 @@ from orchestrator.job_spec import parse_job  # noqa: E402
 from orchestrator.preemption.metadata_server import FakeMetadataServer  # noqa: E402
 from orchestrator.preemption.ray_notices import LABEL_METADATA_URL  # noqa: E402
 from orchestrator.runtime.controller_actor import make_controller  # noqa: E402
-from planner import ClusterSpec, NodeSpec  # noqa: E402
+from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage  # noqa: E402
 
 STAY = NodeSpec(name="l4-0", gpu_type="L4", num_gpus=2, inter_node_bw_gb_s=100)
 
@@ -59,7 +60,10 @@ def until(c, pred) -> float:
 def kill_trial(ec: EmbeddedCluster, i: int, recovery: str) -> dict:
     doomed = NodeSpec(name=f"h100-{recovery}-{i}", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
     ec.nodes[doomed.name] = ec.add(doomed)
-    c = make_controller(job(doomed, recovery=recovery), steps=100)
+    # the job sees one of the L4's GPUs: the re-plan runs on the survivor alone (a second GPU would start a process)
+    j = job(doomed, recovery=recovery)
+    j = j.model_copy(update={"cluster": ClusterSpec(nodes=[doomed, STAY.model_copy(update={"num_gpus": 1})])})
+    c = make_controller(j, steps=100, first_plan=dp_plan(j, [doomed.name, STAY.name]))  # the L4 holds every layer too
     until(c, lambda c: c.progress.committed >= 2)
     committed = c.progress.committed
     survivors = {pid for pid, r in zip(c.group.pids, c.group.run.ranks, strict=True) if r.node != doomed.name}
@@ -77,6 +81,17 @@ def kill_trial(ec: EmbeddedCluster, i: int, recovery: str) -> dict:
             "first_step_s": t_step - t0, "lost_steps": committed - restore["step"],
             "tiers": fmt_tiers(restore["bytes_by_tier"]), "in_place": restore.get("in_place_bytes", 0),
             "kept": f"{kept} of {len(survivors)}"}
+
+
+def dp_plan(j, nodes: list[str]) -> Plan:
+    """One replica of the whole model per node, on each node's first GPU (sample shares equal, up to one)."""
+    b, m = j.train.global_batch, j.model_spec
+    shares = [b // len(nodes) + (i < b % len(nodes)) for i in range(len(nodes))]
+    gpu = {n.name: n.gpu_type for n in j.cluster.nodes}
+    return Plan(model_name=m.name, num_layers=m.num_layers, global_batch=b, pipelines=[Pipeline(
+        num_samples=k, micro_batch_size=k, num_micro_batches=1, stages=[Stage(
+            layer_start=0, layer_end=m.num_layers, gpu_type=gpu[n], node=n, devices=[f"{n}/0"])])
+        for n, k in zip(nodes, shares, strict=True)])
 
 
 def fmt_tiers(by_tier: dict) -> str:

@@ -28,7 +28,7 @@ from planner.specs import ModelSpec, TrainSpec
 class Assumptions:
     detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
     recovery: str = "in-place"  # runtime.recovery: in-place (survivors re-form) or restart (every process anew)
-    reform_s: float = 0.5  # in place: survivors' groups re-formed, a new rendezvous (bench/recovery.py, CPU cluster)
+    reform_s: float = 0.3  # in place: detection to restored minus the restore (bench/recovery.py, median, CPU cluster)
     startup_s: float = 30.0  # a worker process start to ready: the restart path's, and in place that of ranks on GPUs
     # the old plan did not use. An assumption for GPU fleets (CUDA context, model build, NCCL communicator);
     # the CPU test cluster measures 4.3 s (bench/recovery.py, restart path)
