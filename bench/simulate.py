@@ -1,9 +1,12 @@
 """Goodput over real spot traces at fleet scale (`hetspot simulate`), for docs/benchmarks.md.
 
-Usage: python bench/simulate.py [--traces DIR] [--quick]
+Usage: python bench/simulate.py [--traces DIR] [--quick] [--sensitivity]
 Runs each trace in DIR (default ../shared/data/spot-traces) against two fleets and a 7B and a 70B
 model, and prints one markdown row per run: tokens per strategy relative to the free re-plan
-oracle, hetspot's goodput, and the simulation's own time.
+oracle, hetspot's goodput under in-place recovery and under the restart path, and the simulation's
+own time. `--sensitivity`: hetspot's share of the oracle on the 320-GPU fleet with the 70B, under both
+recovery paths, for a process start-up of 4, 30 and 120 s, detection in 1 or 30 s, and a spot notice
+delivered (120 s) or not.
 """
 
 from __future__ import annotations
@@ -31,14 +34,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--traces", default=str(ROOT.parent / "shared" / "data" / "spot-traces"))
     ap.add_argument("--quick", action="store_true", help="the 320-GPU fleet and the 7B model only")
+    ap.add_argument("--sensitivity", action="store_true", help="the recovery sensitivity table instead")
     args = ap.parse_args()
     traces = sorted(Path(args.traces).glob("*.jsonl"))
     if not traces:
         sys.exit(f"no *.jsonl traces in {args.traces}")
+    if args.sensitivity:
+        sensitivity(traces)
+        return
     a = Assumptions()
-    print("| trace | fleet | model | hetspot | s3-only | symmetric | oracle tokens (B) | hetspot goodput | "
-          "recoveries | simulated in |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| trace | fleet | model | hetspot | hetspot, restart path | s3-only | symmetric | oracle tokens (B) | "
+          "hetspot goodput | recoveries | simulated in |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for tr_path in traces:
         tr = load_trace(tr_path)
         for fleet_name in FLEETS[:1] if args.quick else FLEETS:
@@ -49,11 +56,35 @@ def main() -> None:
                 took = time.perf_counter() - t0
                 s = out["strategies"]
                 o = s["oracle"]["tokens"]
+                restart = FleetSim(tr, fleet, ModelSpec.preset(model), TrainSpec(global_batch=1024),
+                                   Assumptions(recovery="restart")).run()["strategies"]["hetspot"]["tokens"]
                 print(f"| {tr_path.stem} | {fleet.num_gpus} GPUs ({fleet_name}) | {model} | "
-                      f"{s['hetspot']['tokens'] / o:.3f} | {s['s3-only']['tokens'] / o:.3f} | "
+                      f"{s['hetspot']['tokens'] / o:.3f} | {restart / o:.3f} | {s['s3-only']['tokens'] / o:.3f} | "
                       f"{s['symmetric']['tokens'] / o:.3f} | {o / 1e9:.2f} | {s['hetspot']['goodput'] * 100:.1f}% | "
                       f"{s['hetspot']['recoveries']} | {took:.1f} s |", flush=True)
     print(f"\nTokens relative to the free re-plan oracle. Assumptions: {a.as_dict()}")
+
+
+def sensitivity(traces: list[Path], fleet_name: str = "a100-l4-t4-320", model: str = "70b") -> None:
+    """hetspot / oracle under both recovery paths as the start-up, the detection and the notice vary."""
+    fleet = load_fleet(ROOT / "examples" / "fleets" / f"{fleet_name}.yaml")
+    cols = [(st, d) for st in (4.0, 30.0, 120.0) for d in (1.0, 30.0)]
+    print(f"hetspot / oracle, {model} on {fleet.num_gpus} GPUs ({fleet_name})\n")
+    print("| trace | notice | recovery | " + " | ".join(f"start-up {st:.0f} s, detect {d:.0f} s" for st, d in cols)
+          + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    for tr_path in traces:
+        tr = load_trace(tr_path)
+        for notice in (120.0, 0.0):
+            for way in ("in-place", "restart"):
+                row = []
+                for st, d in cols:
+                    a = Assumptions(recovery=way, startup_s=st, detect_s=d, notice_s=notice)
+                    s = FleetSim(tr, fleet, ModelSpec.preset(model), TrainSpec(global_batch=1024), a).run()["strategies"]
+                    row.append(f"{s['hetspot']['tokens'] / s['oracle']['tokens']:.3f}")
+                print(f"| {tr_path.stem} | {'120 s' if notice else 'none'} | {way} | " + " | ".join(row) + " |",
+                      flush=True)
+    print(f"\nOther assumptions as `hetspot simulate`'s defaults (re-form {Assumptions().reform_s} s).")
 
 
 if __name__ == "__main__":
