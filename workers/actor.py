@@ -9,7 +9,6 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import ray
 import torch
 
@@ -31,6 +30,7 @@ from workers.state import (
     import_moments,
     import_pieces,
     needs,
+    shard_nbytes,
     to_numpy,
 )
 
@@ -222,8 +222,7 @@ class TrainWorker:
         self.retained = kept
         if kept is None:
             return None
-        nbytes = sum(v.nbytes for sh in kept[1].values() for v in sh.values() if isinstance(v, np.ndarray))
-        return {"step": kept[0], "pid": os.getpid(), "bytes": nbytes}
+        return {"step": kept[0], "pid": os.getpid(), "bytes": sum(shard_nbytes(sh) for sh in kept[1].values())}
 
     def held(self) -> list[dict]:
         """What `retain` kept, as a keeper's inventory rows (a source for the restore planner)."""
@@ -244,7 +243,8 @@ class TrainWorker:
         keys = KEYS if keys is None else tuple(keys)
         held = self.retained
         if held is None or held[0] != step:
-            return [{"error": f"{self.engine.where} keeps step {held and held[0]}, not step {step}"}]
+            # (an idle kept process has no stage, hence its process id)
+            return [{"error": f"worker process {os.getpid()} keeps step {held and held[0]}, not step {step}"}]
         return [answer(held[1][unit], region, keys, tier) for _, unit, region in requests]
 
     def drop_retained(self) -> None:
