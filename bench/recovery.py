@@ -1,6 +1,6 @@
 """Recovery on the local Ray test cluster: in place against restart, restore by tier, and a notice-driven drain.
 
-    python bench/recovery.py [--trials 5]
+    python bench/recovery.py [--trials 5] [--reshard-trials 3]
 
 Cluster: an L4 node (2 fake GPUs) that stays, and per trial a fresh H100 node
 that the bench removes (a hard kill: `remove_node`); the kill trials run two
@@ -9,14 +9,17 @@ embedded cluster's head has tuned health checks (orchestrator/cluster/embedded.p
 Per trial, from the kill: time until the controller sees the failure
 (detection), has a new plan, has restored state, and has committed the first
 new step, and the restore's bytes by tier; trials alternate between in-place
-recovery (survivors keep their processes) and the restart path. Then, in the same run, after a real
+recovery (survivors keep their processes) and the restart path. The re-shard trials do the same for a
+loss that changes the layout (a TP-2 stage and two PP stages; the last stage's node goes, and the plan on
+what is left splits the layers anew). Then, in the same run, after a real
 node loss, the same state restored into the same new plan by the restore
 planner (survivors' live state, peer memory) with the moments overlapped (the weights
 before training resumes, AdamW's moments beside the first step: also timed until they
 are in) and with every byte first, and from S3 only (moto's threaded server on
 127.0.0.1), in turn, for the small preset and a larger model. Last, an
-AWS spot notice through the fake metadata service with a 20 s deadline:
-notice to drained (the doomed node's state is out) against the deadline.
+AWS spot notice through the fake metadata service with a 20 s deadline, on each path:
+notice to drained (the doomed node's state is out) against the deadline, and the training stall at the
+switch (in place, the next plan is pre-staged while the doomed node trains).
 Medians; these machines are shared and noisy.
 """
 
@@ -32,6 +35,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import boto3  # noqa: E402
+import ray  # noqa: E402
 from moto.server import ThreadedMotoServer  # noqa: E402
 
 from orchestrator.cluster.embedded import EmbeddedCluster  # noqa: E402
@@ -64,11 +68,50 @@ def kill_trial(ec: EmbeddedCluster, i: int, recovery: str) -> dict:
     j = job(doomed, recovery=recovery)
     j = j.model_copy(update={"cluster": ClusterSpec(nodes=[doomed, STAY.model_copy(update={"num_gpus": 1})])})
     c = make_controller(j, steps=100, first_plan=dp_plan(j, [doomed.name, STAY.name]))  # the L4 holds every layer too
+    return timed_kill(ec, c, [doomed.name]) | {"recovery": recovery}
+
+
+def reshard_trial(ec: EmbeddedCluster, i: int, recovery: str) -> dict:
+    """A layout change: a TP-2 first stage on an A100 node, then one L4 stage each on two nodes; the last L4 node
+    is killed, and the re-plan on what is left splits the layers anew (another PP split, another TP degree)."""
+    m1 = NodeSpec(name=f"rs-a100-{recovery}-{i}", gpu_type="A100-80GB", num_gpus=2, inter_node_bw_gb_s=100)
+    m2, m3 = (NodeSpec(name=f"rs-l4{k}-{recovery}-{i}", gpu_type="L4", num_gpus=1, inter_node_bw_gb_s=100)
+              for k in (2, 3))
+    for n in (m1, m2, m3):
+        ec.nodes[n.name] = ec.add(n)
+    j = parse_job({"model": {"preset": "small"}, "train": {"global_batch": 16, "lr": 0.003, "precision": "fp32"},
+                   "cluster": ClusterSpec(nodes=[m1, m2, m3]).model_dump(), "steps": 100,
+                   "runtime": {"emulate_speed": False, "snapshot_every": 1, "recovery": recovery}})
+    layers = j.model_spec.num_layers
+
+    def st(a, b, n, tp=1):
+        return Stage(layer_start=a, layer_end=b, gpu_type=n.gpu_type, node=n.name,
+                     devices=[f"{n.name}/{k}" for k in range(tp)])
+    plan = Plan(model_name=j.model_spec.name, num_layers=layers, global_batch=16, pipelines=[Pipeline(
+        num_samples=16, micro_batch_size=8, num_micro_batches=2,
+        stages=[st(0, layers // 2, m1, 2), st(layers // 2, layers - 1, m2), st(layers - 1, layers, m3)])])
+    c = make_controller(j, steps=100, first_plan=plan)
+    try:
+        got = timed_kill(ec, c, [m3.name])
+        layout = [(s.layer_start, s.layer_end, s.tp) for p in c.plan.pipelines for s in p.stages]
+        return got | {"recovery": recovery, "layout": layout}
+    finally:
+        for n in (m1.name, m2.name):
+            ec.remove(n)
+
+
+def timed_kill(ec: EmbeddedCluster, c, doomed: list[str]) -> dict:
+    """Train to step 2 (its peer copies in), hard-kill the `doomed` nodes, and time the recovery from the kill; the
+    group ends after."""
     until(c, lambda c: c.progress.committed >= 2)
     committed = c.progress.committed
-    survivors = {pid for pid, r in zip(c.group.pids, c.group.run.ranks, strict=True) if r.node != doomed.name}
+    step, receipts = c.store._receipts[-1]  # the newest snapshot's copies to peer keepers are in
+    assert step == committed
+    ray.get(receipts, timeout=60)
+    survivors = {pid for pid, r in zip(c.group.pids, c.group.run.ranks, strict=True) if r.node not in doomed}
     t0 = time.perf_counter()
-    ec.remove(doomed.name)
+    for n in doomed:
+        ec.remove(n)
     t_detect = until(c, lambda c: c.state == State.RECOVERING)
     t_plan = until(c, lambda c: c.state == State.LAUNCHING)
     t_restored = until(c, lambda c: c.state == State.TRAINING)
@@ -76,7 +119,7 @@ def kill_trial(ec: EmbeddedCluster, i: int, recovery: str) -> dict:
     restore = next(e for e in reversed(c.progress.events) if e["kind"] == "restore")
     kept = len(survivors & set(c.group.pids))
     c.group.shutdown()
-    return {"recovery": recovery, "detect_s": t_detect - t0, "plan_s": t_plan - t0, "restored_s": t_restored - t0,
+    return {"detect_s": t_detect - t0, "plan_s": t_plan - t0, "restored_s": t_restored - t0,
             "restore_only_s": restore["restore_s"],
             "first_step_s": t_step - t0, "lost_steps": committed - restore["step"],
             "tiers": fmt_tiers(restore["bytes_by_tier"]), "in_place": restore.get("in_place_bytes", 0),
@@ -132,11 +175,12 @@ def tier_restore(ec: EmbeddedCluster, endpoint: str, hidden: int | None, repeats
         f"{k}_s": statistics.median(v) for k, v in times.items()}
 
 
-def drain_trial(ec: EmbeddedCluster, deadline_s: float = 20.0) -> dict:
+def drain_trial(ec: EmbeddedCluster, recovery: str, deadline_s: float = 20.0) -> dict:
     imds = FakeMetadataServer().start()
-    doomed = NodeSpec(name="h100-notice", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
+    doomed = NodeSpec(name=f"h100-notice-{recovery}", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
     ec.nodes[doomed.name] = ec.add(doomed, labels={LABEL_METADATA_URL: imds.url})
-    c = make_controller(job(doomed, notices="aws", notice_poll_s=0.2, snapshot_every=1000), steps=100)
+    c = make_controller(job(doomed, notices="aws", notice_poll_s=0.2, snapshot_every=1000, recovery=recovery),
+                        steps=100)
     until(c, lambda c: c.progress.committed >= 2)
     imds.aws_spot(datetime.now(timezone.utc) + timedelta(seconds=deadline_s))
     until(c, lambda c: any(e["kind"] == "drain" and "first_step_s" in e for e in c.progress.events))
@@ -144,8 +188,9 @@ def drain_trial(ec: EmbeddedCluster, deadline_s: float = 20.0) -> dict:
     c.group.shutdown()
     ec.remove(doomed.name)
     imds.stop()
-    return {"deadline_s": d["deadline_s"] - d["notice_s"], "drained_s": d["snapshot_s"] - d["notice_s"],
-            "first_step_s": d["first_step_s"] - d["notice_s"], "lost_steps": c.progress.restarts}
+    return {"recovery": recovery, "deadline_s": d["deadline_s"] - d["notice_s"],
+            "drained_s": d["snapshot_s"] - d["notice_s"], "first_step_s": d["first_step_s"] - d["notice_s"],
+            "stall_s": d["stall_s"], "staged": "staged_s" in d, "lost_steps": c.progress.restarts}
 
 
 def scale_up_trial(ec: EmbeddedCluster) -> dict:
@@ -173,9 +218,29 @@ def scale_up_trial(ec: EmbeddedCluster) -> dict:
                           "new": up["predicted_tokens_per_s"][chosen]}, "candidates": len(up["finish_s"]) - 1}
 
 
+def print_trials(title: str, trials: list[dict]) -> None:
+    if not trials:
+        return
+    print(f"\n| {title} | recovery | survivors' processes kept | detect s | new plan s | restored s (restore "
+          "alone) | first new step s | lost steps | moved | read in place MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for i, t in enumerate(trials):
+        print(f"| {i // 2} | {t['recovery']} | {t['kept']} | {t['detect_s']:.2f} | {t['plan_s']:.2f} "
+              f"| {t['restored_s']:.2f} ({t['restore_only_s']:.2f}) | {t['first_step_s']:.2f} | {t['lost_steps']} "
+              f"| {t['tiers']} | {t['in_place'] / 2**20:.1f} |")
+    for path in ("in-place", "restart"):
+        got = [t for t in trials if t["recovery"] == path]
+        print(f"median, {path}: " + ", ".join(f"{k} {statistics.median(t[k] for t in got):.2f}"
+                                             for k in ("detect_s", "plan_s", "restored_s", "first_step_s")))
+    med = {p: statistics.median(t["first_step_s"] for t in trials if t["recovery"] == p) for p in ("in-place", "restart")}
+    print(f"kill -> first new step: in place {med['in-place']:.2f} s, restart {med['restart']:.2f} s "
+          f"({med['restart'] / med['in-place']:.1f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--reshard-trials", type=int, default=3, help="layout-change kill trials per recovery path")
     ap.add_argument("--big-hidden", type=int, default=384, help="hidden size of the larger model of the tier comparison")
     ap.add_argument("--only-tiers", action="store_true", help="only the tier comparison (no kill, scale-up or notice)")
     args = ap.parse_args()
@@ -190,24 +255,14 @@ def main() -> None:
     ec = EmbeddedCluster(ClusterSpec(nodes=[STAY]), object_store_mb=1024)  # room for the larger model's copies
     ec.connect()
     try:
-        trials = [] if args.only_tiers else [kill_trial(ec, i, r) for i in range(args.trials)
-                                             for r in ("in-place", "restart")]  # interleaved: same load for both
-        print("| kill trial | recovery | survivors' processes kept | detect s | new plan s | restored s (restore "
-              "alone) | first new step s | lost steps | moved | read in place MiB |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for i, t in enumerate(trials):
-            print(f"| {i // 2} | {t['recovery']} | {t['kept']} | {t['detect_s']:.2f} | {t['plan_s']:.2f} "
-                  f"| {t['restored_s']:.2f} ({t['restore_only_s']:.2f}) | {t['first_step_s']:.2f} | {t['lost_steps']} "
-                  f"| {t['tiers']} | {t['in_place'] / 2**20:.1f} |")
-        for path in ("in-place", "restart") if trials else ():
-            got = [t for t in trials if t["recovery"] == path]
-            print(f"median, {path}: " + ", ".join(f"{k} {statistics.median(t[k] for t in got):.2f}"
-                                                 for k in ("detect_s", "plan_s", "restored_s", "first_step_s")))
-        if trials:
-            med = {p: statistics.median(t["first_step_s"] for t in trials if t["recovery"] == p)
-                   for p in ("in-place", "restart")}
-            print(f"kill -> first new step: in place {med['in-place']:.2f} s, restart {med['restart']:.2f} s "
-                  f"({med['restart'] / med['in-place']:.1f}x)")
+        kills = [] if args.only_tiers else [kill_trial(ec, i, r) for i in range(args.trials)
+                                            for r in ("in-place", "restart")]  # interleaved: same load for both
+        print_trials("kill trial (DP: the L4 holds every layer)", kills)
+        reshards = [] if args.only_tiers else [reshard_trial(ec, i, r) for i in range(args.reshard_trials)
+                                               for r in ("in-place", "restart")]
+        if reshards:
+            print("\nlayouts after the loss:", sorted({str(t["layout"]) for t in reshards}))
+        print_trials("re-shard trial (TP-2 + 2 PP stages, last stage lost)", reshards)
         print("\n| model | state MiB | first recovery: restored from | hetspot restore s (tiers) | moments in by s "
               "| every byte first s | S3-only restore s | S3-only / hetspot |")
         print("|---|---|---|---|---|---|---|---|")
@@ -225,9 +280,11 @@ def main() -> None:
               f"emulated speeds; predicted {u['predicted']['running']:,} -> {u['predicted']['new']:,}, chosen among "
               f"{u['candidates']} candidate plans), moved "
               f"{u['moved_s']:.2f} s after the join, steps lost {u['lost']}")
-        d = drain_trial(ec)
-        print(f"AWS notice, deadline {d['deadline_s']:.1f} s: drained after {d['drained_s']:.2f} s, first step without "
-              f"the node after {d['first_step_s']:.2f} s, re-plans after failures {d['lost_steps']}")
+        for recovery in ("in-place", "restart"):
+            d = drain_trial(ec, recovery)
+            print(f"AWS notice, deadline {d['deadline_s']:.1f} s, {recovery}{' (pre-staged)' if d['staged'] else ''}: "
+                  f"drained after {d['drained_s']:.2f} s, first step without the node after {d['first_step_s']:.2f} s,"
+                  f" training stalled {d['stall_s']:.2f} s at the switch, re-plans after failures {d['lost_steps']}")
     finally:
         ec.shutdown()
         server.stop()

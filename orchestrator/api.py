@@ -202,8 +202,9 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     try:
         ec.connect()
         cluster_s = time.perf_counter() - t0
+        run_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"  # the run record's folder
         actor = ControllerActor.options(name=controller_name(job.name), **on_head()).remote(
-            job.model_dump_json(), steps, job.name, True, plan.model_dump_json(), plan_path is not None, replan_on_loss)
+            job.model_dump_json(), steps, run_id, True, plan.model_dump_json(), plan_path is not None, replan_on_loss)
 
         def on_row(row: dict) -> None:
             if on_step is not None:
@@ -232,6 +233,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         "restarts": summary["restarts"],
         "events": summary["events"],
         "uploads": summary["uploads"],
+        "run_record": summary["run_record"],
     }
 
 

@@ -98,7 +98,7 @@ def main() -> int:
         _print(f"hetspot: job failed: {summary['error']}", True)
         return summary.get("exit_code") or 1
     _print(f"hetspot: done: {len(summary['losses'])} steps, loss {summary['losses'][0]:.4f} -> "
-           f"{summary['losses'][-1]:.4f}, {summary['restarts']} re-plans")
+           f"{summary['losses'][-1]:.4f}, {summary['restarts']} re-plans; run record: {summary['run_record']}")
     return 0
 
 

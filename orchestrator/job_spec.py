@@ -93,6 +93,12 @@ class RuntimeSpec(_Section):
         default="in-place", description="in-place: after a failure, a drain or a move, survivors keep their processes "
         "and the state they hold, re-form their groups under the new plan and receive only what they lack; restart: "
         "every worker process is replaced (survivors hand their state to their node's keeper first)")
+    warm_workers: int = Field(
+        default=0, ge=0, le=64, description="in-place recovery: keep up to this many worker processes ready on GPUs "
+        "the plan leaves idle or that joined (torch imported, device context made, in no group), so a re-plan that "
+        "needs a new rank takes one instead of starting a process. Each costs one Python process with torch in host "
+        "memory, plus a CUDA context on a GPU (docs/benchmarks.md, 'Warm workers'). A notice pre-stages the next "
+        "plan's new workers whatever this is")
     max_restarts: int = Field(default=100, ge=0, description="re-plans after failures before the job gives up (a "
                               "spot job sees many; a deterministic error stops it at once whatever this is)")
     profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "

@@ -170,7 +170,7 @@ def test_status_shows_where_the_s3_tier_stands(monkeypatch):
         def __init__(self, *args, **kwargs):
             pass
 
-        def status(self, job_id):
+        def status(self, job_id, endpoint_url=None):
             return {"job_id": job_id, "status": "RUNNING", "message": "", "progress": last_progress(log),
                     "phase": "training", "events": []}
 

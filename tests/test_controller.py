@@ -15,11 +15,11 @@ BIG = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2), N
 SMALL = ClusterSpec(nodes=[NodeSpec(name="l", gpu_type="L4", num_gpus=2)])  # the A100 node was lost
 
 
-def make(nodes, failures=None, fail_start=False, **kw):
+def make(nodes, failures=None, fail_start=False, group_kw=None, **kw):
     log, groups = [], []
 
     def factory(plan):
-        g = FakeGroup(plan, log, failures.pop(0) if failures else None, fail_start and not groups)
+        g = FakeGroup(plan, log, failures.pop(0) if failures else None, fail_start and not groups, **(group_kw or {}))
         groups.append(g)
         return g
 
@@ -131,6 +131,43 @@ def test_notice_drains_at_a_step_boundary_without_losing_a_step():
     assert drain["kind"] == "drain" and "aws" in drain["cause"] and drain["met_deadline"] is True
     assert drain["notice_s"] <= drain["snapshot_s"] <= drain["plan_s"] <= drain["first_step_s"] < drain["deadline_s"]
     assert all(t == 0.5 for t in c.progress.step_time_s.values())  # the injected clock times the steps
+
+
+def test_an_in_place_notice_pre_stages_the_next_plan_and_switches_once_its_workers_are_ready():
+    """In place, the notice's next plan is chosen at once and its new workers warm while the doomed node
+    trains on; the switch comes at the first step boundary where they are ready, and that plan is launched."""
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
+
+    notice = Notice(node="a", deadline_s=120.0, source="aws")
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=7, group_kw={"in_place": True, "ready_after": 2},
+                          interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
+    assert c.run() == State.DONE
+    assert ("prestage", 2) in log and c.progress.drains == 1 and c.progress.restarts == 0
+    assert log.index(("prestage", 2)) < log.index(("import", 4))  # staged at step 2, switched after step 3
+    assert len(groups) == 2 and all(not d.startswith("a/") for d in groups[1].plan.devices())
+    assert "planning" not in "".join(c.progress.history[c.progress.history.index("training->draining"):])
+    assert c.progress.losses == {s: 10.0 - s for s in range(7)}  # nothing lost or redone
+    drain = c.progress.events[0]
+    assert drain["new_workers"] == 2 and drain["met_deadline"] is True
+    order = ["notice_s", "staged_s", "ready_s", "switch_s", "snapshot_s", "plan_s", "resumed_s", "first_step_s"]
+    assert [drain[k] for k in order] == sorted(drain[k] for k in order)
+    assert drain["stall_s"] == round(drain["resumed_s"] - drain["switch_s"], 3)
+
+
+def test_a_pre_staged_switch_does_not_wait_past_its_deadline_for_workers_that_are_not_ready():
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
+
+    clock = FakeClock(tick=0.5)
+    notice = Notice(node="a", deadline_s=12.0, source="gcp")
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=12, group_kw={"in_place": True, "ready_after": 99},
+                          interruptions=FakeInterruptions({2: [notice]}), clock=clock)
+    assert c.run() == State.DONE
+    drain = c.progress.events[0]
+    assert "ready_s" not in drain and drain["met_deadline"] is True and drain["snapshot_s"] <= drain["deadline_s"]
+    assert drain["switch_s"] > drain["staged_s"] + 1.0  # it trained on while it could
+    assert c.progress.losses == {s: 10.0 - s for s in range(12)}
 
 
 def test_notice_too_close_to_the_deadline_falls_back_to_recovery():

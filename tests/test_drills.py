@@ -138,6 +138,7 @@ BAD_SCENARIOS = {
     "faults-not-a-list": ("faults: preempt\n", ["faults:"]),
     "bad-expect": ("faults:\n  - {kind: preempt, at_step: 2, nodes: [a]}\nexpect: {bytes: {s3: lots}}\n",
                    ["expect.bytes", "s3: 'lots'", "'>0'"]),
+    "steps-zero": ("steps: 0\nfaults:\n  - {kind: preempt, at_step: 1, nodes: [a]}\n", ["steps: 0", "positive"]),
     "unknown-field": ("faults:\n  - {kind: preempt, at_step: 2, nodes: [a], when: soon}\n", ["line 8", "when"]),
 }
 JOB_HEAD = ("name: bad\njob:\n  model: {preset: tiny}\n  train: {global_batch: 8}\n  steps: 4\n  cluster: {nodes: "

@@ -179,6 +179,25 @@ def test_node_killed_mid_step_with_a_live_dp_peer_loses_no_step_and_reads_no_s3(
     assert_matches_reference(j, c.progress.losses, final_state(j))
 
 
+def test_a_warm_worker_on_an_idle_gpu_becomes_the_rank_that_replaces_lost_nodes(cluster, endpoint):
+    """runtime.warm_workers: 1 and a plan that leaves a GPU idle: after the plan's first step a warm worker
+    (process, imports, device context; no group) waits on it. Both plan nodes are killed; the next plan's one
+    rank is that process (same process id: no process started), and the oracle holds."""
+    a, b, spare = nodes(cluster, ("warm-a", "H100-SXM", 1), ("warm-b", "L4", 1), ("warm-spare", "T4", 1))
+    j = with_runtime(make_job([a, b, spare], endpoint, "warm"), warm_workers=1)
+    c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
+    run_until(c, 1)
+    (w,) = c.group.pool.warm
+    assert w.node == spare.name
+    warm_pid = ray.get(w.ready, timeout=60)
+    c.store.flush()
+    kill(cluster, a.name, b.name)
+    assert c.run() == State.DONE, c.error
+    assert c.plan.nodes() == [spare.name] and c.group.pids == [warm_pid]
+    assert c.group.pool.warm == []  # taken, and no GPU is left idle for another
+    assert_matches_reference(j, c.progress.losses, final_state(j))
+
+
 @pytest.mark.parametrize("kind", ["exit-update", "update"])
 def test_a_worker_failing_in_the_middle_of_its_update_is_replaced_not_reused(cluster, endpoint, kind):
     """In place, a rank killed half-way through its optimizer update of step 2 ("exit-update"), or whose update

@@ -124,3 +124,25 @@ def test_s3_every_counts_steps_on_the_snapshot_steps(endpoint):
     with pytest.raises(ValueError, match="multiple of peer_every"):
         TieredState(2, s3, s3_every=5, model_units=model_units(LAYERS), calls=calls)
     assert TieredState(1000, calls=calls).s3 is None  # without an S3 tier, s3_every means nothing
+
+
+def test_a_staged_drain_starts_its_keepers_off_the_doomed_node_ahead_and_none_on_it():
+    """A notice's pre-staged switch starts the keepers its drain will copy to before the switch (none on the
+    doomed node, none when other replicas hold its layers); the drain then copies to those keepers only."""
+    calls = LocalCalls(["a", "b", "c", "d"])
+    store = TieredState(100, None, model_units=model_units(LAYERS), calls=calls)
+    group = LocalGroup(OLD, calls)
+    group.commit(0)
+    store.prepare_drain(group, {"d"})
+    ahead = set(calls.keepers)
+    assert ahead and "d" not in ahead and store.drain_ready()
+    store.drain(group, 0, {"d"})
+    assert "d" not in calls.keepers  # no keeper was started on the doomed node, for a salvage or otherwise
+    assert any(row["tier"] == "peer" for n in ahead for row in calls.keepers[n].inventory())
+    replicated = TieredState(100, None, model_units=model_units(LAYERS), calls=LocalCalls(["a", "b"]))
+    both = LocalGroup(Plan(model_name="m", num_layers=LAYERS, global_batch=8, pipelines=[Pipeline(
+        num_samples=4, micro_batch_size=1, num_micro_batches=4, stages=[
+            Stage(layer_start=0, layer_end=LAYERS, gpu_type="L4", node=n, devices=[f"{n}/0"])]) for n in "ab"]),
+        replicated.calls)
+    replicated.prepare_drain(both, {"b"})
+    assert replicated.calls.keepers == {}  # a's replica holds every layer b holds: nothing to copy, nothing started

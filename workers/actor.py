@@ -48,6 +48,16 @@ def compute_dtype(runtime_dtype: str, precision: str, gpu_type: str) -> str:
     return {"fp16": "float16", "fp32": "float32", "fp64": "float64"}[precision]
 
 
+def _warm_up(device: str) -> None:
+    """What a process pays once, before its first stage: the device context, and the imports the first
+    optimizer's construction and update make (torch's optimizers import torch._dynamo: about 1 s of a warm
+    worker's switch on the test machines when left to the first stage)."""
+    p = torch.nn.Parameter(torch.zeros(1, device=device))
+    opt = torch.optim.AdamW([p])
+    p.sum().backward()
+    opt.step()
+
+
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1, "serve": 1})
 class TrainWorker:
     """One rank. `step` and `commit` run in order on the default thread; `hand_over` runs on a
@@ -60,7 +70,7 @@ class TrainWorker:
     committed state and lets go of the stage and its groups, `reconfigure` makes the process a rank of the
     next plan, and `get_many` (on the "serve" thread) hands the kept state to ranks that need it."""
 
-    def __init__(self, plan_json: str, rank: int, model_json: str, train_json: str, data: dict,
+    def __init__(self, plan_json: str | None, rank: int, model_json: str, train_json: str, data: dict,
                  dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False,
                  overlap_sync: bool = True):
         torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
@@ -79,7 +89,15 @@ class TrainWorker:
         self._restore_pool: ThreadPoolExecutor | None = None
         self.retained: tuple[int, dict] | None = None  # (step, shards): committed state kept for the next plan
         self.engine: Engine | None = None
+        self.log = structured_logger("hetspot.worker", rank=rank)
+        if plan_json is None:  # a warm worker: imports done and the device context made, in no group yet
+            _warm_up(self.device)
+            return
         self._configure(plan_json, rank, slowdown)
+
+    def ready(self) -> int:
+        """This process's id, once its constructor has run (a warm worker is then ready for `reconfigure`)."""
+        return os.getpid()
 
     def _configure(self, plan_json: str, rank: int, slowdown: float) -> None:
         plan = Plan.model_validate_json(plan_json)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
 
 import typer
 
@@ -174,45 +175,75 @@ def submit(
                       f"(start-up {result['startup_s']:.1f} s): loss {result['losses'][0]:.4f} -> "
                       f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s over the step times, "
                       f"{result['restarts']} re-plans")
+        console.print(f"run record: {result['run_record']}  (hetspot status {result['run_record']} --history; "
+                      f"hetspot plot {result['run_record']} -o loss.png)", highlight=False, soft_wrap=True)
+
+
+ENDPOINT_HELP = "S3 endpoint of a run record in S3 (MinIO, moto); default AWS_ENDPOINT_URL, else AWS"
 
 
 @app.command()
 @_user_errors
 def status(
-    job_id: str = typer.Argument(..., help="the id `hetspot submit --address` printed"),
+    job: str = typer.Argument(..., help="the id `hetspot submit --address` printed, or a run record: "
+                              "s3://BUCKET/PREFIX/runs/ID or a local hetspot-runs/ID folder (no cluster needed)"),
     address: str | None = _address_option(True),
     token_file: str | None = _token_option(),
+    history: bool = typer.Option(False, "--history", help="every committed step's loss, tokens/s and step time "
+                                 "(from the job's run record)"),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
     as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
 ) -> None:
-    """A submitted job's state and its last committed step (loss, tokens/s, MFU)."""
-    st = _jobs(address, token_file).status(job_id)
+    """A job's state, its last committed step (loss, tokens/s, MFU), checkpoints, ETA and events.
+
+    With a job id it asks the cluster; a job with an S3 checkpoint is read from its run record there (a few
+    kilobytes, whatever the job's length), else from the job's log. With a run record's location it reads that,
+    after the cluster is gone too."""
+    from orchestrator.cli.tables import print_status
+    from orchestrator.runtime.run_record import is_location, read_record, read_steps
+
+    if is_location(job):
+        rec = read_record(job, endpoint_url)
+        st = {"job_id": rec["job_id"], "status": rec["state"], "message": rec.get("error") or "", "phase": rec.get("phase"),
+              "progress": rec["progress"], "events": rec["events"], "summary": rec["summary"], "run_record": job}
+        location = job
+    else:
+        st = _jobs(address, token_file).status(job, endpoint_url)
+        location = st.get("run_record")
+    if history:
+        if "summary" not in st:
+            from orchestrator.errors import ConfigError
+
+            raise ConfigError(f"--history: job {job} has no run record this machine can read (a job with a "
+                              "checkpoint.uri keeps one in S3; pass its location: hetspot status s3://.../runs/ID)")
+        st["history"] = read_steps(location, {"summary": st["summary"]}, endpoint_url)
     if as_json:
         _print_json(st)
         return
-    console.print(f"[bold]{job_id}[/]: {st['status']}" + (f" ({st['message']})" if st["message"] else ""))
-    from orchestrator.runtime.metrics import format_mfu
+    print_status(job, st, console)
 
-    p = st["progress"]
-    if st.get("phase"):
-        console.print(f"  phase: {st['phase']}")
-    if p:
-        console.print(f"  step {p['step'] + 1}/{p['steps']}: loss {p['loss']:.4f}, {p['tokens_per_s']:,.0f} tokens/s, "
-                      f"MFU {format_mfu(p['mfu'])}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
-        if "upload_lag_steps" in p:
-            s3 = "none yet" if p["s3_step"] is None else f"step {p['s3_step']}"
-            console.print(f"  S3: newest {s3}, {p['upload_lag_steps']} steps behind, {p['upload_backlog']} "
-                          f"upload(s) in flight or waiting, {p['failed_uploads']} failed")
-            if p.get("s3_no_access"):
-                console.print(f"  S3: no write access from {', '.join(p['s3_no_access'])}: their uploads fail "
-                              "(give those nodes credentials that may write the bucket)")
-    else:
-        console.print("  no step committed yet")
-    for e in st.get("events", []):
-        times = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in e.items()
-                          if k.endswith("_s") and isinstance(v, int | float))
-        tiers = ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in e.get("bytes_by_tier", {}).items())
-        console.print(f"  {e['kind']} at step {e['at_step']}: {e['cause']}" + (f" ({times})" if times else "")
-                      + (f"; restored bytes: {tiers}" if tiers else ""))
+
+@app.command()
+@_user_errors
+def plot(
+    run: str = typer.Argument(..., help="a run record: s3://BUCKET/PREFIX/runs/ID or a local hetspot-runs/ID folder"),
+    out: Path = typer.Option(..., "-o", "--out", help="the PNG to write"),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
+) -> None:
+    """Loss and throughput of a job over its steps, with its recoveries marked, from its run record."""
+    from orchestrator.drills.report import run_plot
+    from orchestrator.errors import ConfigError
+    from orchestrator.runtime.run_record import is_location, read_record, read_steps
+
+    if not is_location(run):
+        raise ConfigError(f"{run}: not a run record; pass s3://BUCKET/PREFIX/runs/ID or a hetspot-runs/ID folder "
+                          "(`hetspot submit` prints where its run record is)")
+    rec = read_record(run, endpoint_url)
+    rows = read_steps(run, rec, endpoint_url)
+    if not rows:
+        raise ConfigError(f"{run}: the run record holds no committed step yet; nothing to plot")
+    run_plot(rec, rows, out)
+    console.print(f"wrote {out}")
 
 
 @app.command()

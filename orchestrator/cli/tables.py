@@ -101,3 +101,48 @@ def _offload(pol: dict[str, Any], layers: int, reasons: list[str]) -> str:
             reasons.append(policy.reason)
         parts.append(f"[{reasons.index(policy.reason) + 1}]")
     return " · ".join(parts)
+
+
+def print_status(ref: str, st: dict, console: Console) -> None:
+    """`hetspot status`: state, newest step, S3, summary and ETA (from a run record), events, and with --history
+    every committed step."""
+    from orchestrator.runtime.metrics import format_mfu
+
+    console.print(f"[bold]{ref}[/]: {st['status']}" + (f" ({st['message']})" if st.get("message") else ""))
+    p, summ = st.get("progress"), st.get("summary")
+    if st.get("phase"):
+        console.print(f"  phase: {st['phase']}")
+    if p:
+        console.print(f"  step {p['step'] + 1}/{p['steps']}: loss {p['loss']:.4f}, {p['tokens_per_s']:,.0f} tokens/s, "
+                      f"MFU {format_mfu(p.get('mfu'))}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
+        if "upload_lag_steps" in p:
+            s3 = "none yet" if p["s3_step"] is None else f"step {p['s3_step']}"
+            console.print(f"  S3: newest {s3}, {p['upload_lag_steps']} steps behind, {p['upload_backlog']} "
+                          f"upload(s) in flight or waiting, {p['failed_uploads']} failed")
+            if p.get("s3_no_access"):
+                console.print(f"  S3: no write access from {', '.join(p['s3_no_access'])}: their uploads fail "
+                              "(give those nodes credentials that may write the bucket)")
+    else:
+        console.print("  no step committed yet")
+    if summ:
+        eta = f", ETA {summ['eta_s']:.0f} s" if summ.get("eta_s") is not None else ""
+        goodput = f"{summ['goodput'] * 100:.1f}%" if summ.get("goodput") is not None else "-"
+        console.print(f"  {summ['committed_steps']} steps committed, {summ['steps_left']} left{eta}; goodput {goodput}, "
+                      f"{summ['recovering_s']:.1f} s recovering over {summ['re_plans']} re-plans and {summ['drains']} "
+                      f"drains, {summ['lost_steps']} steps redone")
+    if st.get("run_record"):
+        console.print(f"  run record: {st['run_record']}", highlight=False, soft_wrap=True)
+    for e in st.get("events", []):
+        times = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in e.items()
+                          if k.endswith("_s") and isinstance(v, int | float))
+        tiers = ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in e.get("bytes_by_tier", {}).items())
+        console.print(f"  {e['kind']} at step {e['at_step']}: {e['cause']}" + (f" ({times})" if times else "")
+                      + (f"; restored bytes: {tiers}" if tiers else ""))
+    if "history" in st:
+        t = Table(title="committed steps")
+        for col in ("step", "loss", "tokens/s", "step s", "at s"):
+            t.add_column(col, justify="right")
+        for r in st["history"]:
+            t.add_row(str(r["step"]), f"{r['loss']:.4f}", f"{r.get('tokens_per_s', 0):,.0f}",
+                      f"{r.get('step_time_s', 0):.2f}", f"{r['t_s']:.1f}")
+        console.print(t)

@@ -105,6 +105,8 @@ class Controller:
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
         self._launch_s = 5.0  # the last launch's start-up (placing workers, process group), for migration costs
         self._draining: dict | None = None  # the drain event in progress
+        self._staged: tuple | None = None  # a notice's next (plan, cluster, choice), its new workers warming
+        self._switch_by: float = 0.0  # a staged drain switches by then whether its workers are ready or not
         self.started_at = self.clock.now()
         # A first plan (checked against the job) skips discovery and planning; `user_plan`: from --plan.
         self.plan: Plan | None = first_plan
@@ -214,9 +216,11 @@ class Controller:
             self._withdraw()
             self._phase("done")
             return State.DONE
-        if self._heed(self.interruptions.poll()):
+        drain = self._heed(self.interruptions.poll())  # None: no notice for the plan's nodes
+        if drain or (drain is None and self._staged is not None and self._switch_now()):
             return State.DRAINING
         try:
+            self._mark("resumed_s")
             t0 = self.clock.now()
             if self.progress.startup_s is None:
                 self.progress.startup_s = t0 - self.started_at
@@ -227,6 +231,8 @@ class Controller:
             self._mark("first_step_s")
             if self.store.after_step(self.group, s, self.doomed):
                 self.progress.snapshot_step = s
+            if s == self._plan_from - 1:  # the plan's first step: idle kept processes are gone, their GPUs free
+                self.group.warm_spares(self.cluster or self.nodes.discover().without_nodes(self.doomed))
             if self.scale_check_every and (s + 1) % self.scale_check_every == 0 and s + 1 < self.steps \
                     and self._scale_up():
                 return State.LAUNCHING
@@ -240,9 +246,11 @@ class Controller:
             self._substitutions(self.capacity.tick())
         cluster = self.nodes.discover().without_nodes(self.doomed)
         known, joined = joined_nodes(self._known_nodes, cluster)
-        if joined and self.progress.committed < self._plan_from + 1:
+        if self._staged is not None or (joined and self.progress.committed < self._plan_from + 1):
             return False  # weighed once the running plan's speed is measured (2 steps): predictions alone mislead
         self._known_nodes = known
+        if joined:  # a warm worker waits on the joined GPUs (runtime.warm_workers), whatever the choice
+            self.group.warm_spares(cluster)
         got = joined and consider_joined(self.planner, self.model, self.train, self.plan, cluster,
                                          self.steps - self.progress.committed - 1, self._launch_s,
                                          self._measured_tokens_per_s())
@@ -265,14 +273,15 @@ class Controller:
             return None
         return tokens_per_step(self.model, self.train.global_batch) / times[len(times) // 2]
 
-    def _heed(self, notices: list) -> bool:
-        """Start a drain for notices on the plan's nodes when the deadline leaves time (drain.notice_decision)."""
+    def _heed(self, notices: list) -> bool | None:
+        """Start a drain for notices on the plan's nodes when the deadline leaves time (drain.notice_decision):
+        True: drain now; False: not now (staged, or too close: recovery when the node goes); None: no notice."""
         now, used = self.clock.now(), set(self.plan.nodes())
         copy_s = lambda doomed: drain_copy_s(self.plan, self.model, self.train,  # noqa: E731
                                              self.cluster or self.nodes.discover(), self.doomed | doomed)
         got = notice_decision(notices, used, now, self.drain_margin_s, copy_s)
         if got is None:
-            return False
+            return None
         drain, mine, left = got
         nodes, sources = ", ".join(sorted({n.node for n in mine})), ", ".join(sorted({n.source for n in mine}))
         if not drain:
@@ -284,13 +293,49 @@ class Controller:
         self._event("drain", f"notice for {nodes} ({sources})", nodes=nodes, notice_s=round(now - self.started_at, 3),
                     deadline_s=round(now + left - self.started_at, 3))
         self._draining = self.progress.events[-1]  # its timeline fills in as the drain goes on
-        return True
+        self._switch_by = now + left - self.drain_margin_s - copy_s(self.doomed)
+        return self._stage()
+
+    def _stage(self) -> bool:
+        """Pre-stage a notice's switch while the doomed nodes still train: choose the next plan now, warm its new
+        ranks' workers (processes that no survivor provides) and start the keepers the drain will copy the
+        doomed nodes' state to (when no other replica holds it); the switch waits for them at step boundaries
+        (`_switch_now`), then re-forms the groups once. True: switch now (nothing to wait for, the restart path,
+        or no plan: PLANNING then says why)."""
+        if not getattr(self.group, "in_place", False):
+            return True
+        cluster = self.nodes.discover().without_nodes(self.doomed)
+        try:
+            plan, choice = choose_replan(self.planner, self.model, self.train, self.plan, cluster,
+                                         self.steps - self.progress.committed - 1, self._launch_s)
+        except PlanningError:
+            return True
+        started = self.group.prestage(plan)
+        self.store.prepare_drain(self.group, self.doomed)
+        self._staged = (plan, cluster, choice)
+        self._draining["new_workers"] = started
+        self._mark("staged_s")
+        return self._switch_now()
+
+    def _switch_now(self) -> bool:
+        """A staged switch goes at this step boundary when its warm workers and keepers are ready, or when another step
+        might not end before the deadline leaves time to drain (the switch then starts what is not ready)."""
+        times = sorted(self.progress.step_time_s[s] for s in list(self.progress.step_time_s)[-5:])
+        step_s = times[len(times) // 2] if times else 0.0
+        if self.group.staged_ready() and self.store.drain_ready():
+            self._mark("ready_s")
+            return True
+        return self.clock.now() + 2 * step_s >= self._switch_by
 
     def _mark(self, key: str) -> None:
         """A point of the current drain's timeline, in seconds since the job started."""
+        if key in ("resumed_s", "first_step_s") and self._draining is not None and "switch_s" not in self._draining:
+            return  # a staged drain: the doomed nodes still train; its first step is the new plan's
         if self._draining is not None and key not in self._draining:
             self._draining[key] = round(self.clock.now() - self.started_at, 3)
             if key == "first_step_s":
+                if "switch_s" in self._draining and "resumed_s" in self._draining:  # no step ran in between
+                    self._draining["stall_s"] = round(self._draining["resumed_s"] - self._draining["switch_s"], 3)
                 snap = self._draining.get("snapshot_s")
                 self._draining["met_deadline"] = snap is not None and snap <= self._draining["deadline_s"]
                 self._draining = None
@@ -298,6 +343,7 @@ class Controller:
     def _drain(self) -> State:
         """At a step boundary before the deadline: snapshot the committed step, then re-plan without the node."""
         self._phase(f"draining {', '.join(sorted(self.doomed))}")
+        self._mark("switch_s")
         try:
             if self.progress.committed >= 0:
                 self.store.drain(self.group, self.progress.committed, self.doomed)
@@ -307,7 +353,14 @@ class Controller:
         self.group.release()
         self._mark("snapshot_s")  # the doomed node's state is out: it may go now
         self.progress.drains += 1
-        return State.DISCOVERING
+        if self._staged is None:
+            return State.DISCOVERING
+        (self.plan, self.cluster, choice), self._staged = self._staged, None
+        self._known_nodes = {n.name for n in self.cluster.nodes}
+        if choice:
+            self._draining["plan_choice"] = choice
+        self._mark("plan_s")
+        return State.LAUNCHING
 
     def _recover(self) -> State:
         """After a failure the policy re-plans: survivors keep their committed state (tier "live") and their group
@@ -337,6 +390,7 @@ class Controller:
         decision = failure_policy(failure, self.progress.restarts, self.max_restarts, self.user_plan,
                                   self.replan_user_plan)
         log.warning("worker failure (%s): %s -> %s", failure.kind, failure, type(decision).__name__)
+        self._staged = None  # a failure re-plans from what is left (warm workers stay in the pool)
         if isinstance(decision, Replan):
             self.progress.restarts += 1
             self._failure = (failure, detected_s)

@@ -32,9 +32,10 @@ class FakeWorkerGroup:
     """
 
     def __init__(self, plan, log: list, fail_at: list[int] | None = None, fail_start: bool = False,
-                 fail_kind: str = "node lost"):
+                 fail_kind: str = "node lost", in_place: bool = False, ready_after: int = 0):
         self.plan, self.log, self.fail_at, self.fail_start = plan, log, fail_at, fail_start
         self.fail_kind = fail_kind
+        self.in_place, self.ready_after = in_place, ready_after  # in place: a notice's switch is pre-staged
         self.applied = 0
         self.last_peak_mem = 0
 
@@ -60,6 +61,17 @@ class FakeWorkerGroup:
 
     def release(self) -> None:
         self.shutdown()
+
+    def prestage(self, plan) -> int:  # its warm workers are ready after `ready_after` looks
+        self.log.append(("prestage", len(plan.devices())))
+        return self.ready_after
+
+    def staged_ready(self) -> bool:
+        self.ready_after -= 1
+        return self.ready_after < 0
+
+    def warm_spares(self, cluster) -> int:
+        return 0
 
     def shutdown(self) -> None:
         self.log.append(("shutdown",))

@@ -33,6 +33,9 @@ class WorkerGroup(Protocol):
     def import_state(self, state: Any, optimizer_steps: float) -> None: ...
     def release(self) -> None: ...  # the group ends; in place, the processes that kept their state stay for the next
     def shutdown(self) -> None: ...  # the group ends with every process
+    def prestage(self, plan: Any) -> int: ...  # warm workers for `plan`'s ranks no process holds; how many started
+    def staged_ready(self) -> bool: ...  # every warm worker has started
+    def warm_spares(self, cluster: ClusterSpec) -> int: ...  # standing warm workers on idle GPUs; how many started
 
 
 class StateGroup(WorkerGroup, Protocol):
@@ -70,6 +73,8 @@ class StateCalls(Protocol):
 class StatePlane(Protocol):
     def after_step(self, group: WorkerGroup, step: int, avoid: set[str]) -> bool: ...  # True: a snapshot was taken
     def drain(self, group: WorkerGroup, step: int, avoid: set[str]) -> None: ...  # state off the `avoid` nodes, now
+    def prepare_drain(self, group: WorkerGroup, avoid: set[str]) -> None: ...  # start what that drain copies to
+    def drain_ready(self) -> bool: ...  # what prepare_drain started runs
     def salvage(self, group: WorkerGroup, avoid: set[str], step: int | None) -> None: ...  # survivors off `avoid`
     # keep committed step `step`
     def restore(self, group: WorkerGroup, avoid: set[str]) -> dict | None: ...  # {"step", "tier", "bytes", ...};

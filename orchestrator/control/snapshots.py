@@ -22,6 +22,12 @@ class MemorySnapshots:
         self._save(group, step)
         return True
 
+    def prepare_drain(self, group, avoid: set[str]) -> None:  # nothing to start: copies are in this process
+        pass
+
+    def drain_ready(self) -> bool:
+        return True
+
     def drain(self, group, step: int, avoid: set[str]) -> None:
         if self._latest is None or self._latest[0] != step:
             self._save(group, step)

@@ -114,6 +114,41 @@ def drill_plot(r: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+def run_plot(record: dict, rows: list[dict], path: str | Path) -> None:
+    """A job's run record: loss per step, and tokens/s over wall time with its recoveries as bands (a re-plan
+    from its detection to the first step after it; a drain over its switch), as the drill plots draw them."""
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
+    a.plot([r["step"] for r in rows], [r["loss"] for r in rows], "o-", ms=3, color="tab:blue", label="loss")
+    kinds: set[str] = set()
+    for e in record["events"]:
+        if e.get("kind") in ("re-plan", "drain", "scale-up"):
+            a.axvline(e["at_step"] + 1, color="tab:red", ls="--", lw=1, label=None if "ev" in kinds else "re-plan or drain")
+            kinds.add("ev")
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.set_title(f"{record['job_id']}: {record['state']}, {len(rows)} steps committed")
+    a.legend(loc="upper right")
+    b.plot([r["t_s"] for r in rows], [r.get("tokens_per_s", 0) for r in rows], "o", ms=3, color="tab:blue",
+           label="tokens/s of each committed step")
+    for e in record["events"]:
+        if e.get("kind") not in ("re-plan", "drain"):
+            continue
+        start = e.get("switch_s", e.get("detected_s", e["t_s"]))
+        end = next((r["t_s"] for r in rows if r["t_s"] > e["t_s"]), None)
+        if end is not None:
+            b.axvspan(start, end, color="tab:orange", alpha=0.2, label=None if "span" in kinds else "recovering")
+            kinds.add("span")
+    b.set_xlabel("seconds since the job started")
+    b.set_ylabel("tokens/s")
+    b.set_ylim(bottom=0)
+    goodput = record["summary"].get("goodput")
+    b.set_title("throughput" + (f"; goodput {goodput * 100:.1f}%" if goodput is not None else ""))
+    b.legend(loc="lower right")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def simulate_tables(r: dict, console: Console) -> None:
     console.print(f"[bold]simulate[/] {r['trace']} on {r['fleet']['gpus']} GPUs ({r['fleet']['mix']}), model "
                   f"{r['model']}: {r['events']} events over {r['hours']:.2f} h")

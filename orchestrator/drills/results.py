@@ -84,7 +84,7 @@ def recovery_timeline(events: list[dict], commits: list[tuple[int, float, float]
                "restored_s": restore["t_s"] if restore else None,
                "restore_step": restore["step"] if restore else None,
                "bytes_by_tier": restore.get("bytes_by_tier") if restore else None, "first_step_s": first}
-        if e["kind"] == "drain":
-            row["met_deadline"] = e.get("met_deadline")
+        if e["kind"] == "drain":  # a pre-staged drain trains on after its notice: its stall is what training lost
+            row |= {k: e.get(k) for k in ("met_deadline", "stall_s", "new_workers")}
         out.append(row)
     return out

@@ -62,6 +62,8 @@ class Expect(BaseModel):
     restores: int | None = Field(default=None, ge=0)
     refused_steps: int | None = Field(default=None, ge=0, description="damaged S3 steps refused")
     scale_ups: int | None = Field(default=None, ge=0)
+    warmed: int | None = Field(default=None, ge=0, description="workers that notices' pre-staged switches started "
+                               "ahead, while the doomed nodes trained, and found ready at the switch")
     failed_uploads: str | int | None = Field(default=None, description="count, or '>0'")
     final_nodes: list[str] | None = Field(default=None, description="the nodes the last plan trains on")
     s3_last_step: bool | None = Field(default=None, description="true: the job's last step is in S3 at the end, "
@@ -147,12 +149,17 @@ def parse_scenario(data: object, source: str = "<scenario>", base: Path | None =
             _strip_lines(data["checkpoint"] or {})
         merged.setdefault("uri", f"s3://hetspot-drill/{data['name']}")
         job = parse_job(job.model_dump(exclude_unset=True) | {"checkpoint": merged}, f"{source}: checkpoint")
+    if "steps" in data:  # the scenario's length over the job's (a shared job file, a longer run)
+        steps = data["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"{source}: steps: {steps!r} is not a positive whole number of steps; use e.g. steps: 10")
+        job = job.model_copy(update={"steps": steps})
     faults_raw = data["faults"]
     if not isinstance(faults_raw, list) or not faults_raw:
         raise ConfigError(f"{source}: 'faults:' must be a non-empty list of faults, each with kind: and at_step: "
                           "or at_s:")
     faults = [_fault(f, i, source) for i, f in enumerate(faults_raw)]
-    rest = {k: _strip_lines(v) for k, v in data.items() if k not in ("job", "faults", "checkpoint", "__line__")}
+    rest = {k: _strip_lines(v) for k, v in data.items() if k not in ("job", "faults", "checkpoint", "steps", "__line__")}
     try:
         sc = Scenario(job=job, faults=faults, **rest)
     except ValidationError as e:
@@ -234,7 +241,7 @@ def _before(f: Fault, add: Fault) -> bool:
 def check_expect(expect: Expect, got: dict) -> list[str]:
     """What the run showed against what the scenario implies; the mismatches, as sentences."""
     bad = []
-    for key in ("lost_steps", "replans", "drains", "restores", "refused_steps", "scale_ups"):
+    for key in ("lost_steps", "replans", "drains", "restores", "refused_steps", "scale_ups", "warmed"):
         want = getattr(expect, key)
         if want is not None and got[key] != want:
             bad.append(f"{key}: expected {want}, got {got[key]}")

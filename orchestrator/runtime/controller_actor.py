@@ -5,7 +5,7 @@ head node (spot workers may vanish, the head stays): it discovers nodes, plans,
 places TrainWorkers, trains and re-plans after failures, while the caller only
 polls `step()`. Each committed step becomes a metrics row (loss, tokens/s from
 the step time, MFU, memory) published through `ray.util.metrics` and, when
-configured, TensorBoard. The actor is threaded (two calls at once) so `phase()`
+configured, TensorBoard, and goes to the job's run record (orchestrator/runtime/run_record.py). The actor is threaded (two calls at once) so `phase()`
 answers while a long `step()` (placing workers, restoring state) runs.
 
 Callers: `hetspot submit` on the embedded test cluster (orchestrator/api.py)
@@ -14,6 +14,7 @@ and the Ray Jobs entry point (orchestrator/driver.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import ray
@@ -96,6 +97,11 @@ class ControllerActor:
             capacity = ray_capacity(self.job.fleet, time.monotonic)
         self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
                                           replan_user_plan=replan_user_plan, capacity=capacity)
+        from orchestrator.runtime.run_record import RunRecordWriter, record_location
+
+        ck = self.job.checkpoint
+        self.record = RunRecordWriter(record_location(ck.uri if ck else None, job_id),
+                                      json.loads(job_json), job_id, steps, ck.endpoint_url if ck else None)
         self.metrics = StepMetrics(job_id)
         self.tb = TensorBoardLog(self.job.runtime.tensorboard_dir) if self.job.runtime.tensorboard_dir else None
         self.reported = -1
@@ -114,6 +120,7 @@ class ControllerActor:
                      "events": c.progress.events}
         if c.plan is not None and c.plan is not self.plan_seen and state == State.TRAINING:
             self.plan_seen = c.plan
+            self.record.plan(c.plan.model_dump(mode="json"), c.progress.committed + 1)
             out["plan"] = {"pipelines": len(c.plan.pipelines), "gpus": len(c.plan.devices()),
                            "predicted_tokens_per_s": c.plan.estimate.tokens_per_s if c.plan.estimate else None,
                            "unused": [u.model_dump() for u in c.plan.unused],
@@ -135,6 +142,8 @@ class ControllerActor:
                 self.tb.record(row)
             out["rows"].append(row)
         self.reported = c.progress.committed
+        self.record.update(out["rows"], c.progress.events, state.value, c.error, c.clock.now() - c.started_at,
+                           c.progress.phase)
         if state in (State.DONE, State.FAILED) and self.tb is not None:
             self.tb.close()
         return out
@@ -150,7 +159,7 @@ class ControllerActor:
                 "uploads": getattr(c.store, "uploads", []),
                 "upload_lag": c.store.upload_lag(c.progress.committed),
                 "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
-                "events": c.progress.events, "history": c.progress.history}
+                "events": c.progress.events, "history": c.progress.history, "run_record": self.record.location}
 
 
 def drive(actor, on_row: Callable[[dict], None] | None = None, on_event: Callable[[dict], None] | None = None,

@@ -170,14 +170,39 @@ class RayJobs:
             env[ENV_RESUME] = "1"
         return self._call(lambda: self.client.submit_job(
             entrypoint="python -m orchestrator.driver", submission_id=job_id,
-            runtime_env=shipped_runtime_env(env), metadata={"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps)},
-        ))
+            runtime_env=shipped_runtime_env(env), metadata=self._metadata(job, job_id, steps)))
 
-    def status(self, job_id: str) -> dict:
+    @staticmethod
+    def _metadata(job: JobSpec, job_id: str, steps: int | None) -> dict[str, str]:
+        """Ray job metadata: the job's name and steps, and where its run record is when another machine can read
+        it (S3: `hetspot status` reads it there instead of the job's whole log)."""
+        meta = {"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps)}
+        if job.checkpoint is not None:
+            from orchestrator.runtime.run_record import record_location
+
+            meta["hetspot_record"] = record_location(job.checkpoint.uri, job_id)
+            meta["hetspot_endpoint"] = job.checkpoint.endpoint_url or ""
+        return meta
+
+    def status(self, job_id: str, endpoint_url: str | None = None) -> dict:
+        """The job's state from Ray, and its progress and events: from its run record in S3 when it has one
+        (a few kilobytes, whatever the job's length), else from its log (which grows with the job)."""
         info = self._call(lambda: self.client.get_job_info(job_id), job_id)
         out = {"job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
                "message": info.message, "start_time": info.start_time, "end_time": info.end_time,
                "metadata": info.metadata or {}}
+        where = out["metadata"].get("hetspot_record")
+        if where:
+            from orchestrator.errors import ConfigError
+            from orchestrator.runtime.run_record import read_record
+
+            try:
+                rec = read_record(where, endpoint_url or out["metadata"].get("hetspot_endpoint") or None)
+            except ConfigError as e:  # not written yet, or not readable from here: the log still says it
+                log.info("run record not read (%s); reading the job's log", e)
+            else:
+                return out | {"progress": rec["progress"], "phase": rec.get("phase"), "events": rec["events"],
+                              "summary": rec["summary"], "run_record": where}
         logs = self.logs(job_id)
         out["progress"] = last_progress(logs)
         phase = last_phase(logs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class Kept:
     span: tuple[int, int]  # the extended layers its last stage held
     pid: int
     step: int  # the committed step it keeps in memory (-1: none)
+    ready: object = None  # a warm worker's `ready()` answer (its constructor ran); None for a survivor
 
 
 class WorkerPool:
@@ -78,19 +80,62 @@ class WorkerPool:
 
     def __init__(self) -> None:
         self.idle: list[Kept] = []
+        self.warm: list[Kept] = []  # warm workers: processes started ahead of need, holding no state
 
     def take(self, node: str, span: tuple[int, int]) -> Kept | None:
+        """The kept process on `node` that held the most of `span`, else a warm worker there, else None."""
         here = [k for k in self.idle if k.node == node]
         if not here:
-            return None
+            warm = [k for k in self.warm if k.node == node]
+            if warm:
+                self.warm.remove(warm[0])
+            return warm[0] if warm else None
         best = max(here, key=lambda k: (min(k.span[1], span[1]) - max(k.span[0], span[0]), -k.pid))
         self.idle.remove(best)
         return best
+
+    def start_warm(self, job: JobSpec, node: str, node_id: str) -> None:
+        """Start a worker on one GPU of `node` that joins no group yet (TrainWorker with no plan): its process,
+        imports and device context are ready when a plan's rank takes it."""
+        pg = _gpu_pg(node_id)
+        actor = _new_worker(job, pg, None, -1, 1.0)
+        self.warm.append(Kept(actor, pg, node, (0, 0), 0, -1, actor.ready.remote()))
+
+    def warm_ready(self) -> bool:
+        refs = [k.ready for k in self.warm]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        return len(done) == len(refs)
+
+    def end_warm(self, nodes: set[str]) -> None:
+        """End the warm workers on `nodes` (doomed, or left out of the job)."""
+        for k in [k for k in self.warm if k.node in nodes]:
+            _end(k.actor, k.pg)
+            self.warm.remove(k)
 
     def end_idle(self) -> None:
         for k in self.idle:
             _end(k.actor, k.pg)
         self.idle = []
+
+    def end_all(self) -> None:
+        self.end_idle()
+        self.end_warm({k.node for k in self.warm})
+
+
+def _gpu_pg(node_id: str):
+    """A placement group of one GPU on the node with Ray id `node_id` (one per worker: a kept process keeps it)."""
+    return placement_group([{"GPU": 1}], strategy="STRICT_PACK", bundle_label_selector=[{"ray.io/node-id": node_id}])
+
+
+def _new_worker(job: JobSpec, pg, plan_json: str | None, rank: int, slowdown: float):
+    """A TrainWorker process in placement group `pg`: rank `rank` of `plan_json`, or warm (no plan) with None."""
+    from workers.actor import TrainWorker
+
+    return TrainWorker.options(
+        num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    ).remote(plan_json, rank, job.model_spec.model_dump_json(), job.train.model_dump_json(), job.data.model_dump(),
+             job.runtime.dtype, slowdown, job.runtime.log_every, job.runtime.meter_memory,
+             job.runtime.overlap_grad_sync)
 
 
 def _end(actor, pg) -> None:
@@ -113,10 +158,8 @@ class PlanRun:
 
     def start(self, timeout_s: float = 120.0, pool: WorkerPool | None = None) -> None:
         """Place the plan's workers and join them in one process group. With a `pool`, a rank on a node with a kept
-        process becomes that process (`reconfigure`: no process start, no imports, the device context kept);
-        only the other ranks start one."""
-        from workers.actor import TrainWorker
-
+        process (or a warm worker) becomes that process (`reconfigure`: no process start, no imports, the device
+        context kept); only the other ranks start one."""
         try:
             check_runtime_plan(self.plan, self.job.model_spec)
         except PlanContractError as e:
@@ -131,7 +174,6 @@ class PlanRun:
                             f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST)
         declared = {n.gpu_type for n in self.job.cluster.nodes} if self.job.cluster else set()
         slow = slowdowns(self.plan, self.job.runtime.emulate_speed, declared)
-        model_json, train_json = self.job.model_spec.model_dump_json(), self.job.train.model_dump_json()
         plan_json = self.plan.model_dump_json()
         spans = layout.rank_spans(self.plan)
         joined = []
@@ -146,23 +188,24 @@ class PlanRun:
                         self.pgs.append(kept.pg)
                         joined.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.gpu_type]))
                         continue
-                    pg = placement_group([{"GPU": 1}], strategy="STRICT_PACK",
-                                         bundle_label_selector=[{"ray.io/node-id": ids[st.node]}])
+                    pg = _gpu_pg(ids[st.node])
                     self.pgs.append(pg)
-                    self.workers.append(TrainWorker.options(
-                        num_gpus=1,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-                    ).remote(plan_json, rank, model_json, train_json, self.job.data.model_dump(),
-                             self.job.runtime.dtype, slow[st.gpu_type], self.job.runtime.log_every,
-                             self.job.runtime.meter_memory, self.job.runtime.overlap_grad_sync))
+                    self.workers.append(_new_worker(self.job, pg, plan_json, rank, slow[st.gpu_type]))
         if joined:
-            log.info("%d of %d workers stay in their processes; %d start", len(joined), len(self.workers),
-                     len(self.workers) - len(joined))
+            warm = sum(1 for k in self.kept if k is not None and k.ready is not None)
+            log.info("%d of %d workers stay in their processes, %d take a warm worker; %d start",
+                     len(joined) - warm, len(self.workers), warm, len(self.workers) - len(joined))
+        t0 = time.perf_counter()
         self._await_placement(timeout_s, node_ids)
+        if joined:
+            self._gather(joined, "start-up", timeout_s)  # the kept processes' stages are built
+        t1 = time.perf_counter()
         # Inside _gather, so an error in a worker's constructor names the rank and is classified.
         init = self._gather([self.workers[0].rendezvous_address.remote()], "start-up", timeout_s)[0]
         self.pids = self._gather([w.connect.remote(init, self.job.runtime.collective_timeout_s)
                                   for w in self.workers], "start-up", timeout_s)
+        log.info("workers placed and configured in %.2f s, joined their group in %.2f s", t1 - t0,
+                 time.perf_counter() - t1)
 
     def _await_placement(self, timeout_s: float, node_ids) -> None:
         """Wait for the placement groups; a plan node that dies meanwhile fails the start-up at once (a node
@@ -377,4 +420,44 @@ class RayWorkerGroup:
     def shutdown(self) -> None:
         self.run.shutdown()
         if self.pool is not None:
-            self.pool.end_idle()
+            self.pool.end_all()
+
+    # -- warm workers (in place only) --
+    def prestage(self, plan: Plan) -> int:
+        """Before a switch to `plan` (a notice's drain): start a warm worker for each of its ranks on a GPU that no
+        process of this job holds now, so the switch itself starts no process; how many were started."""
+        if self.pool is None:
+            return 0
+        want = Counter(r.node for r in layout.ranks(plan))
+        return self._warm(want, sum(want.values()))
+
+    def staged_ready(self) -> bool:
+        """Every warm worker has started (a pre-staged switch waits for this, or for its deadline)."""
+        return self.pool is None or self.pool.warm_ready()
+
+    def warm_spares(self, cluster) -> int:
+        """Standing warm workers (runtime.warm_workers) on GPUs of `cluster` the plan leaves idle; how many were
+        started. Warm workers on nodes no longer in `cluster` end."""
+        if self.pool is None:
+            return 0
+        self.pool.end_warm({k.node for k in self.pool.warm} - {n.name for n in cluster.nodes})
+        return self._warm(Counter({n.name: n.num_gpus for n in cluster.nodes}),
+                          self.run.job.runtime.warm_workers - len(self.pool.warm))
+
+    def _warm(self, want: Counter, most: int) -> int:
+        """Start up to `most` warm workers so that each node has `want[node]` processes of this job."""
+        from orchestrator.cluster.discovery import node_ids
+
+        ids = node_ids()
+        have = Counter(r.node for r in self.run.ranks if self.run.workers) + Counter(
+            k.node for k in self.pool.idle + self.pool.warm)
+        started = 0
+        for node, n in sorted(want.items()):
+            for _ in range(n - have[node]):
+                if started >= most or node not in ids:
+                    break
+                self.pool.start_warm(self.run.job, node, ids[node])
+                started += 1
+        if started:
+            log.info("started %d warm worker(s) on %s", started, ", ".join(sorted({k.node for k in self.pool.warm})))
+        return started

@@ -134,6 +134,23 @@ class TieredState:
             self.snapshot(group, step, avoid, wait=True)
         self.salvage(group, avoid, step)
 
+    def prepare_drain(self, group, avoid: set[str]) -> None:
+        """A notice's pre-staged switch: start the keepers its drain will copy to (when stages off the `avoid`
+        nodes do not hold every layer of theirs), so the switch does not wait for their processes to start."""
+        if not avoid or replicated_off(group.plan, avoid):
+            return
+        ids = self._alive_nodes()
+        candidates = sorted(set(ids) - set(avoid))
+        if candidates:
+            spans = layout.rank_spans(group.plan)
+            self._keepers_on(peer_placement(spans, candidates, [b - a for _, a, b in spans]), ids, wait=False)
+
+    def drain_ready(self) -> bool:
+        """Every keeper started for a drain runs (never blocks)."""
+        pending = list(self._starting.values())
+        ready, _ = self.calls.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+        return len(ready) == len(pending)
+
     def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
         try:
             keepers = self._targets(group, frozenset(avoid))
@@ -167,7 +184,7 @@ class TieredState:
             return None
         spans = layout.rank_spans(group.plan)
         targets = peer_placement(spans, candidates, [b - a for _, a, b in spans])  # bytes ~ layers held
-        self._keepers_on([n for n, _, _ in spans if n in ids], ids, wait=False)  # for a salvage, later
+        self._keepers_on([n for n, _, _ in spans if n in ids and n not in avoid], ids, wait=False)  # for a salvage
         self._placed = (group, (avoid, tuple(candidates)), targets, self._keepers_on(targets, ids))
         return self._placed[3]
 
