@@ -30,13 +30,13 @@ def _mib(n: int) -> str:
 
 def _timeline(out: dict) -> tuple[str, list[float]]:
     """The recoveries' detect / re-plan / restored / first step, in seconds after the scenario's first fault; and
-    per recovery, detect to first step (for a pre-staged drain, the training stall at its switch instead)."""
+    per recovery, detect to first step (for a drain, the training stall at its switch instead)."""
     t_fault = min((f["injected_s"] for f in out["faults"]), default=0.0)
     times, gaps = [], []
     for x in out["recoveries"]:
         parts = [x["detected_s"], x["replanned_s"], x["restored_s"], x["first_step_s"]]
         times.append(" / ".join("-" if p is None else f"{p - t_fault:.1f}" for p in parts))
-        if x.get("stall_s") is not None and x.get("new_workers") is not None:
+        if x.get("stall_s") is not None:  # a drain: training stops at its switch, not at the notice
             gaps.append(x["stall_s"])
         elif x["first_step_s"] is not None:
             gaps.append(x["first_step_s"] - x["detected_s"])
@@ -102,7 +102,7 @@ def main() -> None:
             print(f"| {name} | {' + '.join(f'{x:.2f}' for x in g['in-place']) or '-'} "
                   f"| {' + '.join(f'{x:.2f}' for x in g['restart']) or '-'} | {b / a:.1f}x |" if a else
                   f"| {name} | - | - | - |")
-        print("(a pre-staged drain counts its training stall at the switch, not the notice's wait)")
+        print("(a drain counts its training stall at the switch, not the time from its notice)")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The GPU checklist (`make gpu-check`, docs/gpu.md): what to run on a CUDA machine, in one command.
 
-    python bench/gpu_check.py [--model gpt-1.3b] [--steps 10] [--skip-tests]
+    python bench/gpu_check.py [--model gpt-1.3b] [--steps 10] [--precision bf16] [--skip-tests]
 
 1. the `gpu`-marked tests (`pytest -m gpu`: CUDA equivalence and the device memory meter);
 2. `bench/offload.py` (its GPU section runs when CUDA is present);
-3. a single-GPU run of the engine: tokens/s and MFU of one plan stage holding the whole model,
+3. a single-GPU run of the engine (bf16 mixed precision by default): tokens/s and MFU of one plan stage
+   holding the whole model,
    with the step's FLOPs from the planner's cost model and the catalog's peak for this GPU;
 4. the profiling pass (orchestrator/cluster/profiling.py) against the catalog: measured bf16
    matmul TFLOPS and pinned H2D/D2H bandwidth next to the datasheet figures.
@@ -44,20 +45,22 @@ def _gpu_type() -> str:
     raise SystemExit(f"unknown GPU {name!r}: add it to planner/catalog.py to measure MFU against its peak")
 
 
-def mfu(model_name: str, steps: int, batch: int) -> dict:
+def mfu(model_name: str, steps: int, batch: int, precision: str = "bf16") -> dict:
+    from workers.actor import DTYPES, compute_dtype
     from workers.data import make_dataset
     from workers.engine import Engine
 
     gpu = _gpu_type()
     m = ModelSpec.preset(model_name)
-    train = TrainSpec(global_batch=batch, precision="fp32")
+    train = TrainSpec(global_batch=batch, precision=precision)
     st = Stage(layer_start=0, layer_end=m.num_layers, gpu_type=gpu, node="local", devices=["local/0"])
     plan = Plan(model_name=m.name, num_layers=m.num_layers, global_batch=batch, pipelines=[
         Pipeline(num_samples=batch, micro_batch_size=batch, num_micro_batches=1, stages=[st])])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    e = Engine(plan, 0, m, train, make_dataset("synthetic", m.seq_len, m.vocab_size, 0), torch.float32, device="cuda")
+    dtype = DTYPES[compute_dtype("auto", precision, gpu)]  # bf16 mixed precision (fp16 on T4/V100), as a job trains
+    e = Engine(plan, 0, m, train, make_dataset("synthetic", m.seq_len, m.vocab_size, 0), dtype, device="cuda")
     e.connect(f"tcp://127.0.0.1:{port}", 120)
     try:
         times = []
@@ -71,7 +74,7 @@ def mfu(model_name: str, steps: int, batch: int) -> dict:
         e.close()
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     flops = batch * cost.model_flops_per_sample(m) / step
-    return {"gpu": gpu, "model": m.name, "params_b": m.num_params / 1e9, "step_s": step,
+    return {"gpu": gpu, "precision": precision, "model": m.name, "params_b": m.num_params / 1e9, "step_s": step,
             "tokens_per_s": batch * m.seq_len / step, "tflops": flops / 1e12,
             "mfu_vs_bf16_peak": flops / (gpu_info(gpu).peak_tflops * 1e12)}
 
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--model", default="gpt-1.3b", help="a preset (1-3B for the MFU item)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="item 3's train.precision")
     ap.add_argument("--skip-tests", action="store_true", help="only the measurements (items 3 and 4)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -92,11 +96,11 @@ def main() -> None:
         for cmd in ([sys.executable, "-m", "pytest", "-q", "-m", "gpu"], [sys.executable, "bench/offload.py"]):
             print(f"\n$ {' '.join(cmd[1:])}", flush=True)
             subprocess.run(cmd, cwd=ROOT, check=True)
-    r = mfu(args.model, args.steps, args.batch)
-    print("\n| GPU | model | params | step s | tokens/s | TFLOPS | MFU (of bf16 peak) |\n|---|---|---|---|---|---|---|")
-    print(f"| {r['gpu']} | {r['model']} | {r['params_b']:.2f}B | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} "
-          f"| {r['tflops']:.1f} | {r['mfu_vs_bf16_peak']:.1%} |")
-    print("(the runtime trains in fp32 until bf16 mixed precision lands: issue 16; the MFU goal is for bf16)")
+    r = mfu(args.model, args.steps, args.batch, args.precision)
+    print("\n| GPU | model | precision | params | step s | tokens/s | TFLOPS | MFU (of bf16 peak) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    print(f"| {r['gpu']} | {r['model']} | {r['precision']} | {r['params_b']:.2f}B | {r['step_s']:.3f} "
+          f"| {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['mfu_vs_bf16_peak']:.1%} |")
     from orchestrator.cluster.profiling import measure
 
     got = measure(r["gpu"])

@@ -1,7 +1,7 @@
 """Goodput over real spot traces at fleet scale (`hetspot simulate`), for docs/benchmarks.md.
 
 Usage: python bench/simulate.py [--traces DIR] [--quick] [--sensitivity]
-Runs each trace in DIR (default ../shared/data/spot-traces) against two fleets and a 7B and a 70B
+Runs each trace in DIR (default examples/traces, the shipped Parcae traces) against two fleets and a 7B and a 70B
 model, and prints one markdown row per run: tokens per strategy relative to the free re-plan
 oracle, hetspot's goodput under in-place recovery and under the restart path, and the simulation's
 own time. `--sensitivity`: hetspot's share of the oracle on the 320-GPU fleet with the 70B, under both
@@ -32,7 +32,7 @@ MODELS = ["7b", "70b"]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--traces", default=str(ROOT.parent / "shared" / "data" / "spot-traces"))
+    ap.add_argument("--traces", default=str(ROOT / "examples" / "traces"), help="a folder of spot traces (the shipped ones)")
     ap.add_argument("--quick", action="store_true", help="the 320-GPU fleet and the 7B model only")
     ap.add_argument("--sensitivity", action="store_true", help="the recovery sensitivity table instead")
     args = ap.parse_args()

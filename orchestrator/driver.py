@@ -29,6 +29,9 @@ from orchestrator.runtime.progress_lines import (
 )
 
 
+EVENTS_EVERY = 50  # steps between repeats of the events line; a status reads the last 3,000 log lines
+
+
 def _print(line: str, err: bool = False) -> None:
     print(line, file=sys.stderr if err else sys.stdout, flush=True)
 
@@ -84,6 +87,8 @@ def main() -> int:
 
     def on_row(row: dict) -> None:
         _print(progress_line(row | {"steps": steps, "elapsed_s": round(time.perf_counter() - t0, 3)}))
+        if printed and row["step"] % EVENTS_EVERY == 0:  # within any tail `hetspot status` reads (ray_jobs.tail)
+            _print(events_line(printed))
 
     from ray.exceptions import RayActorError
 

@@ -103,7 +103,8 @@ class RuntimeSpec(_Section):
                               "spot job sees many; a deterministic error stops it at once whatever this is)")
     profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "
                                                     "(skipped on fake GPUs)")
-    tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX)")
+    tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX); "
+                                       "`record`: in the run record's location, so they outlive the head")
     log_every: int = Field(default=10, ge=1, description="workers log a structured line every k steps")
     overlap_grad_sync: bool = Field(default=True, description="launch each layer's gradient all-reduce during the "
                                     "last micro-batch's backward (false: after backward; for comparison)")

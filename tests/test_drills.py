@@ -246,6 +246,13 @@ def test_simulate_charges_in_place_recovery_a_re_form_and_restart_a_process_star
     assert relaunch_s(old, _one_gpu_plan(["a", "b"]), {"c"}, a) == 0.5
     assert relaunch_s(old, _one_gpu_plan(["a", "b", "d"]), {"c"}, a) == 30.0  # a process starts on d
     assert relaunch_s(old, _one_gpu_plan(["a", "b"]), {"c"}, Assumptions(recovery="restart", startup_s=30.0)) == 30.0
+    from orchestrator.drills.recovery_model import (
+        staged_start_s,  # a notice's switch, pre-staged in place
+    )
+
+    assert staged_start_s(30.0, 119.0, a) == 0.5  # the process started while the doomed node trained on
+    assert staged_start_s(30.0, 10.0, a) == 20.0  # a short notice hides part of it
+    assert staged_start_s(30.0, 119.0, Assumptions(recovery="restart", startup_s=30.0)) == 30.0
 
     fleet = ClusterSpec(nodes=[NodeSpec(name=f"n{i}", gpu_type="L4", num_gpus=2, inter_node_bw_gb_s=10)
                                for i in range(8)])

@@ -89,3 +89,42 @@ def test_worker_line_copies_are_dropped_once_each():
     assert dedupe_worker_lines(text) == "hetspot-progress {}\n" + w + other + "hetspot-progress {}\n"
     seen: set[str] = set()
     assert dedupe_worker_lines(w, seen) == w and dedupe_worker_lines(w + other, seen) == other
+
+
+@pytest.mark.unit
+def test_the_grafana_dashboard_draws_every_shipped_series_and_no_other():
+    """docs/grafana-hetspot.json: every metric an expression names is one hetspot exports (with Ray's `ray_`
+    prefix; a histogram's _bucket/_count/_sum), and every exported series is drawn somewhere."""
+    import json
+    import re
+    from pathlib import Path
+
+    from orchestrator.runtime.metrics import GAUGES, RECOVERY, STAGE_GAUGES
+
+    dash = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana-hetspot.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    named = {re.sub(r"_(bucket|count|sum)$", "", m) for e in exprs for m in re.findall(r"ray_hetspot_[a-z_]+", e)}
+    shipped = {f"ray_{n}" for n, _ in [*GAUGES.values(), *STAGE_GAUGES.values(), RECOVERY]}
+    assert named == shipped, (named ^ shipped)
+    assert all('job=~"$job"' in e for e in exprs)
+
+
+@pytest.mark.unit
+def test_stage_series_label_each_stage_and_recoveries_are_timed_once_each():
+    from orchestrator.runtime.metrics import recovery_seconds, stage_series
+    from orchestrator.runtime.worker_group import stage_rows
+    from planner import Pipeline, Plan, Stage
+    from planner.layout import ranks
+
+    plan = Plan(model_name="m", num_layers=4, global_batch=8, pipelines=[Pipeline(
+        num_samples=8, micro_batch_size=4, num_micro_batches=2, stages=[
+            Stage(layer_start=0, layer_end=2, gpu_type="A100-80GB", node="a", devices=["a/0", "a/1"]),
+            Stage(layer_start=2, layer_end=4, gpu_type="T4", node="t", devices=["t/0"])])])
+    rows = stage_rows(plan, ranks(plan), [0.2, 0.3, 0.9], [10, 30, 20])
+    assert rows == [{"pipeline": 0, "stage": 0, "gpu_type": "A100-80GB", "node": "a", "time_s": 0.3, "memory_bytes": 30},
+                    {"pipeline": 0, "stage": 1, "gpu_type": "T4", "node": "t", "time_s": 0.9, "memory_bytes": 20}]
+    series = stage_series({"stages": rows})
+    assert ("time_s", {"pipeline": "0", "stage": "1", "gpu_type": "T4", "node": "t"}, 0.9) in series
+    events = [{"kind": "re-plan", "detected_s": 10.0}, {"kind": "restore"},
+              {"kind": "drain", "stall_s": 0.4}, {"kind": "drain"}]  # the last one not switched yet
+    assert recovery_seconds(events, 12.5) == [(0, "re-plan", 2.5), (2, "drain", 0.4)]

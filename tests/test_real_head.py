@@ -106,8 +106,9 @@ def wait_status(head: RealHead, job_id: str, want: tuple[str, ...], *auth: str, 
         r = cli(head, "status", job_id, "--address", head.url, "--json", *auth, **kw)
         assert r.returncode == 0, r.stderr
         st = json.loads(r.stdout)
-        if st["status"] in want or time.monotonic() > deadline:
+        if st["status"] in want:
             return st
+        assert time.monotonic() < deadline, f"job {job_id} is {st['status']} after {timeout:.0f} s, not {want}: {st}"
         time.sleep(1.0)
 
 
@@ -197,6 +198,8 @@ def test_cli_against_a_real_head(head, tmp_path):
     assert loss is not None and loss == pytest.approx(p["loss"], rel=1e-6)
     assert scrape(head.metrics, "ray_hetspot_step", job_id) == 3
 
+    long_logs_keep_status_small(head)
+
     # stop: a long job, stopped while it trains; its workers and placement groups go away
     r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--json", home=user_home)
     long_id = json.loads(r.stdout)["job_id"]
@@ -218,6 +221,42 @@ def test_cli_against_a_real_head(head, tmp_path):
         pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format",
                               "json"], env=head.env, capture_output=True, text=True, timeout=60)
     assert pgs.returncode == 0 and '"CREATED"' not in pgs.stdout, pgs.stdout
+
+
+def long_logs_keep_status_small(head: RealHead) -> None:
+    """Issue 34, acceptance 2: `status` reads a bounded tail of a job's log (the State API's log tail), so a job
+    of 2,000 committed steps costs what one of 20 does. Two jobs print the driver's lines for 20 and 2,000
+    steps (a progress line and three worker lines per step, the events line every 50 steps)."""
+    from ray.job_submission import JobSubmissionClient
+
+    from orchestrator.runtime.ray_jobs import TAIL_LINES, RayJobs
+
+    script = ("import json\nfor s in range({n}):\n"
+              "    print('hetspot-progress ' + json.dumps({{'step': s, 'steps': {n}, 'loss': 1.0, 'tokens_per_s': 1.0, "
+              "'mfu': None, 'step_time_s': 0.1, 'restarts': 1}}))\n"
+              "    [print(f'hetspot.worker node=n rank={{r}} step {{s}}: 128 samples') for r in range(3)]\n"
+              "    if s % 50 == 0: print('hetspot-events ' + json.dumps([{{'kind': 're-plan', 'cause': 'x', "
+              "'at_step': 0, 't_s': 1.0}}]))\n")
+    client = JobSubmissionClient(head.url)
+    ids = {}
+    for n in (20, 2000):
+        path = Path(head.env["HOME"]) / f"fake_driver_{n}.py"
+        path.write_text(script.format(n=n))
+        ids[n] = client.submit_job(entrypoint=f"python {path}")
+    jobs, took = RayJobs(head.url), {}
+    for n, job_id in ids.items():
+        deadline = time.monotonic() + 120
+        while client.get_job_status(job_id).value not in ("SUCCEEDED", "FAILED"):
+            assert time.monotonic() < deadline, f"the fake driver of {n} steps did not end"
+            time.sleep(0.5)
+        t0 = time.perf_counter()
+        st = jobs.status(job_id)
+        took[n] = time.perf_counter() - t0
+        assert st["progress"]["step"] == n - 1 and st["events"][0]["kind"] == "re-plan", st
+    tail, whole = jobs.tail(ids[2000]), jobs.logs(ids[2000])
+    assert len(whole.splitlines()) > TAIL_LINES >= len(tail.splitlines()) > 0  # the whole log is never read
+    print(f"status of a 20-step job {took[20]:.3f} s, of a 2,000-step job {took[2000]:.3f} s; log "
+          f"{len(whole):,} bytes, tail read {len(tail):,} bytes")
 
 
 def test_submit_fails_fast_when_the_heads_python_lacks_hetspot(tmp_path):

@@ -190,11 +190,9 @@ def test_killed_actor_ends_job_quickly(cluster):
         run.start()
         ray.get(run.workers[1].inject_fault.remote(1, "hang"))  # mid-step: rank 0 blocks in the all-reduce
         killer = threading.Timer(2.0, lambda: ray.kill(run.workers[1]))
-        t0 = time.monotonic()
         killer.start()
-        with pytest.raises(WorkerFailure, match=r"rank 1 .* died"):
-            run.run(3)
-        assert time.monotonic() - t0 < 30
+        with pytest.raises(WorkerFailure, match=r"rank 1 .* died"):  # the death ends it, not a step or collective
+            run.run(3)  # timeout (those name the timeout); no wall-clock bound, which a loaded machine can break
     finally:
         run.shutdown()
 

@@ -41,6 +41,7 @@ from orchestrator.drills.recovery_model import (
     relaunch_s,
     restore_cost,
     state_io_s,
+    staged_start_s,
 )
 from orchestrator.drills.trace import Trace, fleet_slots
 from planner import ClusterSpec, Plan, PlanningError, evaluate
@@ -238,7 +239,9 @@ class FleetSim:
         step = old.estimate.step_time_s
         q = min(1.0, max(0.0, (self.a.notice_s - DRAIN_MARGIN_S - copy_s) / step)) if self.a.notice_s > 0 else 0.0
         start_s = relaunch_s(old, new, gone, self.a) if r.name == "hetspot" else self.a.startup_s
-        drain_s = copy_s + start_s + restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
+        staged = staged_start_s(start_s, self.a.notice_s - DRAIN_MARGIN_S - copy_s, self.a) \
+            if r.name == "hetspot" else start_s  # in place, a notice's new processes start while training goes on
+        drain_s = copy_s + staged + restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
         restore_s, redo_s, _ = restore_cost(old, new, gone, cluster, self.model, self.train, self.a)
         fail_s = self.a.detect_s + start_s + restore_s
         self._charge(r, now, (1 - q) * redo_s, q * drain_s + (1 - q) * fail_s, new)

@@ -67,6 +67,16 @@ def relaunch_s(old: Plan | None, new: Plan, gone: set[str], a: Assumptions) -> f
     return max(a.reform_s, a.startup_s if fresh else 0.0)
 
 
+def staged_start_s(start_s: float, ahead_s: float, a: Assumptions) -> float:
+    """A notice's switch, in place: the processes the new plan needs start at the notice while the doomed nodes
+    train on (the controller pre-stages the switch), so of `start_s` only what does not fit in the `ahead_s`
+    seconds the notice leaves is charged, and never less than the re-form. The restart path starts its
+    processes at the switch: all of `start_s`."""
+    if a.recovery == "restart":
+        return start_s
+    return max(a.reform_s, start_s - max(0.0, ahead_s))
+
+
 def restore_cost(old: Plan, new: Plan, gone: set[str], cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
                  a: Assumptions) -> tuple[float, float, dict[str, float]]:
     """(restore seconds, seconds of work redone, bytes by tier) for moving from `old` to `new` after `gone` left.

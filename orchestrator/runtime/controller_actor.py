@@ -103,7 +103,14 @@ class ControllerActor:
         self.record = RunRecordWriter(record_location(ck.uri if ck else None, job_id),
                                       json.loads(job_json), job_id, steps, ck.endpoint_url if ck else None)
         self.metrics = StepMetrics(job_id)
-        self.tb = TensorBoardLog(self.job.runtime.tensorboard_dir) if self.job.runtime.tensorboard_dir else None
+        tb = self.job.runtime.tensorboard_dir
+        if tb == "record":  # beside the run record: in its S3 prefix (tensorboardX writes s3:// itself) or folder
+            tb = f"{self.record.location}/tensorboard"
+            if tb.startswith("s3://") and ck is not None and ck.endpoint_url:
+                import os
+
+                os.environ.setdefault("S3_ENDPOINT", ck.endpoint_url)  # tensorboardX's S3 writer reads it
+        self.tb = TensorBoardLog(tb) if tb else None
         self.reported = -1
         self.plan_seen: Plan | None = None
 
@@ -132,6 +139,8 @@ class ControllerActor:
                 continue
             row = step_row(c.model, c.plan, s, c.progress.losses[s], c.progress.step_time_s[s],
                            c.group.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
+            if s == c.progress.committed:
+                row["stages"] = getattr(c.group, "last_stages", [])
             if lag is not None:
                 row |= {"upload_lag_steps": lag["lag_steps"], "upload_backlog": lag["backlog"],
                         "s3_step": lag["newest_step"], "failed_uploads": lag["failed"]}
@@ -142,6 +151,8 @@ class ControllerActor:
                 self.tb.record(row)
             out["rows"].append(row)
         self.reported = c.progress.committed
+        if out["rows"]:  # a recovery ends with the first step committed after it
+            self.metrics.recoveries(c.progress.events, c.clock.now() - c.started_at)
         self.record.update(out["rows"], c.progress.events, state.value, c.error, c.clock.now() - c.started_at,
                            c.progress.phase)
         if state in (State.DONE, State.FAILED) and self.tb is not None:

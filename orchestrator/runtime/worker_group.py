@@ -43,6 +43,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
     peak_mem_bytes: list[int] = field(default_factory=list)  # per step, the largest over workers
+    stages: list[list[dict]] = field(default_factory=list)  # per step, per stage: its time and memory (`stage_rows`)
     samples: list[list[tuple[int, int]]] = field(default_factory=list)  # per step: (first sample, count) trained
     tokens_per_s: float = 0.0  # from step times, start-up excluded
     wall_s: float = 0.0
@@ -57,6 +58,18 @@ def slowdowns(plan: Plan, emulate: bool, declared: set[str] = frozenset()) -> di
         return {t: 1.0 for t in types}
     fastest = max(gpu_info(t).peak_tflops for t in types | set(declared))
     return {t: fastest / gpu_info(t).peak_tflops for t in types}
+
+
+def stage_rows(plan: Plan, ranks: list, time_s: list[float], mem: list[int]) -> list[dict]:
+    """Per stage of one step (its TP ranks' slowest time and largest memory), labelled by pipeline, stage, GPU
+    type and node: the series that show which stage or GPU type holds a step back."""
+    out: dict[tuple[int, int], dict] = {}
+    for r, t, m in zip(ranks, time_s, mem, strict=True):
+        st = plan.pipelines[r.pipeline].stages[r.stage]
+        row = out.setdefault((r.pipeline, r.stage), {"pipeline": r.pipeline, "stage": r.stage, "gpu_type": st.gpu_type,
+                                                     "node": r.node, "time_s": 0.0, "memory_bytes": 0})
+        row["time_s"], row["memory_bytes"] = max(row["time_s"], t), max(row["memory_bytes"], m or 0)
+    return [out[k] for k in sorted(out)]
 
 
 @dataclass
@@ -239,8 +252,9 @@ class PlanRun:
             result.samples.append(sorted(tuple(r) for o in outs for r in o.extra.get("samples", [])))
             result.step_time_s.append(dt)
             # the meter's device bytes when on, else the allocator's peak (CUDA) or RSS (CPU)
-            result.peak_mem_bytes.append(max(o.extra.get("device_peak_bytes") if self.job.runtime.meter_memory
-                                             else o.peak_mem_bytes for o in outs))
+            mem = [o.extra.get("device_peak_bytes") if self.job.runtime.meter_memory else o.peak_mem_bytes for o in outs]
+            result.peak_mem_bytes.append(max(mem))
+            result.stages.append(stage_rows(self.plan, self.ranks, [o.time_s for o in outs], mem))
             result.real_gpus = all(o.extra.get("device") == "cuda" for o in outs)
             log.info("step %d committed: loss %.4f, %.2f s", s, loss, dt)
             if on_step:
@@ -293,6 +307,7 @@ class RayWorkerGroup:
         self.in_place = pool is not None
         self.on_step = on_step
         self.last_peak_mem = 0
+        self.last_stages: list[dict] = []  # per stage of the last step: its compute time and memory
         self.last_samples: list[tuple[int, int]] = []  # (first sample, count) per micro-batch of the last step
         self.real_gpus = False
         self.holds_state = False  # the workers hold the job's state (restored, or trained from step 0)
@@ -312,6 +327,7 @@ class RayWorkerGroup:
         r = self.run.run(1, first_step=step_index, on_step=self.on_step)
         self.step_times.append(r.step_time_s[0])
         self.last_peak_mem, self.real_gpus = r.peak_mem_bytes[0], r.real_gpus
+        self.last_stages = r.stages[0]
         self.last_samples = r.samples[0]
         return r.losses[0]
 
