@@ -28,7 +28,6 @@ from orchestrator.runtime.progress_lines import (
     progress_line,
 )
 
-
 EVENTS_EVERY = 50  # steps between repeats of the events line; a status reads the last 3,000 log lines
 
 

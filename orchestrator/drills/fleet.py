@@ -40,8 +40,8 @@ from orchestrator.drills.recovery_model import (
     nodes_of,
     relaunch_s,
     restore_cost,
-    state_io_s,
     staged_start_s,
+    state_io_s,
 )
 from orchestrator.drills.trace import Trace, fleet_slots
 from planner import ClusterSpec, Plan, PlanningError, evaluate
