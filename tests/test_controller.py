@@ -155,6 +155,20 @@ def test_an_in_place_notice_pre_stages_the_next_plan_and_switches_once_its_worke
     assert drain["stall_s"] == round(drain["resumed_s"] - drain["switch_s"], 3)
 
 
+def test_a_notice_repeated_at_every_poll_while_its_switch_is_staged_is_one_drain():
+    """A Ray drain is reported at every poll while the node drains; the staged switch heeds it once."""
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
+
+    notice = Notice(node="a", deadline_s=120.0, source="ray-drain")
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=8, group_kw={"in_place": True, "ready_after": 3},
+                          interruptions=FakeInterruptions({k: [notice] for k in range(2, 8)}), clock=FakeClock(tick=0.5))
+    assert c.run() == State.DONE
+    drains = [e for e in c.progress.events if e["kind"] == "drain"]
+    assert len(drains) == 1 and drains[0]["met_deadline"] is True and log.count(("prestage", 2)) == 1
+    assert c.progress.losses == {s: 10.0 - s for s in range(8)}
+
+
 def test_a_pre_staged_switch_does_not_wait_past_its_deadline_for_workers_that_are_not_ready():
     from orchestrator.control.fakes import FakeClock, FakeInterruptions
     from orchestrator.control.protocols import Notice

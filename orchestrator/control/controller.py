@@ -276,6 +276,8 @@ class Controller:
     def _heed(self, notices: list) -> bool | None:
         """Start a drain for notices on the plan's nodes when the deadline leaves time (drain.notice_decision):
         True: drain now; False: not now (staged, or too close: recovery when the node goes); None: no notice."""
+        notices = [n for n in notices if n.node not in self.doomed]  # a source may repeat a notice it gave (a
+        # Ray drain is reported at every poll while the node drains); a staged drain already heeds it
         now, used = self.clock.now(), set(self.plan.nodes())
         copy_s = lambda doomed: drain_copy_s(self.plan, self.model, self.train,  # noqa: E731
                                              self.cluster or self.nodes.discover(), self.doomed | doomed)

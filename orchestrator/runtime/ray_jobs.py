@@ -205,7 +205,7 @@ class RayJobs:
             else:
                 return out | {"progress": rec["progress"], "phase": rec.get("phase"), "events": rec["events"],
                               "summary": rec["summary"], "run_record": where}
-        tail = self.tail(job_id)
+        tail = self.tail(job_id, getattr(info, "driver_node_id", None))
         logs = tail if tail is not None else self.logs(job_id)
         out["progress"] = last_progress(logs)
         phase = last_phase(logs)
@@ -213,15 +213,20 @@ class RayJobs:
         out["events"] = last_events(logs)
         return out
 
-    def tail(self, job_id: str, lines: int = TAIL_LINES) -> str | None:
+    def tail(self, job_id: str, node_id: str | None = None, lines: int = TAIL_LINES) -> str | None:
         """The last `lines` lines of the job's driver log, through the dashboard's State API (what `ray logs
-        --submission-id ID --tail N` reads): the same size on a job of 20 steps or of 20,000. None when the
-        dashboard does not serve it (the caller reads the whole log instead)."""
+        --submission-id ID --tail N` reads; it needs the driver's node, `node_id`, else asked of Ray Jobs): the
+        same size on a job of 20 steps or of 20,000. None when the dashboard does not serve it (the caller reads
+        the whole log instead)."""
         import requests
 
+        if node_id is None:
+            node_id = getattr(self._call(lambda: self.client.get_job_info(job_id), job_id), "driver_node_id", None)
+        if not node_id:
+            return None
         try:
             r = requests.get(f"{self.url}/api/v0/logs/file", headers=self.headers, timeout=30, params={
-                "submission_id": job_id, "lines": lines, "media_type": "file", "timeout": 30})
+                "submission_id": job_id, "node_id": node_id, "lines": lines, "timeout": 30})
         except OSError as e:
             log.info("no log tail from %s (%s); reading the whole log", self.url, type(e).__name__)
             return None
