@@ -24,39 +24,48 @@ def _plan() -> Plan:
     return Plan(model_name="tiny", num_layers=4, global_batch=8, pipelines=[pipe(5, "a"), pipe(3, "b")])
 
 
-def _rank(rank: int, port: int, overlap: bool, out) -> None:
+def _rank(rank: int, ports: tuple[int, int], out) -> None:
+    """Both modes in one process (one spawn per rank): overlapped, then after backward."""
     from workers.data import make_dataset
     from workers.engine import Engine
 
     torch.set_num_threads(1)
-    e = Engine(_plan(), rank, MODEL, TRAIN, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0),
-               torch.float64, overlap_sync=overlap)
-    e.connect(f"tcp://127.0.0.1:{port}", 30)
-    try:
-        losses = [e.step(s).loss for s in range(STEPS)]
-        out.put((rank, losses, {n: p.detach().numpy().copy() for n, p in e.module.params.items()}, e.sync_trace))
-    finally:
-        e.close()
+    for overlap, port in zip((True, False), ports, strict=True):
+        e = Engine(_plan(), rank, MODEL, TRAIN, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0),
+                   torch.float64, overlap_sync=overlap)
+        e.connect(f"tcp://127.0.0.1:{port}", 30)
+        try:
+            losses = [e.step(s).loss for s in range(STEPS)]
+            out.put((overlap, rank, losses, {n: p.detach().numpy().copy() for n, p in e.module.params.items()},
+                     e.sync_trace))
+        finally:
+            e.close()
 
 
-def run(overlap: bool):
+def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def run() -> dict[bool, list]:
+    """Per mode (overlapped or not): per rank, (rank, losses, parameters, sync trace)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, overlap, out)) for r in range(2)]
+    ports = (_port(), _port())  # both ranks rendezvous on these, one per mode
+    procs = [ctx.Process(target=_rank, args=(r, ports, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = sorted((out.get(timeout=120) for _ in procs), key=lambda g: g[0])
+    got = [out.get(timeout=120) for _ in range(4)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    return got
+    return {mode: sorted((g[1:] for g in got if g[0] == mode), key=lambda g: g[0]) for mode in (True, False)}
 
 
 def test_overlapped_sync_trains_identically_and_starts_each_layer_before_the_next_finishes():
-    over, serial = run(True), run(False)
+    runs = run()
+    over, serial = runs[True], runs[False]
     for (_, l1, p1, _), (_, l2, p2, _) in zip(over, serial, strict=True):
         assert l1 == l2 or all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(l1, l2, strict=True) if b is not None)
         for name in p1:

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, PlanningError, TrainSpec, plan
 from planner.catalog import CATALOG, gpu_info
+from planner.simulator import simulate
 
 pytestmark = pytest.mark.sweep  # pure, but minutes: a sweep over many clusters
 
@@ -113,3 +114,29 @@ def test_more_nodes_never_plan_slower_than_a_subset():
     fast = cluster.without_nodes({n.name for n in cluster.nodes if n.gpu_type in ("L4", "A10G")})
     whole, subset = plan(cluster, model, train), plan(fast, model, train)
     assert whole.estimate.tokens_per_s >= 0.99 * subset.estimate.tokens_per_s
+
+
+COST_TYPES = ["A100-80GB", "H100-SXM", "L4", "T4", "V100-32GB", "A10G", "MI300X"]
+
+
+@st.composite
+def random_clusters(draw):
+    nodes = [NodeSpec(name=f"n{i}", gpu_type=draw(st.sampled_from(COST_TYPES)), num_gpus=draw(st.sampled_from([1, 2, 4, 8])),
+                      inter_node_bw_gb_s=draw(st.sampled_from([3.0, 12.5, 50.0]))) for i in range(draw(st.integers(1, 6)))]
+    model = ModelSpec.preset(draw(st.sampled_from(["gpt-125m", "gpt-350m", "gpt-1.3b", "7b"])))
+    return ClusterSpec(nodes=nodes), model, TrainSpec(global_batch=draw(st.sampled_from([1, 3, 8, 17, 32, 64, 256])))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow])
+@given(random_clusters())
+def test_closed_form_within_5pct_of_simulator_on_planned_clusters(prob):
+    # Plans as the planner makes them (balanced stages) on random clusters: the closed form the search ranks
+    # by is the 1F1B schedule's step time within 5% (minutes of planning: a sweep, not a unit test).
+    cluster, model, train = prob
+    try:
+        p = plan(cluster, model, train)
+    except PlanningError:
+        return
+    sim = simulate(p, cluster, model, train).step_time_s
+    assert abs(p.estimate.step_time_s - sim) <= 0.05 * sim
