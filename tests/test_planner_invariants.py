@@ -27,15 +27,27 @@ def problems(draw):
     return ClusterSpec(nodes=nodes), model, train
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def sweep(examples: int):
+    """Hypothesis settings of the planner sweeps: reproducible, no deadline, slow and large examples allowed."""
+    return settings(max_examples=examples, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def planned(prob):
+    """The planner's plan for a drawn problem, None where none fits (test_unfittable_model_is_a_clear_error)."""
+    try:
+        return plan(*prob)
+    except PlanningError:
+        return None
+
+
+@sweep(40)
 @given(problems())
 def test_plan_invariants(prob):
     cluster, model, train = prob
-    try:
-        p = plan(cluster, model, train)
-    except PlanningError:
-        return  # covered by test_unfittable_model_is_a_clear_error
+    p = planned(prob)
+    if p is None:
+        return
     # every pipeline covers every layer exactly once, samples sum to the batch, TP is per-layer uniform
     p.check_structure()
     for pipe in p.pipelines:
@@ -127,16 +139,13 @@ def random_clusters(draw):
     return ClusterSpec(nodes=nodes), model, TrainSpec(global_batch=draw(st.sampled_from([1, 3, 8, 17, 32, 64, 256])))
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow])
+@sweep(60)
 @given(random_clusters())
 def test_closed_form_within_5pct_of_simulator_on_planned_clusters(prob):
     # Plans as the planner makes them (balanced stages) on random clusters: the closed form the search ranks
     # by is the 1F1B schedule's step time within 5% (minutes of planning: a sweep, not a unit test).
-    cluster, model, train = prob
-    try:
-        p = plan(cluster, model, train)
-    except PlanningError:
+    p = planned(prob)
+    if p is None:
         return
-    sim = simulate(p, cluster, model, train).step_time_s
+    sim = simulate(p, *prob).step_time_s
     assert abs(p.estimate.step_time_s - sim) <= 0.05 * sim
