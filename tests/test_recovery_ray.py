@@ -280,20 +280,27 @@ def with_runtime(j: JobSpec, **runtime) -> JobSpec:
 def test_moments_restore_beside_the_first_step_and_the_oracle_holds(cluster, endpoint):
     """An overlapped restore: the new workers start training once they have the weights; AdamW's moments (two
     thirds of the bytes) come on a thread beside the first step, which waits for them before its update. Their
-    keeper holds every moments answer 3 s: the restore returns sooner than that, the first step takes it, every
-    byte is counted, and the losses and final parameters are the uninterrupted run's."""
+    keeper holds every moments answer until told: the restore returns while they are held (an order, not a
+    clock), the first step completes only after they are released, every byte is counted, and the losses and
+    final parameters are the uninterrupted run's."""
     a, b = nodes(cluster, ("ovl-a", "H100-SXM", 1), ("ovl-b", "L4", 1))
     j = with_runtime(make_job([a, b], endpoint, "overlap"), recovery="restart")  # new processes read a keeper
     c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
     run_until(c, 1)
-    ray.get(c.store.keepers["ovl-b"].delay_moments.remote(3.0))
+    keeper = c.store.keepers["ovl-b"]
+    ray.get(keeper.hold_moments.remote())
     kill(cluster, "ovl-a")
+    while c.state != State.TRAINING or not restore_events(c):  # recovery, up to the restore's return
+        assert c.step() not in (State.DONE, State.FAILED), c.error
+    assert c.progress.committed == 1  # restored while the moments are still held: no step has run
+    released = threading.Timer(1.0, lambda: ray.get(keeper.release_moments.remote()))
+    released.start()
     assert c.run() == State.DONE, c.error
+    released.join()
     (r,) = restore_events(c)
     params = sum(t.numel() for t in reference(j)[1].values())
     assert r["step"] == 1 and r["bytes_by_tier"] == {"live": 3 * 8 * params, "peer": 0, "s3": 0}  # float64
     assert r["overlapped_bytes"] == 2 * 8 * params
-    assert r["restore_s"] < 3.0 <= c.progress.step_time_s[2]
     assert_matches_reference(j, c.progress.losses, final_state(j))
 
 
@@ -317,10 +324,11 @@ def test_survivor_blocked_in_a_collective_is_released_within_the_collective_time
         replan = next(e for e in c.progress.events if e["kind"] == "re-plan")
         assert replan["at_step"] == 1 and "step 2" in replan["cause"]
         assert replan["failure"] == "collective error" and replan["nodes"] == []  # no node went
-        # the timeout, the second a collective error waits for a rank naming its cause (detect.py), a step, slack
-        assert replan["detected_s"] - t_stall < 3.0 + 1.0 + 2.0, (replan, t_stall)
+        # released by the 3 s collective timeout, not the 300 s step timeout: a tenth of the latter separates the
+        # two mechanisms whatever the machine's load (no tight wall-clock bound)
+        assert replan["detected_s"] - t_stall < 300.0 / 10, (replan, t_stall)
         # survivors' state kept; the stalled rank is given the 2 s grace, then replaced (never reused)
-        assert replan["t_s"] - t_stall < 3.0 + 1.0 + 2.0 + 4.0
+        assert replan["t_s"] - t_stall < 300.0 / 10
         assert kept in c.group.pids and stalled not in c.group.pids  # the stalled process is never reused
         (r,) = restore_events(c)
         assert r["step"] == 1 and r["bytes_by_tier"]["s3"] == 0  # both nodes' live state survived

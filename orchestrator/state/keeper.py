@@ -37,7 +37,8 @@ class KeeperStore:
         self.lock = threading.Lock()
         self.held: dict[tuple[str, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
         self.upload_delay_s = 0.0
-        self.moments_delay_s = 0.0
+        self.moments_go = threading.Event()  # tests: an overlapped restore's moments wait for it (hold_moments)
+        self.moments_go.set()
         self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
         self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
         self.s3_lock = threading.Lock()
@@ -105,8 +106,8 @@ class KeeperStore:
         from workers.state import KEYS, MOMENTS, answer, cut
 
         keys = KEYS if keys is None else tuple(keys)
-        if self.moments_delay_s and keys == MOMENTS:
-            time.sleep(self.moments_delay_s)
+        if keys == MOMENTS and not self.moments_go.wait(timeout=120):
+            raise TimeoutError("moments held for 120 s (hold_moments without release_moments)")
         out = []
         for req in requests:
             if req[0] == "s3":
@@ -135,9 +136,12 @@ class KeeperStore:
         """Drills: hold every later upload this long first, so a test can kill a node mid-upload."""
         self.upload_delay_s = seconds
 
-    def delay_moments(self, seconds: float) -> None:
-        """Tests: hold every later answer of an overlapped restore's moments this long first."""
-        self.moments_delay_s = seconds
+    def hold_moments(self) -> None:
+        """Tests: hold every later answer of an overlapped restore's moments until `release_moments`."""
+        self.moments_go.clear()
+
+    def release_moments(self) -> None:
+        self.moments_go.set()
 
     def check_write(self, uri: str, endpoint_url: str | None) -> str | None:
         """Can this node write the checkpoint bucket? None, or what S3 answered (with this node's credentials)."""
