@@ -459,7 +459,9 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
     cluster.nodes[name] = cluster.add(doomed, labels={LABEL_METADATA_URL: imds.url})
     killer = None
     try:
-        c = make_controller(_notice_job(doomed, "none" if cloud == "ray-drain" else cloud), steps=STEPS)
+        # In place, the drain is pre-staged: the next plan's new workers start while the doomed node trains on,
+        # and the switch waits for them; the job runs until a step after the switch (`finish_after`).
+        c = make_controller(_notice_job(doomed, "none" if cloud == "ray-drain" else cloud), steps=10_000)
         run_until(c, 1)
         assert any(st.node == name for p in c.plan.pipelines for st in p.stages)
         assert not replicated_off(c.plan, {name})  # no other node holds its layers: the drain must copy them
@@ -484,6 +486,9 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
             while ray.get(c.interruptions.pollers[name].take.remote()) is None:
                 assert time.monotonic() < until, "the notice poller never saw the notice"
                 time.sleep(0.2)
+        while not any(e["kind"] == "drain" and "first_step_s" in e for e in c.progress.events):
+            assert c.step() not in (State.DONE, State.FAILED), c.error
+        c.finish_after(c.progress.committed + 1)
         assert c.run() == State.DONE, c.error
         assert c.progress.restarts == 0 and c.progress.drains == 1 and "training->recovering" not in c.progress.history
         drain = next(e for e in c.progress.events if e["kind"] == "drain")
@@ -492,8 +497,11 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
         assert all(st.node != name for p in c.plan.pipelines for st in p.stages)
         restored = [e for e in c.progress.events if e["kind"] == "restore"][-1]["bytes_by_tier"]
         assert restored["peer"] > 0 and restored["s3"] == 0  # the drain's copies, on a node that stays
-        ref_losses, _ = reference(job(8))
-        for got, want in zip([c.progress.losses[s] for s in range(STEPS)], ref_losses, strict=True):
+        steps = c.progress.committed + 1  # every step, the ones after the switch included, against one device
+        one = mk([P(8, 8, [S(0, 4, "a", ["a/0"])])], 4)
+        ref_losses, _ = train(job(8), one, steps=steps)
+        assert sorted(c.progress.losses) == list(range(steps))
+        for got, want in zip([c.progress.losses[s] for s in range(steps)], ref_losses, strict=True):
             assert abs(got - want) <= 1e-5 * abs(want)
     finally:
         if killer is not None:
@@ -527,8 +535,11 @@ def test_notice_too_close_to_the_deadline_falls_back_to_recovery(cluster):
         assert c.run() == State.DONE, c.error
         kinds = [e["kind"] for e in c.progress.events]
         assert "drain" not in kinds and c.progress.restarts == 1
-        ref_losses, _ = reference(job(8))
-        for got, want in zip([c.progress.losses[s] for s in range(STEPS)], ref_losses, strict=True):
+        steps = c.progress.committed + 1  # every step, the ones after the switch included, against one device
+        one = mk([P(8, 8, [S(0, 4, "a", ["a/0"])])], 4)
+        ref_losses, _ = train(job(8), one, steps=steps)
+        assert sorted(c.progress.losses) == list(range(steps))
+        for got, want in zip([c.progress.losses[s] for s in range(steps)], ref_losses, strict=True):
             assert abs(got - want) <= 1e-5 * abs(want)
     finally:
         imds.stop()
