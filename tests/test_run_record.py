@@ -17,7 +17,7 @@ JOB = {"name": "rec", "model": {"preset": "tiny"}, "train": {"global_batch": 8},
 
 def _row(s: int, loss: float) -> dict:
     return {"step": s, "loss": loss, "tokens_per_s": 1000.0 + s, "step_time_s": 0.5, "mfu": None, "restarts": 1,
-            "steps": 2500}
+            "steps": 2500, "peer_step": max(s - 2, 0)}
 
 
 def write_run(location: str, steps: int, endpoint: str | None = None, clock=None) -> RunRecordWriter:
@@ -97,6 +97,7 @@ def test_status_history_and_plot_from_a_run_record(tmp_path):
     res = runner.invoke(app, ["status", where, "--history"])
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
+    assert "peer copies: step 27 (2 steps old)" in out  # the newest row's peer_step (write_run: two behind)
     assert "30 steps committed, 2470 left" in out and "2 steps redone" in out and "re-plan at step 9" in out
     assert "committed steps" in out and "9.9667" in out  # the history table: step 1's loss
     res = runner.invoke(app, ["status", where, "--history", "--json"])
@@ -110,11 +111,13 @@ def test_status_history_and_plot_from_a_run_record(tmp_path):
 @pytest.mark.unit
 @pytest.mark.parametrize("args,words", [
     (["plot", "hetspot-runs/no-such-run", "-o", "x.png"], ["hetspot-runs/no-such-run", "no run record there"]),
-    (["plot", "job-without-slash", "-o", "x.png"], ["not a run record"]),
+    (["plot", "job-without-slash", "-o", "x.png"], ["not a run record", "--address"]),
     (["status", "hetspot-runs/no-such-run", "--history"], ["no run record there"]),
 ])
 def test_a_missing_run_exits_2_in_one_line(tmp_path, monkeypatch, args, words):
     monkeypatch.chdir(tmp_path)
+    for var in ("HETSPOT_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
     res = runner.invoke(app, args)
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     msg = " ".join(res.output.split())
@@ -138,6 +141,8 @@ def test_status_history_of_a_job_without_a_readable_record_exits_2(monkeypatch):
     res = runner.invoke(app, ["status", "hetspot-x-1", "--history", "--address", "http://127.0.0.1:1"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "--history: job hetspot-x-1 has no run record" in " ".join(res.output.split())
+    res = runner.invoke(app, ["plot", "hetspot-x-1", "-o", "x.png", "--address", "http://127.0.0.1:1"])
+    assert res.exit_code == 2 and "hetspot-x-1: this job has no run record" in " ".join(res.output.split())
 
 
 @pytest.mark.ray

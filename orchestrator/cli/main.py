@@ -226,8 +226,11 @@ def status(
 @app.command()
 @_user_errors
 def plot(
-    run: str = typer.Argument(..., help="a run record: s3://BUCKET/PREFIX/runs/ID or a local hetspot-runs/ID folder"),
+    run: str = typer.Argument(..., help="a run record (s3://BUCKET/PREFIX/runs/ID or a local hetspot-runs/ID folder), "
+                              "or a job id with --address whose run record is in S3"),
     out: Path = typer.Option(..., "-o", "--out", help="the PNG to write"),
+    address: str | None = _address_option(True),
+    token_file: str | None = _token_option(),
     endpoint_url: str | None = typer.Option(None, "--endpoint-url", help=ENDPOINT_HELP),
 ) -> None:
     """Loss and throughput of a job over its steps, with its recoveries marked, from its run record."""
@@ -236,8 +239,14 @@ def plot(
     from orchestrator.runtime.run_record import is_location, read_record, read_steps
 
     if not is_location(run):
-        raise ConfigError(f"{run}: not a run record; pass s3://BUCKET/PREFIX/runs/ID or a hetspot-runs/ID folder "
-                          "(`hetspot submit` prints where its run record is)")
+        if not address:
+            raise ConfigError(f"{run}: not a run record; pass s3://BUCKET/PREFIX/runs/ID or a hetspot-runs/ID "
+                              "folder (`hetspot submit` prints where its run record is), or a job id with --address")
+        where = _jobs(address, token_file).status(run, endpoint_url).get("run_record")
+        if not where:
+            raise ConfigError(f"{run}: this job has no run record this machine can read (a job with a "
+                              "checkpoint.uri keeps one in S3); pass its location instead")
+        run = where
     rec = read_record(run, endpoint_url)
     rows = read_steps(run, rec, endpoint_url)
     if not rows:

@@ -115,6 +115,8 @@ def print_status(ref: str, st: dict, console: Console) -> None:
     if p:
         console.print(f"  step {p['step'] + 1}/{p['steps']}: loss {p['loss']:.4f}, {p['tokens_per_s']:,.0f} tokens/s, "
                       f"MFU {format_mfu(p.get('mfu'))}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
+        if p.get("peer_step") is not None:
+            console.print(f"  peer copies: step {p['peer_step']} ({p['step'] - p['peer_step']} steps old)")
         if "upload_lag_steps" in p:
             s3 = "none yet" if p["s3_step"] is None else f"step {p['s3_step']}"
             console.print(f"  S3: newest {s3}, {p['upload_lag_steps']} steps behind, {p['upload_backlog']} "

@@ -141,6 +141,7 @@ class ControllerActor:
                            c.group.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
             if s == c.progress.committed:
                 row["stages"] = getattr(c.group, "last_stages", [])
+                row["peer_step"] = c.progress.snapshot_step  # the newest step copied to a peer keeper (or kept)
             if lag is not None:
                 row |= {"upload_lag_steps": lag["lag_steps"], "upload_backlog": lag["backlog"],
                         "s3_step": lag["newest_step"], "failed_uploads": lag["failed"]}
