@@ -464,6 +464,8 @@ class RayWorkerGroup:
         """Start up to `most` warm workers so that each node has `want[node]` processes of this job."""
         from orchestrator.cluster.discovery import node_ids
 
+        if most <= 0:  # runtime.warm_workers: 0 (the default), or as many as asked already wait: no cluster query
+            return 0
         ids = node_ids()
         have = Counter(r.node for r in self.run.ranks if self.run.workers) + Counter(
             k.node for k in self.pool.idle + self.pool.warm)
