@@ -12,10 +12,13 @@ the host link and CPU can hide the work behind its compute.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from itertools import product
 
 from planner import cost
-from planner.plan_types import OffloadPolicy
-from planner.specs import ModelSpec, TrainSpec
+from planner.estimate import profile_plan
+from planner.plan_types import OffloadPolicy, Plan
+from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 _MODES = ((False, False), (True, False), (True, True))
 
@@ -99,3 +102,54 @@ def _reason(kn: cost.Knobs) -> str:
     if kn.num_recompute:
         return f"recomputing {kn.num_recompute} layer(s) is the cheapest way to fit activations"
     return "fits without offload"
+
+
+JOINT_MOST = 4096  # mode combinations tried per node by `share_node_host` (3 modes per stage: 7 stages)
+
+
+def share_node_host(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> bool:
+    """Host memory is a node total: re-choose, jointly, the offload policy of the stages that share a node
+    whose offloaded state overflows its RAM (AutoHete's per-stage choice, under one budget per node).
+
+    The search costs each stage against its GPUs' even share of the node's RAM, or against the whole of it
+    (`search.Planner.candidates` tries both); a plan of the second kind can overflow where two stages
+    offload on one node. Every combination of the overflowing node's stages' fitting modes (each with its
+    fewest recomputed layers) is tried, and the one with the smallest summed stage cost within the node's
+    RAM wins. Edits `plan` in place; True if every node now fits."""
+    profiles = profile_plan(plan, cluster, model, train)
+    where: dict[str, list] = {}
+    for pipe, prof in zip(plan.pipelines, profiles, strict=True):
+        links = cost.stage_links([sp.slot for sp in prof])
+        for i, (st, sp) in enumerate(zip(pipe.stages, prof, strict=True)):
+            k = cost.inflight(i, len(pipe.stages), pipe.num_micro_batches, pipe.schedule)
+            where.setdefault(st.node, []).append((pipe, st, sp, k, links[i]))
+    for node, stages in sorted(where.items()):
+        cap = cluster.node(node).host_mem * cost.GIB
+
+        def used(kns, stages=stages):
+            return sum(len(st.devices) * cost.host_bytes(model, train, sp.shape, st.tp, kn)
+                       for (_, st, sp, _, _), kn in zip(stages, kns, strict=True))
+
+        if used([cost.knobs(st.offload) for _, st, _, _, _ in stages]) <= cap:
+            continue
+        options = []
+        for pipe, _, sp, k, (nxt, prv) in stages:
+            whole = replace(sp.slot, host_cap_bytes=cap)
+            b = pipe.micro_batch_size
+            cands = fitting_policies(whole, model, train, sp.shape, b, k, nxt, prv)
+            options.append([(cheapest([(kn, t)], whole, model, train, sp.shape, pipe.num_micro_batches)[2], kn)
+                            for kn, t in cands])
+        if not all(options) or math.prod(len(o) for o in options) > JOINT_MOST:
+            return False
+        best = None
+        for combo in product(*options):
+            kns = [kn for _, kn in combo]
+            if used(kns) <= cap:
+                value = sum(v for v, _ in combo)
+                if best is None or value < best[0]:
+                    best = (value, kns)
+        if best is None:
+            return False
+        for (_, st, _, _, _), kn in zip(stages, best[1], strict=True):
+            st.offload = to_policy(kn, st.layer_start)
+    return True

@@ -30,14 +30,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner import cost
-from planner.contract import tp_problem
+from planner.contract import PlanContractError, tp_problem
 from planner.errors import PlanningError
 from planner.estimate import evaluate
 from planner.layer_split import PipelineModel, allocate_samples
-from planner.offload_policy import to_policy
+from planner.offload_policy import share_node_host, to_policy
 from planner.plan_types import Pipeline, Plan, Stage, UnusedDevice
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
@@ -48,6 +48,7 @@ EXACT_LAYERS = 6
 MAX_ORDERS = 24
 MAX_EXHAUSTIVE_SETS = 3000
 FINALISTS = 4
+POOLED_GPUS = 64  # up to here a plan that needs recompute or offload is also searched with pooled host RAM
 
 
 @dataclass(frozen=True)
@@ -82,14 +83,26 @@ def tp_candidates(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
             and (small or t & (t - 1) == 0 or any(g % t == 0 for g in sizes))]
 
 
-def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int) -> tuple[list[Group], list[UnusedDevice]]:
+HOST_SPLITS = ("even", "pooled", "first")
+
+
+def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int,
+                host: str = "even") -> tuple[list[Group], list[UnusedDevice]]:
+    """The node's GPUs in TP groups of `tp`. `host`: how the search budgets the node's host RAM (a node
+    total) among its groups: "even" gives each GPU its share (every plan fits); "pooled" lets each group
+    use all of it (`share_node_host` then settles stages that overflow together); "first" gives all of it
+    to the node's first group and none to the others (one stage per node offloads, as much as it needs)."""
     groups, unused = [], []
     for node in cluster.nodes:
         ids = node.device_ids()
         slot = cost.make_slot(cluster, train, node.name, tp)
         full = len(ids) // tp * tp
         for k in range(0, full, tp):
-            groups.append(Group(node.name, tuple(ids[k:k + tp]), slot))
+            g_slot = slot
+            if host != "even" and node.num_gpus > tp:
+                whole = node.host_mem * cost.GIB / tp
+                g_slot = replace(slot, host_cap_bytes=whole if host == "pooled" or k == 0 else 0.0)
+            groups.append(Group(node.name, tuple(ids[k:k + tp]), g_slot))
         unused += [UnusedDevice(device=d, reason=f"node has {node.num_gpus} GPUs; TP degree {tp} leaves it without a group") for d in ids[full:]]
     return groups, unused
 
@@ -686,6 +699,7 @@ class Planner:
         self._stage_cache: dict = {}
         self._warm: dict[int, dict] = {}  # per TP degree, where the large-cluster search settled last time
         self._last: tuple[frozenset, dict[int, float]] | None = None  # GPU types and best score per degree
+        self._host = "even"  # how the search budgets each node's host RAM among its groups (make_groups)
 
     def sharing_caches(self) -> Planner:
         """A planner for the same job with these cost caches but no memory of earlier plans (no warm start,
@@ -703,8 +717,12 @@ class Planner:
 
         The controller weighs these on a re-plan by throughput minus the cost of
         moving the job's state onto each (orchestrator/control/replan.py).
+
+        Host memory is a node total, shared by the node's stages. The search costs each stage against its
+        GPUs' even share of it; where that finds no plan, or (on up to POOLED_GPUS GPUs) where the best plan
+        needs recompute or offload, it searches again with each stage allowed its whole node's RAM, and
+        `share_node_host` re-chooses jointly the policies of stages that then overflow a node together.
         """
-        model, train = self.model, self.train
         if objective not in ("throughput", "cost"):
             raise ValueError(f"objective {objective!r} must be 'throughput' or 'cost'")
         if not cluster.nodes:
@@ -712,6 +730,30 @@ class Planner:
         if objective == "cost" and any(n.price_per_hour is None for n in cluster.nodes):
             missing = [n.name for n in cluster.nodes if n.price_per_hour is None]
             raise PlanningError(f"objective 'cost' needs price_per_hour on every node; missing on {', '.join(missing)}")
+        try:
+            found = self._candidates(cluster, objective, k, _kinds)
+        except PlanningError:
+            found = []
+        tight = not found or (cluster.num_gpus <= POOLED_GPUS and any(
+            st.offload.offload_optimizer or st.offload.offload_params or st.offload.recompute_layers
+            for pipe in found[0].pipelines for st in pipe.stages))
+        if _kinds and tight and any(n.num_gpus > 1 for n in cluster.nodes):
+            for host in HOST_SPLITS[1:]:
+                other = self.sharing_caches()
+                other._host = host
+                try:
+                    more = other._candidates(cluster, objective, k, _kinds)
+                except PlanningError:
+                    continue
+                found += [p for p in more if all(q.pipelines != p.pipelines for q in found)]
+        if not found:
+            raise PlanningError(_no_fit_message(cluster, self.model, self.train))
+        key = (lambda p: (p.estimate.cost_per_mtok, p.estimate.step_time_s)) if objective == "cost" else \
+            (lambda p: p.estimate.step_time_s)
+        return sorted(found, key=key)[:k]
+
+    def _candidates(self, cluster: ClusterSpec, objective: str, k: int, _kinds: bool) -> list[Plan]:
+        model, train = self.model, self.train
         if objective == "cost" and _kinds:
             return self._cheapest_kinds(cluster, k)
         search = _Search(cluster, model, train, self._pm_cache, self._stage_cache)
@@ -725,7 +767,7 @@ class Planner:
         last = self._last if objective == "throughput" and self._last is not None and types <= self._last[0] else None
         best_by_degree: dict[int, float] = {}
         for tp in sorted(degrees, reverse=True):  # high degrees first: on a large model the fast ones
-            groups, unused = make_groups(cluster, train, tp)
+            groups, unused = make_groups(cluster, train, tp, self._host)
             if not groups:
                 continue
             exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, model.num_layers) <= MAX_EXHAUSTIVE_SETS
@@ -762,6 +804,8 @@ class Planner:
                         kept = sorted(kept + [s])[:FINALISTS]
             else:
                 for pset in sets:
+                    if exhaustive:  # a few stages: their order decides what fits (memory, host RAM) too
+                        pset = [search.best_order(p, len(pset), exact) for p in pset]
                     s, _, _ = search.score(pset, exact)
                     if s < math.inf:
                         scored.append((s, len(scored), pset))
@@ -791,7 +835,15 @@ class Planner:
             idle = [UnusedDevice(device=d, reason="left out: adding it as a replica or stage does not speed up the step")
                     for g in groups if not set(g.devices) & used for d in g.devices]
             plan_.unused = sorted(plan_.unused + idle, key=lambda u: u.device)
-            plan_.estimate = evaluate(plan_, cluster, model, train)
+            if self._host != "even":  # its stages may overflow a node's RAM together: settle them or drop it
+                if not share_node_host(plan_, cluster, model, train):
+                    continue
+                try:
+                    plan_.estimate = evaluate(plan_, cluster, model, train)
+                except PlanContractError:
+                    continue
+            else:
+                plan_.estimate = evaluate(plan_, cluster, model, train)
             est = plan_.estimate
             key = (est.cost_per_mtok, est.step_time_s) if objective == "cost" else (est.step_time_s,)
             if all(p.pipelines != plan_.pipelines for _, _, p in ranked):

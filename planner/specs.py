@@ -109,11 +109,11 @@ class ClusterSpec(StrictModel):
         return self
 
     def node(self, name: str) -> NodeSpec:
-        index = self.__dict__.get("_index")
-        if index is None:  # frozen model: cache the lookup table once
-            index = {n.name: n for n in self.nodes}
-            object.__setattr__(self, "_index", index)
-        return index[name]
+        got = self.__dict__.get("_index")
+        if got is None or got[0] is not self.nodes:  # frozen model: cache the lookup table once (a copy
+            got = (self.nodes, {n.name: n for n in self.nodes})  # with other nodes carries a stale one)
+            object.__setattr__(self, "_index", got)
+        return got[1][name]
 
     def efficiency(self, gpu_type: str) -> float:
         for t, eff in self.calibration.items():

@@ -83,3 +83,10 @@ def test_job_file_preset_override_and_missing_file(tmp_path):
     f.write_text("model: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML at line"):
         load_job(f)
+
+
+def test_a_copy_with_other_nodes_looks_up_its_own_nodes():
+    one = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="L4", num_gpus=2, host_mem_gib=20)])
+    assert one.node("a").host_mem == 20  # caches the lookup table
+    other = one.model_copy(update={"nodes": [NodeSpec(name="a", gpu_type="L4", num_gpus=2, host_mem_gib=40)]})
+    assert other.node("a").host_mem == 40 and one.node("a").host_mem == 20
