@@ -16,13 +16,15 @@ from planner.search import Planner
 from planner.specs import tokens_per_step
 
 
-def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput") -> dict[str, Any]:
-    """Plan a job on its `cluster:` and score the baselines. Returns the JSON-able result."""
+def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput",
+             best: Plan | None = None) -> dict[str, Any]:
+    """Plan a job on its `cluster:` (or take `best`, planned already) and score the baselines. Returns the
+    JSON-able result."""
     cluster = require_cluster(job, source)
     model, train = job.model_spec, job.train
     planner = Planner(model, train)  # the baselines reuse its cost caches
     try:
-        best = planner.plan(cluster, objective)
+        best = best or planner.plan(cluster, objective)
     except PlanningError as e:
         raise ConfigError(f"{source}: {e}") from None
     baselines = {}
@@ -43,6 +45,59 @@ def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput")
         "estimate": best.estimate.model_dump(),
         "baselines": baselines,
     }
+
+
+def load_catalog(path: str | Path):
+    """An instance-type catalog file (planner/fleet.py's Catalog: `types:`, optional `max_types:`,
+    `quota_gpus:`); any problem is one ConfigError naming the field and the fix."""
+    from pydantic import ValidationError
+
+    from orchestrator.job_spec import _read_yaml
+    from planner.fleet import Catalog
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"catalog file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; pass "
+                          "a YAML catalog of instance types (see examples/catalog-aws.yaml)")
+    data = _read_yaml(p, "catalog")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: a catalog must be a YAML mapping with a types: list (see examples/catalog-aws.yaml)")
+    try:
+        return Catalog.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation(str(p), e, "catalog")) from None
+    except ValueError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
+def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path, objective: str = "cost",
+               budget_per_hour: float | None = None, progress=None) -> dict[str, Any]:
+    """`hetspot plan --fleet auto`: choose the fleet to request from a catalog and plan on it (planner/fleet.py).
+    Returns plan_job's result for the chosen fleet, with a `fleet` section: the choice beside the next best two
+    and the best single-type fleet."""
+    from planner.fleet import choose_fleet
+
+    catalog = load_catalog(catalog_path)
+    if budget_per_hour is not None and (not budget_per_hour > 0 or budget_per_hour == float("inf")):
+        raise ConfigError(f"--budget {budget_per_hour} must be a positive $/h")
+    try:
+        choice = choose_fleet(catalog, job.model_spec, job.train, objective, budget_per_hour, progress)
+    except PlanningError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+    def row(o, label):
+        return {"label": label, "fleet": [{"type": name, "nodes": n} for name, n in o.fleet],
+                "price_per_hour": o.price_per_hour, "cost_per_mtok": o.cost_per_mtok, "tokens_per_s": o.tokens_per_s,
+                "preemption_loss": o.plan.estimate.preemption_loss}
+
+    rows = [row(choice.best, "chosen")] + [row(o, f"next best {i}") for i, o in enumerate(choice.runners_up, 1)]
+    if choice.best_single is not None:
+        rows.append(row(choice.best_single, "best single type"))
+    out = plan_job(job.model_copy(update={"cluster": catalog.cluster(choice.best.fleet)}), source,
+                   objective, best=choice.best.plan)
+    out["fleet"] = {"objective": objective, "budget_per_hour": budget_per_hour, "options": rows,
+                    "fleets_planned": choice.planned, "fleets_within_limits": choice.space}
+    return out
 
 
 def plan_file(path: str | Path, objective: str = "throughput") -> dict[str, Any]:

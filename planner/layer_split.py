@@ -50,6 +50,9 @@ class PipelineModel:
         if profile is not None and not exact:
             raise ValueError("a TP profile needs exact mode")
         self.profile = profile
+        # The embedding and the LM head may each get a stage of no transformer layers where the vocabulary is
+        # large next to a layer (a T4 pipeline of a 50k-vocab model: its head alone outweighs a few layers).
+        self.edges = len(slots) >= 2 and edge_stages_may_win(model)
         self.homogeneous = len({(s.gpu_type, s.tp, s.mem_cap_bytes, s.flops_per_gpu) for s in slots}) == 1
         self.p2p = cost.stage_links(slots)
         # Shared across pipelines of one search: the same hardware at the same position costs the same.
@@ -96,22 +99,47 @@ class PipelineModel:
 
     def split(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
         """Best contiguous layer split for micro-batches of b, m per step (None if nothing fits)."""
-        p, num_layers = len(self.slots), self.model.num_layers
+        p = len(self.slots)
         # Outside exact mode one split per micro-batch size, costed at m = p: the most
         # in-flight activations a 1F1B stage holds, so the split fits for any m.
         m_key = m if self.exact else p
         if (b, m_key) not in self._splits:
-            self._splits[(b, m_key)] = self._dp(b, m_key) if p <= num_layers else None
+            found = []
+            for lo, hi in self._layer_ranges():
+                got = self._dp(b, m_key, lo, hi)
+                if got is not None:
+                    found.append(got)
+            self._splits[(b, m_key)] = min(found, key=lambda f: f[0])[1] if found else None
         return self._splits[(b, m_key)]
 
-    def _dp(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
-        """Lexicographic min-max DP over (stage, layers covered), vectorized with numpy.
+    def _layer_ranges(self) -> list[tuple[int, int]]:
+        """Which stages [lo, hi) hold the transformer layers: all, or without an embedding-only first stage,
+        a head-only last stage, or both (`self.edges`); each stage of the range takes at least one layer."""
+        p = len(self.slots)
+        ranges = [(0, p)] + ([(1, p), (0, p - 1)] + ([(1, p - 1)] if p >= 3 else []) if self.edges else [])
+        return [(lo, hi) for lo, hi in ranges if hi - lo <= self.model.num_layers]
+
+    def _empty_stage(self, i: int, b: int, m: int) -> StageChoice | None:
+        """Stage i with no transformer layer (the embedding alone, or the LM head), its cheapest policy."""
+        k = cost.inflight(i, len(self.slots), m, self.schedule)
+        best = cheapest(self._candidates(i, 0, b, k), self.slots[i], self.model, self.train, self._shape(i, 0), m)
+        return None if best is None else StageChoice(0, best[0], best[1])
+
+    def _dp(self, b: int, m: int, lo: int, hi: int) -> tuple[tuple, tuple[StageChoice, ...]] | None:
+        """Lexicographic min-max DP over (stage, layers covered), vectorized with numpy, for stages lo..hi-1
+        holding every layer (the stages outside hold none). Returns ((max stage cost, sum of stage times),
+        the split) or None.
 
         A stage's cost depends only on its position and its layer count, so each
         stage contributes a cost vector over layer counts and one DP step is a
         max/plus over an (start, end) matrix.
         """
-        p, num_layers = len(self.slots), self.model.num_layers
+        edges = [self._empty_stage(i, b, m) for i in [*range(lo), *range(hi, len(self.slots))]]
+        if any(e is None for e in edges):
+            return None
+        edge_val = [cheapest([(e.policy, e.times)], self.slots[i], self.model, self.train, self._shape(i, 0), m)[2]
+                    for e, i in zip(edges, [*range(lo), *range(hi, len(self.slots))], strict=True)]
+        p, num_layers = hi - lo, self.model.num_layers
         big = np.inf
         # Stage i can only start at layers i..i+w-1 and end at i+1..i+w (every stage takes at least one layer),
         # so each DP step is a w x w band, w = L - p + 1: narrow for deep pipelines.
@@ -125,10 +153,10 @@ class PipelineModel:
         sec = np.zeros(num_layers + 1)
         backs, choices_by_stage = [], []
         for i in range(p):
-            hi = num_layers - (p - 1 - i) - i  # most layers stage i can take
+            most = num_layers - (p - 1 - i) - i  # most layers stage i can take
             if self.homogeneous and not self.exact:
-                hi = min(hi, 2 * math.ceil(num_layers / p) + 1)  # a balanced split never goes past 2x
-            choices, c_val, c_t = self._stage_vector(i, hi, b, m)
+                most = min(most, 2 * math.ceil(num_layers / p) + 1)  # a balanced split never goes past 2x
+            choices, c_val, c_t = self._stage_vector(lo + i, most, b, m)
             cand_p = np.where(valid, np.maximum(prim[i:i + w, None], c_val[n_clip]), big)
             cand_s = np.where(valid, sec[i:i + w, None] + c_t[n_clip], big)
             if i == p - 1:  # the last stage must end at the last layer
@@ -149,7 +177,9 @@ class PipelineModel:
             a = int(backs[i][j - i - 1])
             out.append(choices_by_stage[i][j - a])
             j = a
-        return tuple(reversed(out))
+        worst = max([float(prim[num_layers]), *edge_val])
+        total = float(sec[num_layers]) + sum(e.times.fwd_s + e.times.bwd_s for e in edges)
+        return (worst, total), tuple(edges[:lo]) + tuple(reversed(out)) + tuple(edges[lo:])
 
     # -- time for n samples --------------------------------------------------
     def _mb_candidates(self, n: int) -> list[int]:
@@ -239,7 +269,8 @@ class PipelineModel:
         (sum t, max t, max t_last, max extra, sum t_last). Used for small problems.
         """
         p, num_layers = len(self.slots), self.model.num_layers
-        if p > num_layers:
+        e = int(self.edges)  # the first and the last stage may hold no layer (the embedding or the head alone)
+        if p > num_layers + 2 * e:
             return None
         m = math.ceil(n / b)
         last_b = n - (m - 1) * b
@@ -247,11 +278,12 @@ class PipelineModel:
         prof = self.profile
         for i in range(p):
             new: dict[int, list] = {}
-            ends = [num_layers] if i == p - 1 else range(i + 1, num_layers - (p - 1 - i) + 1)
+            ends = [num_layers] if i == p - 1 else range(max(0, i + 1 - e) if i == 0 else max(1, i + 1 - e),
+                                                         min(num_layers + 1, num_layers - (p - 1 - i) + 1 + e))
             for j in ends:
                 items = []
                 for a, front in fronts.items():
-                    if a >= j:
+                    if a > j or (a == j and not (e and i in (0, p - 1))):
                         continue
                     if prof is not None and any(prof[x] != self.slots[i].tp for x in range(a, j)):
                         continue
@@ -337,6 +369,15 @@ class PipelineModel:
                 opt = max(0.0, d2h - (busy - fwd), h2d_cpu - (fwd if clip else busy)) + tail
             extra = max(extra, max(0.0, sync_bytes * per_byte - lt.bwd_s) + opt)
         return t_pipe + extra
+
+
+EDGE_RATIO = 0.5
+
+
+def edge_stages_may_win(model: ModelSpec) -> bool:
+    """Whether an embedding-only or head-only stage is worth searching: the LM head (tied or not, its
+    parameters and its vocab-wide GEMM) weighs at least EDGE_RATIO of a transformer layer."""
+    return model.head_params >= EDGE_RATIO * model.layer_params
 
 
 def _closed_form(v: tuple[float, float, float, float, float], m: int) -> float:

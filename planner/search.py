@@ -36,7 +36,7 @@ from planner import cost
 from planner.contract import PlanContractError, tp_problem
 from planner.errors import PlanningError
 from planner.estimate import evaluate
-from planner.layer_split import PipelineModel, allocate_samples
+from planner.layer_split import PipelineModel, allocate_samples, edge_stages_may_win
 from planner.offload_policy import share_node_host, to_policy
 from planner.plan_types import Pipeline, Plan, Stage, UnusedDevice
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
@@ -178,23 +178,41 @@ class _Search:
         `profile`: every layer's TP degree, for replicas whose stages take different degrees."""
         if not pset or len(pset) > self.train.global_batch:
             return math.inf, None, 0.0
-        bw: float | tuple = self.sync_bw(pset)
         pms = [self.pipeline_model(p, exact, profile) for p in pset]
+        if not exact:
+            bw = self.sync_bw(pset)
+            alloc = allocate_samples(pms, self.train.global_batch, exact, bw)
+            if alloc is None:
+                return math.inf, None, 0.0
+            return max(pm.finish(n, len(pset), bw).time_s for pm, n in zip(pms, alloc, strict=True)), alloc, bw
+        # From the slowest link for every group, and from each group's fastest (`bw_ceiling`): replicas that
+        # split alike at the slow links can settle where a layer's copies sit on different nodes, while at
+        # the fast ones they may agree on one node for it (the optimum of the closed form is often there).
+        slow = self.sync_bw(pset)
+        found = [self._rounds(pset, pms, slow)]
+        ceiling = self.bw_ceiling(pset)
+        if len(pset) > 1 and any(x != slow for x in ceiling):
+            found.append(self._rounds(pset, pms, ceiling))
+        return min(found, key=lambda x: x[0])
+
+    def _rounds(self, pset: list[list[Group]], pms: list[PipelineModel],
+                bw: float | tuple) -> tuple[float, list[int] | None, float | tuple]:
+        """`score`'s fixed-point rounds in exact mode from the bandwidths `bw`."""
         tried: list[tuple[float, list[int] | None, float | tuple]] = []
         prev = bw  # the previous round's bandwidths
-        for rnd in range(5 if exact else 1):
+        num_groups = self.model.num_layers + 2
+        for rnd in range(5):
             if rnd == 4:
                 # A last round at the slower of each group's last two links: replicas whose splits disagree
                 # where they hoped for the faster link often agree at the slower one.
-                was = prev if isinstance(prev, tuple) else (prev,) * len(bw)
-                bw = tuple(min(x, y) for x, y in zip(bw, was, strict=True))
-            alloc = allocate_samples(pms, self.train.global_batch, exact, bw)
+                was = prev if isinstance(prev, tuple) else (prev,) * num_groups
+                now = bw if isinstance(bw, tuple) else (bw,) * num_groups
+                bw = tuple(min(x, y) for x, y in zip(now, was, strict=True))
+            alloc = allocate_samples(pms, self.train.global_batch, True, bw)
             if alloc is None:
                 break
             fins = [pm.finish(n, len(pset), bw) for pm, n in zip(pms, alloc, strict=True)]
             t = max(f.time_s for f in fins)
-            if not exact:
-                return t, alloc, bw
             implied = self.link_vector(pset, fins)
             if implied == bw or all(x == bw for x in implied):
                 return t, alloc, bw  # consistent: the surrogate is the closed form of this plan
@@ -251,7 +269,9 @@ class _Search:
                 one = [intra[n] for n in set.intersection(*candidates)]
                 return max(one + [min(max(nic[n] for n in c) for c in candidates)])
 
-            layers = [best([set(p[max(0, j - (num_layers - len(p))):j + 1]) for p in key]) for j in range(num_layers)]
+            e = [int(len(p) >= 2 and edge_stages_may_win(self.model)) for p in key]  # edge stages may be empty
+            layers = [best([set(p[max(0, j - (num_layers - len(p)) - x):j + 1 + x]) for p, x in zip(key, e, strict=True)])
+                      for j in range(num_layers)]
             got = self._ceilings[key] = (best([{p[0]} for p in key]), *layers, best([{p[-1]} for p in key]))
         return got
 
@@ -561,19 +581,29 @@ def _compositions(total: int, parts: int):
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
-def _profiles(order: list[Group], num_layers: int):
+def _profiles(order: list[Group], num_layers: int, edges: bool = False):
     """Every way to give the layers TP degrees that a pipeline in this stage order can hold: the degrees run
     in the order's sequence (adjacent equal degrees merged), each run at least as many layers as it has
-    stages."""
-    runs: list[list[int]] = []
-    for g in order:
-        if runs and runs[-1][0] == g.slot.tp:
-            runs[-1][1] += 1
-        else:
-            runs.append([g.slot.tp, 1])
-    for comp in _compositions(num_layers, len(runs)):
-        if all(n >= k for n, (_, k) in zip(comp, runs, strict=True)):
-            yield tuple(t for n, (t, _) in zip(comp, runs, strict=True) for _ in range(n))
+    stages. `edges`: the first or the last stage may hold no layer (the embedding or the head alone), so the
+    order without them gives profiles too."""
+    seen = set()
+    cuts = [(0, 0), (1, 0), (0, 1), (1, 1)] if edges and len(order) >= 2 else [(0, 0)]
+    for a, b in cuts:
+        inner = order[a:len(order) - b]
+        if not inner:
+            continue
+        runs: list[list[int]] = []
+        for g in inner:
+            if runs and runs[-1][0] == g.slot.tp:
+                runs[-1][1] += 1
+            else:
+                runs.append([g.slot.tp, 1])
+        for comp in _compositions(num_layers, len(runs)):
+            if all(n >= k for n, (_, k) in zip(comp, runs, strict=True)):
+                prof = tuple(t for n, (t, _) in zip(comp, runs, strict=True) for _ in range(n))
+                if prof not in seen:
+                    seen.add(prof)
+                    yield prof
 
 
 def _mixed_sets(search: _Search, degrees: list[int], bound: float):
@@ -594,6 +624,7 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float):
     slots = {k: cost.make_slot(cluster, train, k[0], k[1]) for k in kinds}
     budget = {n.name: n.num_gpus for n in cluster.nodes}
     work = 3.0 * num_layers * batch * cost.layer_fwd_flops(model, 1)
+    edges = edge_stages_may_win(model)
 
     templates: list[tuple[float, float, tuple]] = []
 
@@ -602,7 +633,7 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float):
             cap = sum(t * slots[(nm, t)].flops_per_gpu for nm, t in chosen)
             most = min(batch, cluster.num_gpus // sum(t for _, t in chosen))  # copies that could fit
             templates.append((work / (cap * most), work / cap, tuple(chosen)))
-        if len(chosen) == num_layers:
+        if len(chosen) == num_layers + 2 * edges:
             return
         for i in range(start, len(kinds)):
             nm, t = kinds[i]
@@ -674,7 +705,7 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float):
                 if pipes is None:
                     continue
                 pset = deal(pipes)
-                for prof in _profiles(order, num_layers):
+                for prof in _profiles(order, num_layers, edges):
                     if search.floor(pset, prof) >= best:
                         continue
                     t, _, _ = search.score(pset, True, prof)
@@ -761,6 +792,7 @@ class Planner:
         keep = max(k, FINALISTS)
         degrees = tp_candidates(cluster, model)
         types = frozenset(n.gpu_type for n in cluster.nodes)
+        most_stages = model.num_layers + 2 * edge_stages_may_win(model)  # embedding- and head-only stages
         # A re-plan after a loss (no GPU type the last plan lacked) skips the TP degrees whose best plan was
         # more than DEGREE_SLACK times slower than the best last time: losing nodes does not make TP1
         # for a 175B model 7x faster, and each degree is seconds of search on thousands of GPUs.
@@ -770,13 +802,13 @@ class Planner:
             groups, unused = make_groups(cluster, train, tp, self._host)
             if not groups:
                 continue
-            exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, model.num_layers) <= MAX_EXHAUSTIVE_SETS
+            exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, most_stages) <= MAX_EXHAUSTIVE_SETS
             if (not exhaustive and last is not None and tp in last[1]
                     and last[1][tp] > DEGREE_SLACK * min(last[1].values())):
                 continue
             # Exact mode tries every micro-batch size and allocates samples by DP; it is for small batches.
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
-            sets = (_exhaustive_sets(groups, model.num_layers) if exhaustive
+            sets = (_exhaustive_sets(groups, most_stages) if exhaustive
                     else _heuristic_sets(search, groups, self._warm.setdefault(tp, {}),
                                          DEGREE_SLACK * min((f[0] for f in finalists), default=math.inf)))
             scored = []

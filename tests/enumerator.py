@@ -10,7 +10,8 @@ every plan the plan contract allows on the cluster:
     their node and degree (groups of one degree on one node are interchangeable;
     groups on different nodes are not, even of one GPU type, since their links
     differ), within each node's GPU count;
-  - every contiguous layer split of every pipeline, chosen jointly: a layer's
+  - every contiguous layer split of every pipeline (where the LM head weighs at least half a layer,
+    `edge_stages_may_win`, the first and last stage may hold no layer), chosen jointly: a layer's
     gradient-sync bandwidth depends on which nodes hold it in every replica
     (one node: its intra-node link; several: the slowest of their NICs), and so
     do the embedding's and the LM head's (the nodes of the first and of the last
@@ -21,8 +22,9 @@ every plan the plan contract allows on the cluster:
 The objective is `planner.evaluate`'s closed form, computed here from the cost
 model's per-stage functions; `best_plan` also returns the winning Plan so the
 test can check that `evaluate` gives it the same time. Host memory is counted
-per GPU (each GPU's offloaded state within its share of the node's RAM), as the
-planner does.
+per GPU (each GPU's offloaded state within its share of the node's RAM), the
+planner's first budget; its pooled budgets (planner/search.py HOST_SPLITS) only
+matter where host RAM binds, which it never does on these small models.
 
 `bound`: the caller's time to beat; branches that cannot beat it are cut (the
 search stays exhaustive for every plan faster than `bound`). `uniform=True`
@@ -37,6 +39,7 @@ from functools import cache
 
 from planner import cost
 from planner.contract import tp_problem
+from planner.layer_split import edge_stages_may_win
 from planner.offload_policy import to_policy
 from planner.plan_types import Pipeline, Plan, Stage
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
@@ -50,22 +53,39 @@ def _compositions(total: int, parts: int):
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
+def _splits(total: int, parts: int, edges: bool):
+    """Every contiguous split of `total` layers over `parts` stages, each with at least one layer; with
+    `edges`, the first and the last stage (of two or more) may also hold none (the embedding or the LM
+    head alone)."""
+    seen = set()
+    for e0, e1 in ((0, 0), (1, 0), (0, 1), (1, 1)) if edges and parts >= 2 else ((0, 0),):
+        inner = parts - e0 - e1
+        if inner < 1:
+            continue
+        for c in _compositions(total, inner):
+            s = (0,) * e0 + c + (0,) * e1
+            if s not in seen:
+                seen.add(s)
+                yield s
+
+
 def best_plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
-              bound: float = math.inf, uniform: bool = False) -> tuple[float, Plan | None]:
-    """(best step time, its Plan), or (inf, None) when no plan beats `bound`."""
+              bound: float = math.inf, uniform: bool = False, edges: bool | None = None) -> tuple[float, Plan | None]:
+    """(best step time, its Plan), or (inf, None) when no plan beats `bound`. `edges`: whether the first and
+    last stage may hold no layer (default: where the planner searches such stages, `edge_stages_may_win`)."""
     most = max(n.num_gpus for n in cluster.nodes)
     degrees = [t for t in range(1, most + 1) if tp_problem(model, t) is None]
     best, found = bound, None
     for ds in ([[t] for t in degrees] if uniform else [degrees]):
-        t, p = _Enum(cluster, model, train, ds).run(best)
+        t, p = _Enum(cluster, model, train, ds, edge_stages_may_win(model) if edges is None else edges).run(best)
         if p is not None and t < best:
             best, found = t, p
     return (best, found) if found is not None else (math.inf, None)
 
 
 class _Enum:
-    def __init__(self, cluster, model, train, degrees):
-        self.cluster, self.model, self.train = cluster, model, train
+    def __init__(self, cluster, model, train, degrees, edges: bool):
+        self.cluster, self.model, self.train, self.edges = cluster, model, train, edges
         self.nodes = list(cluster.nodes)
         # A group kind: (node index, TP degree).
         self.kinds = [(i, t) for i, n in enumerate(self.nodes) for t in degrees if t <= n.num_gpus]
@@ -177,15 +197,15 @@ class _Enum:
 
         # A pipeline that fits no split with one sample (the least memory: one micro-batch, the fewest in
         # flight) fits none with more, so it is in no plan.
-        no_sync = (0.0,) * num_layers
         pipelines = []
-        for p in range(1, num_layers + 1):
+        edges = self.edges
+        for p in range(1, num_layers + 1 + 2 * edges):
             for seq in itertools.product(range(len(self.kinds)), repeat=p):
                 need = usage(seq)
                 if any(a > b for a, b in zip(need, budget, strict=True)):
                     continue
-                splits = [s for s in _compositions(num_layers, p)
-                          if self.pipe_time(seq, s, 1, no_sync[:p])[0] < math.inf]
+                splits = [s for s in _splits(num_layers, p, edges)
+                          if self.pipe_time(seq, s, 1, (0.0,) * p)[0] < math.inf]
                 if splits:
                     by_profile: dict[tuple, list] = {}
                     for s in splits:

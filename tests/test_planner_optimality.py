@@ -50,16 +50,25 @@ def instances(draw):
 def test_planner_within_one_percent_of_exhaustive(inst):
     cluster, model, train = inst
     try:
-        got = plan(cluster, model, train).estimate.step_time_s
+        mine = plan(cluster, model, train)
+        got = mine.estimate.step_time_s
     except ValueError:
-        got = math.inf
-    # Exhaustive below the planner's time (and a hair above it, so the planner's own plan qualifies).
-    best, layout = best_plan(cluster, model, train, bound=got * (1 + 1e-9))
+        mine, got = None, math.inf
+    # Exhaustive below the planner's time (and a hair above it, so the planner's own plan qualifies), over
+    # the plans whose every stage holds a layer. The planner also proposes embedding- and head-only stages
+    # (issue 33); it may then beat this optimum, never fall short of it by more than 1%. (Over that larger
+    # space it is not held to 1%: replicas of different depths around a TP1 head-only stage are missed.)
+    best, layout = best_plan(cluster, model, train, bound=got * (1 + 1e-9), edges=False)
     if got == math.inf:
         assert layout is None, f"the planner found nothing, the enumerator found {best:.4g}s"
         return
-    # The enumerator's space holds every plan the planner returns, so it finds one at least as fast...
-    assert layout is not None and best <= got * (1 + 1e-9)
+    edge_stage = any(st.layer_start == st.layer_end for p in mine.pipelines for st in p.stages)
+    if layout is None:
+        assert edge_stage, "the enumerator's space holds every plan without an edge stage"
+        return
+    # The enumerator's space holds every plan the planner returns without an edge stage, so it finds one at
+    # least as fast...
+    assert edge_stage or best <= got * (1 + 1e-9)
     # ... its objective is evaluate's to the last bit ...
     assert evaluate(layout, cluster, model, train).step_time_s == pytest.approx(best, rel=1e-9)
     # ... and the planner is within 1% of it.
@@ -108,7 +117,9 @@ def test_per_stage_tp_on_one_node_of_three_t4():
     uniform, _ = best_plan(cluster, model, train, uniform=True)
     best, _ = best_plan(cluster, model, train)
     assert sorted(_degrees(p)[0]) == [1, 2], _degrees(p)
-    assert p.estimate.step_time_s < uniform / 1.03  # at least 3% faster than the best plan of one degree
+    # Faster than the best plan of one degree: 3% before the search had embedding- and head-only stages,
+    # which (in the uniform space too) narrow the gap to 2%.
+    assert p.estimate.step_time_s < uniform / 1.015
     assert p.estimate.step_time_s <= best * 1.01
 
 

@@ -171,6 +171,21 @@ def test_equivalence_planner_plan_mixed_cluster(cluster):
     assert_equivalent(j, p)
 
 
+def test_planner_plan_with_edge_stages_trains_like_one_device(cluster):
+    """Issue 33: on T4s and L4s, a 4-layer model with a 4096-word vocabulary (64 wide, 64 tokens) is planned
+    with the embedding alone on a T4 and the LM head alone on an L4; that plan trains like the 1-device run."""
+    j = job(8, "tiny")
+    j = parse_job({**j.model_dump(exclude_none=True, exclude={"model"}),
+                   "model": {"preset": "tiny", "hidden_size": 64, "vocab_size": 4096, "seq_len": 64}})
+    sub = ClusterSpec(nodes=[CLUSTER.nodes[1], CLUSTER.nodes[2]])
+    p = plan(sub, j.model_spec, j.train)
+    stages = [st for pp in p.pipelines for st in pp.stages]
+    assert any(st.layer_start == st.layer_end for st in stages), "want an embedding-only or head-only stage"
+    # Every loss and every parameter as in the 1-device run; 5 steps over a 4096-word vocabulary do not yet
+    # lower the loss (it starts at ln 4096), so "it trains" is not asked.
+    assert_equivalent(j, p, trains=False)
+
+
 def test_worker_error_names_rank_and_stage(cluster):
     p = PLANS["b-pp-1-and-3"]
     run = PlanRun(job(8), p)

@@ -56,20 +56,44 @@ def _user_errors(fn):
 def plan(
     job_file: str = typer.Argument(..., help="job YAML with model:, train: and cluster:"),
     as_json: bool = typer.Option(False, "--json", help="print the plan, estimate and baselines as JSON"),
-    objective: str = typer.Option("throughput", help="throughput, or cost ($ per million tokens)"),
+    objective: str = typer.Option(None, help="throughput, or cost ($ per million tokens); with --fleet auto the "
+                                  "default is cost"),
+    fleet: str = typer.Option(None, "--fleet", help="auto: choose the fleet to request from --catalog (which "
+                              "instance types, how many) together with its plan; the job's cluster: is not used"),
+    catalog: str = typer.Option(None, "--catalog", help="YAML catalog of instance types with prices and "
+                                "preemption rates (examples/catalog-aws.yaml); with --fleet auto"),
+    budget: float = typer.Option(None, "--budget", help="$/h the fleet may cost; with --fleet auto (with "
+                                 "--objective throughput: the most tokens/s within it)"),
 ) -> None:
-    """Plan asymmetric DP/PP/TP for the job's cluster and compare with baselines."""
+    """Plan asymmetric DP/PP/TP for the job's cluster and compare with baselines; or, with --fleet auto,
+    choose the fleet to ask for as well."""
     from orchestrator import api
     from orchestrator.errors import ConfigError
 
-    if objective not in ("throughput", "cost"):
+    if objective not in (None, "throughput", "cost"):
         raise ConfigError(f"--objective {objective!r} must be 'throughput' or 'cost'")
-    result = api.plan_file(job_file, objective)
+    if fleet is not None and fleet != "auto":
+        raise ConfigError(f"--fleet {fleet!r}: the one value is auto (choose the fleet from --catalog)")
+    if fleet is None and (catalog is not None or budget is not None):
+        raise ConfigError("--catalog and --budget choose a fleet: add --fleet auto")
+    if fleet == "auto":
+        if catalog is None:
+            raise ConfigError("--fleet auto needs --catalog FILE: the instance types to choose from, with prices and "
+                              "preemption rates (see examples/catalog-aws.yaml)")
+        from orchestrator.job_spec import load_job
+
+        with console.status("choosing a fleet") as status:
+            result = api.plan_fleet(load_job(job_file), job_file, catalog, objective or "cost", budget,
+                                    lambda n: status.update(f"choosing a fleet: {n} fleets planned"))
+    else:
+        result = api.plan_file(job_file, objective or "throughput")
     if as_json:
         _print_json(result)
     else:
-        from orchestrator.cli.tables import plan_tables
+        from orchestrator.cli.tables import fleet_table, plan_tables
 
+        if "fleet" in result:
+            fleet_table(result["fleet"], console)
         plan_tables(result, console)
 
 

@@ -15,6 +15,26 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def _layers(st: dict[str, Any], i: int, num_stages: int) -> str:
+    """A stage's layers; a stage with none holds the embedding (the first) or the LM head (the last) alone."""
+    if st["layer_end"] > st["layer_start"]:
+        return f"{st['layer_start']}-{st['layer_end'] - 1}"
+    return "none: embedding only" if i == 0 else "none: LM head only" if i == num_stages - 1 else "none"
+
+
+def fleet_table(fleet: dict[str, Any], console: Console) -> None:
+    """`plan --fleet auto`: the chosen fleet beside the next best two and the best single-type fleet."""
+    budget = f", budget ${fleet['budget_per_hour']:g}/h" if fleet.get("budget_per_hour") else ""
+    t = Table(title=f"Fleet: chosen for {'$ per M tokens' if fleet['objective'] == 'cost' else 'tokens/s'}{budget} "
+                    f"({fleet['fleets_planned']} of {fleet['fleets_within_limits']} fleets planned)")
+    for col in ("", "instances", "$/h", "tokens/s", "$ per M tokens", "preemptions cost"):
+        t.add_column(col, overflow="fold")
+    for o in fleet["options"]:
+        t.add_row(o["label"], " + ".join(f"{x['nodes']}x {x['type']}" for x in o["fleet"]), f"{o['price_per_hour']:.2f}",
+                  f"{o['tokens_per_s']:,.0f}", _usd(o["cost_per_mtok"]), f"{o['preemption_loss'] * 100:.1f}%")
+    console.print(t)
+
+
 def plan_tables(result: dict[str, Any], console: Console) -> None:
     plan, est = result["plan"], result["estimate"]
     model = result["model"]
@@ -37,7 +57,7 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
                 f"{p['num_micro_batches']} x {p['micro_batch_size']}" if first else "",  # count x size
                 str(i),
                 f"{len(st['devices'])}x {st['gpu_type']}\n{st['node']}",
-                f"{st['layer_start']}-{st['layer_end'] - 1}",
+                _layers(st, i, len(p["stages"])),
                 f"{mem[st['devices'][0]]:.1f} / {cap:.0f}",
                 _offload(st["offload"], st["layer_end"] - st["layer_start"], reasons),
             )
