@@ -2,6 +2,7 @@
 
     python bench/planner.py            # both parts, prints markdown tables
     python bench/planner.py --quick    # one run of each (the 4,096-GPU plan alone takes about a minute)
+    python bench/planner.py --warm-only  # the warm re-plan table at 1,024 to 16,384 GPUs
 
 All throughputs come from the same cost model (planner.evaluate). Times are
 medians of repeated runs on this machine.
@@ -113,6 +114,34 @@ def scale(title: str, cluster: ClusterSpec, preset: str, batch: int, lost: set[s
     print(f"\nTargets: {targets} on a 2-core machine.\n")
 
 
+def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
+    """Issue 33: CPU time of a warm re-plan after losing 32 nodes spread over every type, at each size (175B,
+    6 types round robin, nodes of 8); the warm plan against a fresh search on the survivors."""
+    types = ["H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4"]
+    model, train = ModelSpec.preset("175b"), TrainSpec(global_batch=2048)
+    print("## Warm re-plan at scale (175B, 6 types, nodes of 8, 32 nodes lost spread over the types)\n")
+    print("| GPUs | first plan CPU s | warm re-plan CPU s (median) | runs | warm tok/s | fresh search tok/s |")
+    print("|---|---|---|---|---|---|")
+    for gpus in sizes:
+        nodes = gpus // 8
+        cluster = _round_robin(types, nodes)
+        lost = {f"n{i:03d}" for i in range(0, nodes, nodes // 32)}
+        survivors = cluster.without_nodes(lost)
+        first, warm = [], []
+        for _ in range(repeats):
+            planner = Planner(model, train)
+            t0 = time.process_time()
+            planner.plan(cluster)
+            first.append(time.process_time() - t0)
+            t0 = time.process_time()
+            p2 = planner.plan(survivors)
+            warm.append(time.process_time() - t0)
+        fresh = Planner(model, train).plan(survivors)
+        print(f"| {gpus:,} | {statistics.median(first):.2f} | {statistics.median(warm):.2f} | {repeats} | "
+              f"{p2.estimate.tokens_per_s:,.0f} | {fresh.estimate.tokens_per_s:,.0f} |")
+    print("\nTarget: a warm re-plan at most 1 s of CPU at 16,384 GPUs, its plan no slower than a fresh search's.\n")
+
+
 def _round_robin(types: list[str], nodes: int) -> ClusterSpec:
     return ClusterSpec(nodes=[NodeSpec(name=f"n{i:03d}", gpu_type=types[i % len(types)], num_gpus=8)
                               for i in range(nodes)])
@@ -121,7 +150,11 @@ def _round_robin(types: list[str], nodes: int) -> ClusterSpec:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--warm-only", action="store_true", help="only the warm re-plan table (issue 33)")
     args = ap.parse_args()
+    if args.warm_only:
+        warm_replans((1024, 4096, 8192, 16384), 1 if args.quick else 3)
+        return
     heterogeneity()
     repeats = 1 if args.quick else 5
     scale("70B on 1,024 GPUs (4 types, 128 nodes of 8)", _round_robin(["H100-SXM", "A100-80GB", "A10G", "L4"], 128),
@@ -130,6 +163,7 @@ def main() -> None:
     scale("175B on 4,096 GPUs (6 types, 512 nodes of 8)",
           _round_robin(["H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4"], 512), "175b", 2048,
           {f"n{i:03d}" for i in range(0, 512, 16)}, repeats, "plan <= 10 s, re-plan <= 1 s (issue 15)")
+    warm_replans((1024, 4096, 8192, 16384), 1 if args.quick else 3)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ memory reserve), GB/s.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -31,19 +32,27 @@ class GPUInfo:
 
 _PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0  # x16 per direction, PCI-SIG spec rates
 
+# Fraction of peak a large GEMM-bound layer reaches, held to published runs by bench/calibration.py (table in
+# docs/benchmarks.md): three A100 runs (Megatron-LM's GPT-3 175B at 51.4% MFU, torchtitan's Llama 3 8B and 70B at
+# 56.3% and 50.5%) all came out 22-23% low at 0.55, and land within 3% at 0.70; torchtitan's Llama 3.1 8B on
+# H100 (5,762 tokens/s per GPU, 33-39% MFU) came out 28% high at 0.55; V100s reach about 30% of peak (Megatron-LM
+# 2019's single-GPU baseline, 39 TFLOPS; ZeRO-Offload's 10B at 40 TFLOPS). Other types keep 0.55 (no published
+# run checked); a profiling pass on a real cluster replaces any of these (ClusterSpec.calibration).
+_EFF_A100, _EFF_H100, _EFF_V100 = 0.70, 0.45, 0.35
+
 CATALOG: dict[str, GPUInfo] = {
     g.name: g
     for g in [
         # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TF bf16 dense, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s
-        GPUInfo("H100-SXM", "nvidia", 989.0, 80, 3350, _PCIE5, 900),
+        GPUInfo("H100-SXM", "nvidia", 989.0, 80, 3350, _PCIE5, 900, default_efficiency=_EFF_H100),
         # same datasheet (PCIe): 756 TF bf16 dense, 80 GB HBM2e, 2.0 TB/s, NVLink bridge 600 GB/s
-        GPUInfo("H100-PCIe", "nvidia", 756.0, 80, 2000, _PCIE5, 600),
+        GPUInfo("H100-PCIe", "nvidia", 756.0, 80, 2000, _PCIE5, 600, default_efficiency=_EFF_H100),
         # NVIDIA H200 datasheet (SXM): 989 TF bf16 dense, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s
-        GPUInfo("H200", "nvidia", 989.0, 141, 4800, _PCIE5, 900),
+        GPUInfo("H200", "nvidia", 989.0, 141, 4800, _PCIE5, 900, default_efficiency=_EFF_H100),
         # NVIDIA A100 datasheet (SXM4 40GB): 312 TF bf16 dense, 1.555 TB/s, NVLink 600 GB/s
-        GPUInfo("A100-40GB", "nvidia", 312.0, 40, 1555, _PCIE4, 600),
+        GPUInfo("A100-40GB", "nvidia", 312.0, 40, 1555, _PCIE4, 600, default_efficiency=_EFF_A100),
         # NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16 dense, 2.039 TB/s, NVLink 600 GB/s
-        GPUInfo("A100-80GB", "nvidia", 312.0, 80, 2039, _PCIE4, 600),
+        GPUInfo("A100-80GB", "nvidia", 312.0, 80, 2039, _PCIE4, 600, default_efficiency=_EFF_A100),
         # NVIDIA A10 datasheet: 125 TF bf16 dense, 24 GB GDDR6, 600 GB/s. A10G (AWS g5) is the
         # A10 at lower clocks; profiling calibrates it down.
         GPUInfo("A10G", "nvidia", 125.0, 24, 600, _PCIE4, _PCIE4),
@@ -54,9 +63,9 @@ CATALOG: dict[str, GPUInfo] = {
         # NVIDIA T4 datasheet: 65 TF fp16 mixed precision, 16 GB, 320 GB/s, PCIe Gen3; no bf16
         GPUInfo("T4", "nvidia", 65.0, 16, 320, _PCIE3, _PCIE3, bf16=False),
         # NVIDIA V100 datasheet (SXM2 16GB): 125 TF fp16 tensor, 900 GB/s, NVLink 300 GB/s; no bf16
-        GPUInfo("V100-16GB", "nvidia", 125.0, 16, 900, _PCIE3, 300, bf16=False),
+        GPUInfo("V100-16GB", "nvidia", 125.0, 16, 900, _PCIE3, 300, bf16=False, default_efficiency=_EFF_V100),
         # NVIDIA V100 datasheet (SXM2 32GB): as above with 32 GB
-        GPUInfo("V100-32GB", "nvidia", 125.0, 32, 900, _PCIE3, 300, bf16=False),
+        GPUInfo("V100-32GB", "nvidia", 125.0, 32, 900, _PCIE3, 300, bf16=False, default_efficiency=_EFF_V100),
         # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 165 TF bf16 dense with fp32
         # accumulate, 24 GB GDDR6X, 1008 GB/s, no NVLink
         GPUInfo("RTX4090", "nvidia", 165.0, 24, 1008, _PCIE4, _PCIE4),
@@ -79,6 +88,7 @@ ALIASES: dict[str, str] = {
 }
 
 
+@functools.cache
 def canonical_gpu_type(name: str) -> str:
     """Return the catalog key for `name` (case-insensitive, aliases allowed).
 

@@ -95,8 +95,21 @@ def plan_peak_flops(plan: Plan) -> float:
     return sum(peak_flops(st.gpu_type) * st.tp for p in plan.pipelines for st in p.stages)
 
 
+_SLOTS: dict[tuple, Slot] = {}
+
+
 def make_slot(cluster: ClusterSpec, train: TrainSpec, node_name: str, tp: int) -> Slot:
     node = cluster.node(node_name)
+    key = (node, tp, cluster.efficiency(node.gpu_type), train)  # a slot is a function of these alone
+    got = _SLOTS.get(key)
+    if got is None:
+        if len(_SLOTS) > 200_000:
+            _SLOTS.clear()
+        got = _SLOTS[key] = _make_slot(cluster, train, node, tp)
+    return got
+
+
+def _make_slot(cluster: ClusterSpec, train: TrainSpec, node, tp: int) -> Slot:
     info = gpu_info(node.gpu_type)
     peak = peak_flops(node.gpu_type)
     return Slot(
@@ -120,7 +133,7 @@ def sync_group_bw(cluster: ClusterSpec, nodes: set[str]) -> float:
     its nodes' NICs (bytes/s)."""
     if len(nodes) == 1:
         return cluster.node(next(iter(nodes))).intra_bw_gb_s * 1e9
-    return min(cluster.node(n).inter_node_bw_gb_s for n in nodes) * 1e9
+    return min(map(cluster.nics().__getitem__, nodes)) * 1e9
 
 
 def link_bw(a: Slot, b: Slot) -> float:

@@ -120,14 +120,22 @@ class _Search:
         self._stage_cache: dict = {} if stage_cache is None else stage_cache
         self._order_cache: dict[tuple, list[int]] = {}
         self._ceilings: dict[tuple, tuple[float, ...]] = {}
+        self._pm_keys: dict[tuple, tuple] = {}
+        self._pm_keys_hold: list[list[Group]] = []
 
     def pipeline_model(self, groups: list[Group], exact: bool, profile: tuple[int, ...] | None = None) -> PipelineModel:
-        key = (
-            tuple(g.kind_id for g in groups),
-            tuple(groups[i].node == groups[i + 1].node for i in range(len(groups) - 1)),
-            exact,
-            profile,
-        )
+        # The search's groups live as long as it does, so their identities key the cost key (a deep pipeline's
+        # key takes a pass over its stages; a re-plan at 16k GPUs asks ten thousand times).
+        ids = (tuple(map(id, groups)), exact, profile)
+        key = self._pm_keys.get(ids)
+        if key is None:
+            key = self._pm_keys[ids] = (
+                tuple(g.kind_id for g in groups),
+                tuple(groups[i].node == groups[i + 1].node for i in range(len(groups) - 1)),
+                exact,
+                profile,
+            )
+            self._pm_keys_hold.append(groups)  # the ids stay valid while the key is cached
         if key not in self._pm_cache:
             self._pm_cache[key] = PipelineModel(
                 [g.slot for g in groups], self.model, self.train, exact, stage_cache=self._stage_cache,

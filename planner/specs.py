@@ -7,6 +7,7 @@ Devices are named `"<node>/<gpu index>"` everywhere (see `device_id`).
 
 from __future__ import annotations
 
+import functools
 from functools import cached_property
 from typing import Literal, get_args
 
@@ -33,6 +34,11 @@ class StrictModel(BaseModel):
 
 def device_id(node: str, index: int) -> str:
     return f"{node}/{index}"
+
+
+@functools.lru_cache(maxsize=65536)
+def _device_ids(node: str, num_gpus: int) -> tuple[str, ...]:
+    return tuple(device_id(node, i) for i in range(num_gpus))  # a re-plan at 16k GPUs asks 16k times
 
 
 class NodeSpec(StrictModel):
@@ -85,7 +91,7 @@ class NodeSpec(StrictModel):
         return self.intra_node_bw_gb_s or gpu_info(self.gpu_type).intra_node_bw_gb_s
 
     def device_ids(self) -> list[str]:
-        return [device_id(self.name, i) for i in range(self.num_gpus)]
+        return list(_device_ids(self.name, self.num_gpus))
 
 
 class ClusterSpec(StrictModel):
@@ -114,6 +120,14 @@ class ClusterSpec(StrictModel):
             got = (self.nodes, {n.name: n for n in self.nodes})  # with other nodes carries a stale one)
             object.__setattr__(self, "_index", got)
         return got[1][name]
+
+    def nics(self) -> dict[str, float]:
+        """Each node's NIC bandwidth (GB/s), by name (cached, like `node`)."""
+        got = self.__dict__.get("_nics")
+        if got is None or got[0] is not self.nodes:
+            got = (self.nodes, {n.name: n.inter_node_bw_gb_s for n in self.nodes})
+            object.__setattr__(self, "_nics", got)
+        return got[1]
 
     def efficiency(self, gpu_type: str) -> float:
         for t, eff in self.calibration.items():
