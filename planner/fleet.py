@@ -31,7 +31,7 @@ from planner.catalog import canonical_gpu_type
 from planner.errors import PlanningError
 from planner.plan_types import Plan
 from planner.search import Planner
-from planner.specs import ClusterSpec, ModelSpec, NodeSpec, StrictModel, TrainSpec
+from planner.specs import ClusterSpec, ModelSpec, NodeSpec, StrictModel, TrainSpec, plain_name
 
 Fleet = tuple[tuple[str, int], ...]  # ((instance type name, nodes), ...), sorted by name, counts > 0
 
@@ -52,10 +52,7 @@ class InstanceType(StrictModel):
     price_source: str = Field(default="", description="where the price comes from, and when")
     max_nodes: int = Field(default=4, ge=1, le=1024, description="instances of this type a fleet may hold")
 
-    @field_validator("gpu_type")
-    @classmethod
-    def _known_type(cls, v: str) -> str:
-        return canonical_gpu_type(v)
+    _known_type = field_validator("gpu_type")(classmethod(lambda cls, v: canonical_gpu_type(v)))
 
     @field_validator("preemptions_per_hour")
     @classmethod
@@ -65,12 +62,7 @@ class InstanceType(StrictModel):
                              "instance-hour (a spot trace's removals over its node-hours, e.g. 0.13)")
         return v
 
-    @field_validator("name")
-    @classmethod
-    def _plain_name(cls, v: str) -> str:
-        if not v or "/" in v or v.strip() != v:
-            raise ValueError(f"instance type name {v!r} must be non-empty, without '/' or spaces at the ends")
-        return v
+    _plain_name = field_validator("name")(classmethod(lambda cls, v: plain_name(v, "instance type name")))
 
 
 class Catalog(StrictModel):

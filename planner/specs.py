@@ -36,6 +36,13 @@ def device_id(node: str, index: int) -> str:
     return f"{node}/{index}"
 
 
+def plain_name(v: str, what: str) -> str:
+    """A name that becomes part of device ids and Ray labels: non-empty, no '/', no spaces at the ends."""
+    if not v or "/" in v or v.strip() != v:
+        raise ValueError(f"{what} {v!r} must be non-empty, without '/' or spaces at the ends")
+    return v
+
+
 @functools.lru_cache(maxsize=65536)
 def _device_ids(node: str, num_gpus: int) -> tuple[str, ...]:
     return tuple(device_id(node, i) for i in range(num_gpus))  # a re-plan at 16k GPUs asks 16k times
@@ -75,9 +82,7 @@ class NodeSpec(StrictModel):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, v: str) -> str:
-        if not v or "/" in v or v.strip() != v:
-            raise ValueError(f"node name {v!r} must be non-empty, without '/' or spaces at the ends")
-        return v
+        return plain_name(v, "node name")
 
     @property
     def host_mem(self) -> float:
