@@ -113,17 +113,14 @@ class PipelineModel:
         return self._splits[(b, m_key)]
 
     def _layer_ranges(self) -> list[tuple[int, int]]:
-        """Which stages [lo, hi) hold the transformer layers: all, or without an embedding-only first stage,
-        a head-only last stage, or both (`self.edges`); each stage of the range takes at least one layer."""
-        p = len(self.slots)
-        ranges = [(0, p)] + ([(1, p), (0, p - 1)] + ([(1, p - 1)] if p >= 3 else []) if self.edges else [])
-        return [(lo, hi) for lo, hi in ranges if hi - lo <= self.model.num_layers]
+        return [(lo, hi) for lo, hi in edge_ranges(len(self.slots), self.edges) if hi - lo <= self.model.num_layers]
 
-    def _empty_stage(self, i: int, b: int, m: int) -> StageChoice | None:
-        """Stage i with no transformer layer (the embedding alone, or the LM head), its cheapest policy."""
+    def _empty_stage(self, i: int, b: int, m: int) -> tuple[StageChoice, float] | None:
+        """Stage i with no transformer layer (the embedding alone, or the LM head): its cheapest policy and
+        that policy's per-step cost."""
         k = cost.inflight(i, len(self.slots), m, self.schedule)
         best = cheapest(self._candidates(i, 0, b, k), self.slots[i], self.model, self.train, self._shape(i, 0), m)
-        return None if best is None else StageChoice(0, best[0], best[1])
+        return None if best is None else (StageChoice(0, best[0], best[1]), best[2])
 
     def _dp(self, b: int, m: int, lo: int, hi: int) -> tuple[tuple, tuple[StageChoice, ...]] | None:
         """Lexicographic min-max DP over (stage, layers covered), vectorized with numpy, for stages lo..hi-1
@@ -134,11 +131,10 @@ class PipelineModel:
         stage contributes a cost vector over layer counts and one DP step is a
         max/plus over an (start, end) matrix.
         """
-        edges = [self._empty_stage(i, b, m) for i in [*range(lo), *range(hi, len(self.slots))]]
-        if any(e is None for e in edges):
+        empty = [self._empty_stage(i, b, m) for i in [*range(lo), *range(hi, len(self.slots))]]
+        if any(e is None for e in empty):
             return None
-        edge_val = [cheapest([(e.policy, e.times)], self.slots[i], self.model, self.train, self._shape(i, 0), m)[2]
-                    for e, i in zip(edges, [*range(lo), *range(hi, len(self.slots))], strict=True)]
+        edges, edge_val = [e for e, _ in empty], [v for _, v in empty]
         p, num_layers = hi - lo, self.model.num_layers
         big = np.inf
         # Stage i can only start at layers i..i+w-1 and end at i+1..i+w (every stage takes at least one layer),
@@ -372,6 +368,15 @@ class PipelineModel:
 
 
 EDGE_RATIO = 0.5
+
+
+def edge_ranges(num_stages: int, edges: bool) -> list[tuple[int, int]]:
+    """Which stages [lo, hi) of a pipeline hold the transformer layers: all of them, or (with `edges`, on two
+    stages or more) all but an embedding-only first stage, a head-only last stage, or both."""
+    p = num_stages
+    if not edges or p < 2:
+        return [(0, p)]
+    return [(0, p), (1, p), (0, p - 1)] + ([(1, p - 1)] if p >= 3 else [])
 
 
 def edge_stages_may_win(model: ModelSpec) -> bool:

@@ -36,7 +36,7 @@ from planner import cost
 from planner.contract import PlanContractError, tp_problem
 from planner.errors import PlanningError
 from planner.estimate import evaluate
-from planner.layer_split import PipelineModel, allocate_samples, edge_stages_may_win
+from planner.layer_split import PipelineModel, allocate_samples, edge_ranges, edge_stages_may_win
 from planner.offload_policy import share_node_host, to_policy
 from planner.plan_types import Pipeline, Plan, Stage, UnusedDevice
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
@@ -595,11 +595,8 @@ def _profiles(order: list[Group], num_layers: int, edges: bool = False):
     stages. `edges`: the first or the last stage may hold no layer (the embedding or the head alone), so the
     order without them gives profiles too."""
     seen = set()
-    cuts = [(0, 0), (1, 0), (0, 1), (1, 1)] if edges and len(order) >= 2 else [(0, 0)]
-    for a, b in cuts:
-        inner = order[a:len(order) - b]
-        if not inner:
-            continue
+    for lo, hi in edge_ranges(len(order), edges):
+        inner = order[lo:hi]
         runs: list[list[int]] = []
         for g in inner:
             if runs and runs[-1][0] == g.slot.tp:

@@ -120,18 +120,19 @@ class ClusterSpec(StrictModel):
         return self
 
     def node(self, name: str) -> NodeSpec:
-        got = self.__dict__.get("_index")
-        if got is None or got[0] is not self.nodes:  # frozen model: cache the lookup table once (a copy
-            got = (self.nodes, {n.name: n for n in self.nodes})  # with other nodes carries a stale one)
-            object.__setattr__(self, "_index", got)
-        return got[1][name]
+        return self._by_name("_index", lambda n: n)[name]
 
     def nics(self) -> dict[str, float]:
         """Each node's NIC bandwidth (GB/s), by name (cached, like `node`)."""
-        got = self.__dict__.get("_nics")
+        return self._by_name("_nics", lambda n: n.inter_node_bw_gb_s)
+
+    def _by_name(self, slot: str, value) -> dict:
+        """{node name: value(node)}, built once per node list (a frozen model: cached in its __dict__, with the
+        list it was built from, since `model_copy` carries the cache into a copy with other nodes)."""
+        got = self.__dict__.get(slot)
         if got is None or got[0] is not self.nodes:
-            got = (self.nodes, {n.name: n.inter_node_bw_gb_s for n in self.nodes})
-            object.__setattr__(self, "_nics", got)
+            got = (self.nodes, {n.name: value(n) for n in self.nodes})
+            object.__setattr__(self, slot, got)
         return got[1]
 
     def efficiency(self, gpu_type: str) -> float:
