@@ -12,6 +12,7 @@ from planner import Plan, PlanningError, evaluate
 from planner import plan as make_plan
 from planner.baselines import all_baselines
 from planner.contract import PlanContractError, plan_problems
+from planner.fleet import Catalog
 from planner.search import Planner
 from planner.specs import tokens_per_step
 
@@ -70,14 +71,14 @@ def load_catalog(path: str | Path):
         raise ConfigError(f"{p}: {e}") from None
 
 
-def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path, objective: str = "cost",
+def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path | Catalog, objective: str = "cost",
                budget_per_hour: float | None = None, progress=None) -> dict[str, Any]:
     """`hetspot plan --fleet auto`: choose the fleet to request from a catalog and plan on it (planner/fleet.py).
     Returns plan_job's result for the chosen fleet, with a `fleet` section: the choice beside the next best two
     and the best single-type fleet."""
     from planner.fleet import choose_fleet
 
-    catalog = load_catalog(catalog_path)
+    catalog = catalog_path if isinstance(catalog_path, Catalog) else load_catalog(catalog_path)
     if budget_per_hour is not None and (not budget_per_hour > 0 or budget_per_hour == float("inf")):
         raise ConfigError(f"--budget {budget_per_hour} must be a positive $/h")
     try:
@@ -98,6 +99,18 @@ def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path, objective: s
     out["fleet"] = {"objective": objective, "budget_per_hour": budget_per_hour, "options": rows,
                     "fleets_planned": choice.planned, "fleets_within_limits": choice.space}
     return out
+
+
+def choose_job_fleet(job: JobSpec, source: str) -> str:
+    """The fleet a job file's `fleet: {auto: ...}` asks for (the driver makes the same choice on the cluster),
+    described for a person; ConfigError (exit 2) when the model fits no fleet of the catalog."""
+    from orchestrator.control.fleet_choice import choose, describe
+
+    try:
+        choice, _ = choose(job)
+    except PlanningError as e:
+        raise ConfigError(f"{source}: field 'fleet.auto': {e}") from None
+    return describe(choice, job.fleet.auto.catalog)
 
 
 def plan_file(path: str | Path, objective: str = "throughput") -> dict[str, Any]:

@@ -15,6 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import ConfigError
+from planner.fleet import Catalog
 from planner.specs import PRESETS, ClusterSpec, ModelSpec, StrictModel, TrainSpec
 
 
@@ -177,11 +178,44 @@ class FleetType(_Section):
         return self
 
 
+class FleetAuto(_Section):
+    """`fleet: {auto: ...}`: hetspot chooses the fleet from a catalog of instance types (planner/fleet.py) when
+    the job starts, asks for it, and chooses again among what is left when a type does not come."""
+
+    catalog: Catalog = Field(description="instance types with prices and preemption rates: a catalog file's path, "
+                             "relative to the job file (examples/catalog-aws.yaml), or the catalog inline")
+    objective: Literal["cost", "throughput"] = Field(default="cost", description="cost: least $ per million tokens "
+                                                     "(risk-aware); throughput: most tokens/s within budget_per_hour")
+    budget_per_hour: float | None = Field(default=None, gt=0, description="$/h the fleet may cost")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_type_per_gpu(cls, data):
+        # The autoscaler's demand names a GPU type (the accelerator_type resource Ray sets), which does not tell
+        # two instance types of one GPU apart: the fleet holds one instance type per GPU type.
+        if isinstance(data, dict) and isinstance(data.get("catalog"), dict):
+            data = data | {"catalog": data["catalog"] | {"one_per_gpu_type": True}}
+        elif isinstance(data, dict) and isinstance(data.get("catalog"), Catalog):
+            data = data | {"catalog": data["catalog"].model_copy(update={"one_per_gpu_type": True})}
+        return data
+
+    @model_validator(mode="after")
+    def _budget(self) -> FleetAuto:
+        if self.budget_per_hour is not None:
+            cheapest = min(t.price_per_hour for t in self.catalog.types)
+            if self.budget_per_hour < cheapest:
+                raise ValueError(f"budget_per_hour {self.budget_per_hour:g} is below the cheapest fleet (one "
+                                 f"instance, ${cheapest:g}/h); raise it")
+        return self
+
+
 class FleetSpec(_Section):
     """The GPUs hetspot asks Ray's autoscaler for (orchestrator/cluster/capacity.py): demand that stands while
-    the job runs, so a preempted node is replaced, and is withdrawn when the job ends."""
+    the job runs, so a preempted node is replaced, and is withdrawn when the job ends. Name the `types`, or
+    let hetspot choose them (`auto`)."""
 
-    types: list[FleetType] = Field(min_length=1, description="the GPU types the job may use")
+    types: list[FleetType] = Field(default=[], description="the GPU types the job may use")
+    auto: FleetAuto | None = Field(default=None, description="choose the types from a catalog instead")
     wait_s: float = Field(default=900.0, gt=0, le=86400, description="fail (exit 2) when the types' min_nodes are "
                           "not up after this many seconds")
     substitute_after_s: float = Field(default=300.0, gt=0, description="a type short of max_nodes this long is "
@@ -192,6 +226,9 @@ class FleetSpec(_Section):
     def _substitutes(self) -> FleetSpec:
         from planner.catalog import canonical_gpu_type
 
+        if bool(self.types) == (self.auto is not None):
+            raise ValueError("give fleet.types (the GPU types to ask for) or fleet.auto (choose them from a "
+                             "catalog), one of the two")
         names = [t.gpu_type for t in self.types]
         if len(set(names)) != len(names):
             raise ValueError(f"types: {names} lists a GPU type twice; give each type once")
@@ -296,6 +333,10 @@ def load_job(path: str | Path) -> JobSpec:
     data = _read_yaml(p)
     if isinstance(data, dict) and isinstance(data.get("cluster"), str):
         data = data | {"cluster": _cluster_file(p, data["cluster"])}
+    auto = data.get("fleet", {}).get("auto") if isinstance(data, dict) and isinstance(data.get("fleet"), dict) else None
+    if isinstance(auto, dict) and isinstance(auto.get("catalog"), str):
+        catalog = _side_file(p, auto["catalog"], "fleet.auto.catalog", "catalog")
+        data = data | {"fleet": data["fleet"] | {"auto": auto | {"catalog": catalog}}}
     return parse_job(data, str(p))
 
 
@@ -315,11 +356,16 @@ def _read_yaml(p: Path, what: str = "job file", loader=yaml.SafeLoader):
 
 def _cluster_file(job_path: Path, ref: str) -> object:
     """`cluster: PATH`: a cluster spec file (with `nodes:`), relative to the job file, e.g. deploy/local/."""
+    return _side_file(job_path, ref, "cluster", "cluster", "list the nodes inline")
+
+
+def _side_file(job_path: Path, ref: str, field: str, what: str, inline: str = "give it inline") -> object:
+    """A file a job file names by path (`cluster: PATH`, `fleet.auto.catalog: PATH`), relative to the job file."""
     p = (job_path.parent / ref).resolve()
     if not p.is_file():
-        raise ConfigError(f"{job_path}: field 'cluster': the cluster file {ref!r} ({p}) does not exist; give a path "
-                          "relative to the job file, or list the nodes inline")
-    return _read_yaml(p)
+        raise ConfigError(f"{job_path}: field '{field}': the {what} file {ref!r} ({p}) does not exist; give a path "
+                          f"relative to the job file, or {inline}")
+    return _read_yaml(p, f"{what} file")
 
 
 def require_cluster(job: JobSpec, source: str) -> ClusterSpec:

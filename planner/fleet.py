@@ -72,6 +72,8 @@ class Catalog(StrictModel):
     max_types: int = Field(default=3, ge=1, le=8, description="instance types one fleet may mix")
     quota_gpus: dict[str, int] = Field(default_factory=dict, description="most GPUs of a GPU type in one fleet "
                                        "(a cloud quota), e.g. {L4: 16}")
+    one_per_gpu_type: bool = Field(default=False, description="a fleet holds at most one instance type of each GPU "
+                                   "type (a job file's fleet: its demand names GPU types, not instance types)")
 
     @model_validator(mode="after")
     def _check(self) -> Catalog:
@@ -100,7 +102,7 @@ class Catalog(StrictModel):
         gpus: dict[str, int] = {}
         for name, n in fleet:
             t = self.type(name)
-            if not 0 < n <= t.max_nodes:
+            if not 0 < n <= t.max_nodes or (self.one_per_gpu_type and t.gpu_type in gpus):
                 return False
             gpus[t.gpu_type] = gpus.get(t.gpu_type, 0) + n * t.num_gpus
         return all(self.quota(g) is None or n <= self.quota(g) for g, n in gpus.items())

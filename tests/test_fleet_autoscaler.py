@@ -206,6 +206,44 @@ def test_a_dry_pool_is_substituted_after_its_timeout(fleet_cluster, tmp_path):
     assert sorted(progress(log)) == [0, 1]
 
 
+def test_a_chosen_fleet_whose_type_does_not_come_is_chosen_again_among_what_is_left(fleet_cluster, tmp_path):
+    """Issue 33 (`fleet: {auto: ...}`): hetspot chooses the fleet from a catalog whose cheapest type per token
+    is an A10G instance (its pool capped at 0 nodes); after `substitute_after_s` it chooses again among the
+    rest, the autoscaler brings that fleet up, and the job trains on it with the 1-device run's losses."""
+    from orchestrator.control.fleet_choice import fleet_types
+    from orchestrator.job_spec import load_job
+    from planner.fleet import choose_fleet
+
+    wait_gpu_nodes({}, 60 + IDLE_TIMEOUT_S)
+    catalog = {"types": [
+        {"name": "a10g.x1", "gpu_type": "A10G", "num_gpus": 1, "price_per_hour": 0.05, "max_nodes": 1},
+        {"name": "t4.x1", "gpu_type": "T4", "num_gpus": 1, "price_per_hour": 0.2, "max_nodes": 2},
+        {"name": "l4.x1", "gpu_type": "L4", "num_gpus": 1, "price_per_hour": 1.5, "max_nodes": 1}]}
+    job = job_file(tmp_path, "fleet-auto", {"auto": {"catalog": catalog}, "wait_s": 120, "substitute_after_s": 3},
+                   steps=3)
+    spec = load_job(job)
+    cat = spec.fleet.auto.catalog
+
+    def chosen(c) -> dict[str, int]:
+        best = choose_fleet(c, spec.model_spec, spec.train, "cost").best.fleet
+        return {t.gpu_type: t.max_nodes for t in fleet_types(c, best)}
+
+    assert chosen(cat) == {"A10G": 1}  # the premise: the type that cannot come is the choice
+    want = chosen(cat.model_copy(update={"types": cat.types[1:]}))
+    st, log, _ = run_job(job)
+    assert st["status"] == "SUCCEEDED", log[-3000:]
+    events = {e["kind"]: e for e in st.get("events") or []}
+    assert events["fleet"]["fleet"] == {"A10G": 1}, st.get("events")
+    assert events["rechoose"]["dry"] == "A10G" and events["rechoose"]["fleet"] == want, st.get("events")
+    for gpu in want:
+        assert f"Adding {want[gpu]} node(s) of type {gpu.lower()}" in log, log[-3000:]
+    losses = progress(log)
+    ref = one_device_losses(spec, 3)
+    assert sorted(losses) == [0, 1, 2]
+    for s, w in enumerate(ref):
+        assert abs(losses[s] - w) <= 1e-4 * abs(w), (losses, ref)
+
+
 def test_a_minimum_that_never_comes_fails_with_exit_2_naming_the_types_after_the_wait(fleet_cluster, tmp_path):
     """Acceptance 3 (timeout): an A10G minimum with no substitute never comes up; the driver exits 2 after
     `wait_s` (not before) with a message naming A10G."""

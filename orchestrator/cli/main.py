@@ -76,17 +76,21 @@ def plan(
         raise ConfigError(f"--fleet {fleet!r}: the one value is auto (choose the fleet from --catalog)")
     if fleet is None and (catalog is not None or budget is not None):
         raise ConfigError("--catalog and --budget choose a fleet: add --fleet auto")
-    if fleet == "auto":
-        if catalog is None:
+    from orchestrator.job_spec import load_job
+
+    job = load_job(job_file)
+    auto = job.fleet.auto if job.fleet is not None and job.cluster is None else None
+    if fleet == "auto" or (fleet is None and auto is not None):  # --fleet auto, or the job file's fleet: {auto:}
+        if fleet == "auto" and catalog is None:
             raise ConfigError("--fleet auto needs --catalog FILE: the instance types to choose from, with prices and "
                               "preemption rates (see examples/catalog-aws.yaml)")
-        from orchestrator.job_spec import load_job
-
         with console.status("choosing a fleet") as status:
-            result = api.plan_fleet(load_job(job_file), job_file, catalog, objective or "cost", budget,
+            result = api.plan_fleet(job, job_file, catalog if fleet == "auto" else auto.catalog,
+                                    objective or (auto.objective if fleet is None else "cost"),
+                                    budget if fleet == "auto" else auto.budget_per_hour,
                                     lambda n: status.update(f"choosing a fleet: {n} fleets planned"))
     else:
-        result = api.plan_file(job_file, objective or "throughput")
+        result = api.plan_job(job, job_file, objective or "throughput")
     if as_json:
         _print_json(result)
     else:
@@ -161,6 +165,8 @@ def submit(
         if replan_on_loss:
             raise ConfigError("--replan-on-loss goes with --plan, for local runs only; on a cluster the job always "
                               "re-plans on the GPUs it finds")
+        if job.fleet is not None and job.fleet.auto is not None:  # fails early (exit 2) when nothing fits
+            err_console.print(f"fleet to ask for: {api.choose_job_fleet(job, job_file)}", highlight=False)
         jobs = _jobs(address, token_file)
         job_id = jobs.submit(job, steps, resume)
         if as_json:

@@ -14,10 +14,19 @@ from orchestrator.control.capacity import Capacity
 log = logging.getLogger("hetspot.capacity")
 
 
-def ray_capacity(fleet, now: Callable[[], float]) -> Capacity:
-    """A Capacity that asks the connected Ray cluster's autoscaler."""
+def ray_capacity(job, now: Callable[[], float]) -> Capacity:
+    """A Capacity that asks the connected Ray cluster's autoscaler for the job's fleet: the types it names, or
+    (`fleet.auto`) the fleet chosen from its catalog, chosen again when a type does not come."""
+    rechoose, fleet = None, job.fleet
+    if fleet.auto is not None:
+        from orchestrator.control.fleet_choice import Rechooser
+
+        rechoose = Rechooser(job)
+        fleet = rechoose.first()
     ray_side = RayAutoscaler(fleet)
-    return Capacity(fleet, ray_side.count_up, ray_side.request, now, ray_side.withdraw)
+    if rechoose is not None:
+        rechoose.on_new = ray_side.use
+    return Capacity(fleet, ray_side.count_up, ray_side.request, now, ray_side.withdraw, rechoose=rechoose)
 
 
 class RayAutoscaler:
@@ -26,12 +35,19 @@ class RayAutoscaler:
     the name Ray itself gives that GPU: A100, L4, T4, ...)."""
 
     def __init__(self, fleet):
+        self.gpus: dict[str, int] = {}
+        self.resource: dict[str, str] = {}
+        self.use(fleet)
+
+    def use(self, fleet) -> None:
+        """Know the node shape of each of the fleet's types (a chosen fleet's types change when it is chosen
+        again; the old ones are kept for what is still up)."""
         from orchestrator.deploy.fleet import NODE_KINDS
 
-        self.gpus = {t.gpu_type: t.gpus_per_node for t in fleet.types}
-        self.resource = {t.gpu_type: t.ray_resource or (NODE_KINDS[t.gpu_type].ray_accelerator
-                                                        if t.gpu_type in NODE_KINDS else t.gpu_type)
-                         for t in fleet.types}
+        self.gpus |= {t.gpu_type: t.gpus_per_node for t in fleet.types}
+        self.resource |= {t.gpu_type: t.ray_resource or (NODE_KINDS[t.gpu_type].ray_accelerator
+                                                         if t.gpu_type in NODE_KINDS else t.gpu_type)
+                          for t in fleet.types}
 
     def count_up(self) -> dict[str, int]:
         from orchestrator.cluster.discovery import RayInventory

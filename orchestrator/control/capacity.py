@@ -20,6 +20,11 @@ decides what to ask for:
     once there, so types go dry one at a time (those with substitutes first),
     each restarting the others' clocks, and a type that went dry before
     another is asked for again once (it may have been held back by the other);
+  - choosing again (`fleet: {auto: ...}`, orchestrator/control/fleet_choice.py):
+    a fleet the planner chose has no substitutes; when one of its types goes
+    dry, the `rechoose` hook chooses the fleet again among what is left (the
+    catalog less every type that went dry, but for the nodes of it that came)
+    and the new fleet's types replace the demand;
   - readiness: every type's `min_nodes` are up (a substitute's nodes beyond its
     own minimum count for the type it stands in for); a fleet whose minimums
     are all 0 is ready with any GPU node. Until then the controller waits in a
@@ -51,6 +56,7 @@ class CapacityView:
     missing: dict[str, int]  # per type short of its minimum: the nodes it lacks
     line: str  # "1/2 A100-80GB nodes, 0/2 T4" for a person
     substituted: list[tuple[str, str, int]] = field(default_factory=list)  # new now: (dry type, stand-in, nodes)
+    rechosen: str | None = None  # new now: the dry type after which the fleet was chosen again
 
 
 @dataclass
@@ -67,22 +73,45 @@ class Capacity:
     dry: set[str] = field(default_factory=set)  # types short of max_nodes past substitute_after_s
     dried: dict[str, int] = field(default_factory=dict)  # how often each type went dry
     asked: dict[str, int] | None = None
+    rechoose: Callable[[dict[str, int]], object | None] | None = None  # fleet.auto: {dry type: nodes that came}
+    # -> a new FleetSpec among what is left, or None
 
     def tick(self) -> CapacityView:
         """Look, decide substitutions, and (re)state the demand when it changed."""
         now = self.now()
         if self.started_s is None:
             self.started_s = now
-        up = {t.gpu_type: 0 for t in self.fleet.types} | {k: v for k, v in self.count_up().items()
-                                                          if k in {t.gpu_type for t in self.fleet.types}}
+        counts = self.count_up()
+        up = self._up(counts)
         new = self._dry_spell(up, now)
+        rechosen = self._choose_again(new, now) if self.rechoose is not None else None
+        if self.rechoose is not None:
+            new, up = [], self._up(counts)
         demand = fleet_demand(self.fleet, up, self.stand_ins, {t: self.peak[t] for t in self.dry})
         if demand != self.asked:
             self.request(demand)
             self.asked = demand
         missing = missing_minimums(self.fleet, up, self.stand_ins)
         ready = not missing and (any(up.values()) or any(t.min_nodes for t in self.fleet.types))
-        return CapacityView(up, demand, ready, missing, progress_line(self.fleet, up, demand), new)
+        return CapacityView(up, demand, ready, missing, progress_line(self.fleet, up, demand), new, rechosen)
+
+    def _up(self, counts: dict[str, int]) -> dict[str, int]:
+        kinds = {t.gpu_type for t in self.fleet.types}
+        return {t: 0 for t in kinds} | {k: v for k, v in counts.items() if k in kinds}
+
+    def _choose_again(self, new: list[tuple[str, str, int]], now: float) -> str | None:
+        """A type just went dry in a chosen fleet: choose the fleet again among what is left."""
+        if not new:
+            return None
+        fleet = self.rechoose({t: self.peak.get(t, 0) for t in self.dried})
+        if fleet is None:
+            return None
+        self.fleet = fleet
+        for t in fleet.types:  # every type of the new fleet: a fresh clock
+            self.peak.setdefault(t.gpu_type, 0)
+            if t.gpu_type in self.short_since:
+                self.short_since[t.gpu_type] = now
+        return new[0][0]
 
     def _dry_spell(self, up: dict[str, int], now: float) -> list[tuple[str, str, int]]:
         """Mark at most one type dry (short of max_nodes past substitute_after_s); return new substitutions."""
@@ -110,6 +139,8 @@ class Capacity:
         for other in self.fleet.types:  # a fresh chance, now that the request changed
             if other.gpu_type != t.gpu_type and other.gpu_type in self.short_since:
                 self.short_since[other.gpu_type] = now
+        if self.rechoose is not None:  # a chosen fleet: tick() chooses again
+            return [(t.gpu_type, "", t.max_nodes - up[t.gpu_type])]
         if not t.substitutes or t.gpu_type in self.stand_ins:
             return []
         self.stand_ins[t.gpu_type] = t.substitutes[0]

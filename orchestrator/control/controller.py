@@ -157,6 +157,11 @@ class Controller:
         return State.WAITING
 
     def _substitutions(self, view) -> None:
+        if view.rechosen is not None:
+            self._event("rechoose", f"{view.rechosen} stayed short of its nodes for "
+                        f"{self.capacity.fleet.substitute_after_s:.0f} s: chose the fleet again among what is left: "
+                        + ", ".join(f"{n}x {t}" for t, n in view.demand.items() if n),
+                        dry=view.rechosen, fleet=dict(view.demand))
         for dry, sub, n in view.substituted:
             self._event("substitute", f"{dry} stayed short of its max_nodes for {self.capacity.fleet.substitute_after_s:.0f}"
                         f" s: asking for {n} {sub} node(s) instead", dry=dry, substitute=sub, nodes=n)

@@ -94,9 +94,13 @@ class ControllerActor:
 
             from orchestrator.cluster.capacity import ray_capacity
 
-            capacity = ray_capacity(self.job.fleet, time.monotonic)
+            capacity = ray_capacity(self.job, time.monotonic)
         self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
                                           replan_user_plan=replan_user_plan, capacity=capacity)
+        chooser = getattr(capacity, "rechoose", None)
+        if chooser is not None:  # fleet.auto: say which fleet was chosen
+            self.controller._event("fleet", f"chose the fleet: {chooser.history[0]}", fleet=dict(
+                (t.gpu_type, t.max_nodes) for t in capacity.fleet.types))
         from orchestrator.runtime.run_record import RunRecordWriter, record_location
 
         ck = self.job.checkpoint
