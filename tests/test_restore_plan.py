@@ -108,3 +108,28 @@ def test_on_one_node_a_survivors_live_state_is_taken_before_a_peer_copy():
     for holdings in ([peer("b", 9), live(5, "b", 9)], [live(5, "b", 9), peer("b", 9)]):
         plan = plan_restore([need(0, "b")], holdings)
         assert plan.bytes_by_tier() == {"live": UNIT_BYTES, "peer": 0, "s3": 0}
+
+
+@pytest.mark.parametrize("new_tp", [1, 2, 4])
+def test_a_unit_sharded_on_its_second_dimension_is_cut_along_that_dimension(new_tp):
+    """Row-parallel units (attn.proj, mlp.proj) are sharded on dim 1. A need that one holding matches exactly
+    (the same TP layout after the loss) must still be cut along dim 1: every transfer lies inside both its
+    need and its source, and the transfers tile each need. (The planner once swept dim 1 and wrote the stretch
+    into dim 0, which loads clipped to the right weights but not to the right bytes.)"""
+    unit, shape = "h.0.mlp.proj.weight", (32, 64)
+
+    def cols(c0, c1):
+        return ((0, shape[0]), (c0, c1))
+
+    held = [Holding("live", f"rank:{k}", "a", unit, cols(32 * k, 32 * (k + 1)), 5, k) for k in range(2)]
+    w = shape[1] // new_tp
+    needs = [Need(k, "a", unit, cols(w * k, w * (k + 1)), shape[0] * w * 12) for k in range(new_tp)]
+    plan = plan_restore(needs, held)
+    assert plan.step == 5
+    for n in needs:
+        mine = [t for t in plan.transfers if t.need is n]
+        for t in mine:
+            for (a, b), (na, nb), (sa, sb) in zip(t.region, n.region, t.source.region, strict=True):
+                assert na <= a < b <= nb and sa <= a and b <= sb, (t.region, n.region, t.source.region)
+        assert sum((t.region[1][1] - t.region[1][0]) for t in mine) == n.region[1][1] - n.region[1][0]
+        assert all(t.region[0] == (0, shape[0]) for t in mine)

@@ -94,8 +94,8 @@ def _shard_dim(need: Need, pieces: list[Holding]) -> int:
     return 0
 
 
-def _cover(need: Need, pieces: list[Holding]) -> list[tuple[Holding, tuple[int, int]]] | None:
-    """Cheapest pieces covering the need along its sharded dimension, or None.
+def _cover(need: Need, pieces: list[Holding], d: int) -> list[tuple[Holding, tuple[int, int]]] | None:
+    """Cheapest pieces covering the need along its sharded dimension `d`, or None.
 
     Sweep the dimension: at each point take the cheapest class of piece that holds
     it (then the one reaching farthest), and stop using it where a cheaper piece
@@ -103,7 +103,6 @@ def _cover(need: Need, pieces: list[Holding]) -> list[tuple[Holding, tuple[int, 
     """
     if not need.region:
         return None
-    d = _shard_dim(need, pieces)
     usable = [p for p in pieces if _contains(p.region, need.region, skip=d)]
     at, stop = need.region[d]
     out = []
@@ -123,8 +122,10 @@ def _cover(need: Need, pieces: list[Holding]) -> list[tuple[Holding, tuple[int, 
     return out
 
 
-def _transfers(need: Need, cover: list[tuple[Holding, tuple[int, int]]]) -> list[Transfer]:
-    d = _shard_dim(need, [h for h, _ in cover])
+def _transfers(need: Need, cover: list[tuple[Holding, tuple[int, int]]], d: int) -> list[Transfer]:
+    """The cover as transfers: each stretch along `d` (the dimension the cover was swept along: the cover's
+    own pieces may all match the need there, e.g. a piece that is exactly the need) with the need's other
+    extents."""
     length = need.region[d][1] - need.region[d][0]
     out = []
     for h, (a, b) in cover:
@@ -138,10 +139,11 @@ def _plan_at(step: int, needs: list[Need], by_unit: dict[str, list[Holding]]) ->
     out = []
     for need in needs:
         pieces = [h for h in by_unit.get(need.unit, ()) if h.step == step]
-        cover = _cover(need, pieces)
+        d = _shard_dim(need, pieces)
+        cover = _cover(need, pieces, d)
         if cover is None:
             return None
-        out += _transfers(need, cover)
+        out += _transfers(need, cover, d)
     return out
 
 
