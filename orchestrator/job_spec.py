@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import ConfigError
-from planner.fleet import Catalog
+from planner.fleet import Catalog, Fleet
 from planner.specs import PRESETS, ClusterSpec, ModelSpec, StrictModel, TrainSpec
 
 
@@ -254,6 +254,17 @@ class FleetSpec(_Section):
                     seen.add(x)
                     todo += graph[x]
         return self
+
+    def chosen(self, catalog: Catalog, fleet: Fleet) -> FleetSpec:
+        """This fleet asking for a fleet chosen from `catalog` (`fleet.auto`; orchestrator/control/fleet_choice.py
+        calls it on the job's fleet, so that the control layer builds no job-file types itself)."""
+        return self.model_copy(update={"types": fleet_types(catalog, fleet)})
+
+
+def fleet_types(catalog: Catalog, fleet: Fleet) -> list[FleetType]:
+    """A chosen fleet as the fleet types the capacity loop asks for: all of each type's nodes are needed."""
+    return [FleetType(gpu_type=catalog.type(name).gpu_type, gpus_per_node=catalog.type(name).num_gpus,
+                      min_nodes=n, max_nodes=n, market=catalog.type(name).market) for name, n in fleet]
 
 
 class JobSpec(_Section):

@@ -59,6 +59,7 @@ class PipelineModel:
         self._stage_cache = {} if stage_cache is None else stage_cache
         self._hw = [cost.hardware_id(s) for s in slots]  # the same hardware on any node costs the same
         self._splits: dict[tuple[int, int], tuple[StageChoice, ...] | None] = {}
+        self._again: dict[tuple[int, int], tuple[StageChoice, ...]] = {}  # (id(split), m) -> _policies_at's
         self._finish: dict[tuple, Finish | None] = {}
         self._times: dict[tuple[int, int, int], cost.StageTimes] = {}
         self._consts: dict[int, list[tuple]] = {}
@@ -206,6 +207,11 @@ class PipelineModel:
                     break  # larger micro-batches only need more memory
                 continue
             t = self._time(stages, n, b, m, num_replicas, sync_bw)
+            again = self._policies_at(stages, b, m)
+            if again is not stages:
+                t_again = self._time(again, n, b, m, num_replicas, sync_bw)
+                if t_again < t:
+                    stages, t = again, t_again
             if best is None or t < best.time_s * (1 - 1e-12):
                 best, worse = Finish(t, b, m, stages), 0
             elif not self.exact:
@@ -214,6 +220,28 @@ class PipelineModel:
                     break
         self._finish[key] = best
         return best
+
+    def _policies_at(self, stages: tuple[StageChoice, ...], b: int, m: int) -> tuple[StageChoice, ...]:
+        """The split's stages with each one's policy chosen again at the m micro-batches it runs (the split was
+        costed at m = p). An offload's transfers are paid once a step while compute grows with m, so at m = p a
+        one-stage pipeline priced parameter offload as if no micro-batch hid it and took a slower policy.
+        The candidates are those the split chose from (in flight as at m = p, which m never exceeds in
+        1F1B), so whatever is chosen fits. Returns `stages` itself when nothing changes."""
+        p = len(self.slots)
+        if m == p:
+            return stages
+        key = (id(stages), m)
+        got = self._again.get(key)
+        if got is None:
+            out = []
+            for i, ch in enumerate(stages):
+                k = cost.inflight(i, p, p, self.schedule)
+                best = cheapest(self._candidates(i, ch.num_layers, b, k), self.slots[i], self.model, self.train,
+                                self._shape(i, ch.num_layers), m)
+                out.append(ch if best is None or best[0] == ch.policy else StageChoice(ch.num_layers, best[0], best[1]))
+            got = tuple(out) if any(o is not c for o, c in zip(out, stages, strict=True)) else stages
+            self._again[key] = got  # kept alive: _stage_consts caches by id
+        return got
 
     def _stage_options(self, i: int, a: int, nl: int, b: int, last_b: int, m: int, num_replicas: int,
                        sync_bw: float | tuple[float, ...]) -> tuple[list[tuple], float]:

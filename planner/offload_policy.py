@@ -94,7 +94,8 @@ def to_policy(kn: cost.Knobs, layer_start: int) -> OffloadPolicy:
 
 def _reason(kn: cost.Knobs) -> str:
     if kn.offload_params:
-        return "weights do not fit even with optimizer offload and recompute"
+        # chosen as the cheapest that fits: either nothing else fits, or its prefetch hides behind enough micro-batches
+        return "weights and optimizer in host memory, prefetched: the cheapest choice that fits"
     if kn.offload_optimizer:
         if kn.num_recompute:
             return "needs optimizer offload and recompute to fit"

@@ -17,8 +17,8 @@ from orchestrator.control.capacity import Capacity
 from orchestrator.control.controller import Controller, State
 from orchestrator.control.fakes import FakeNodes
 from orchestrator.control.fakes import FakeWorkerGroup as FakeGroup
-from orchestrator.control.fleet_choice import Rechooser, fleet_types, left_after
-from orchestrator.job_spec import load_job, parse_job
+from orchestrator.control.fleet_choice import Rechooser, left_after
+from orchestrator.job_spec import fleet_types, load_job, parse_job
 from planner import ClusterSpec, NodeSpec
 from planner.fleet import Catalog, all_fleets, choose_fleet
 from tests.test_capacity import AllOrNothingAutoscaler, FakeAutoscaler

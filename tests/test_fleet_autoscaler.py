@@ -210,8 +210,7 @@ def test_a_chosen_fleet_whose_type_does_not_come_is_chosen_again_among_what_is_l
     """Issue 33 (`fleet: {auto: ...}`): hetspot chooses the fleet from a catalog whose cheapest type per token
     is an A10G instance (its pool capped at 0 nodes); after `substitute_after_s` it chooses again among the
     rest, the autoscaler brings that fleet up, and the job trains on it with the 1-device run's losses."""
-    from orchestrator.control.fleet_choice import fleet_types
-    from orchestrator.job_spec import load_job
+    from orchestrator.job_spec import fleet_types, load_job
     from planner.fleet import choose_fleet
 
     wait_gpu_nodes({}, 60 + IDLE_TIMEOUT_S)

@@ -30,7 +30,8 @@ def test_the_smallest_peer_comparison_runs_and_holds_each_system_to_its_oracle(t
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
     got = json.loads(out.read_text())
     systems = got["systems"]
-    assert set(systems) == {"hetspot (in-place)", "hetspot (restart)", "Ray Train (elastic)", "torchft"}, systems
+    assert set(systems) == {"hetspot (in-place)", "hetspot (restart)", "Ray Train (elastic)",
+                            "Ray Train (elastic, start timeout 5 s)", "torchft"}, systems
     for name, s in systems.items():
         assert len(s["first_step_s"]) == 1 and s["first_step_s"][0] > 0, (name, s)
         for oracle, samples in zip(s["oracle"], s["samples"], strict=True):

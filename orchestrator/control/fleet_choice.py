@@ -28,17 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.errors import PlanningError
-from planner.fleet import Catalog, Fleet, FleetChoice, choose_fleet
+from planner.fleet import Catalog, FleetChoice, choose_fleet
 
 log = logging.getLogger("hetspot.capacity")
-
-
-def fleet_types(catalog: Catalog, fleet: Fleet) -> list:
-    """The chosen fleet as the fleet types the capacity loop asks for: all of each type's nodes are needed."""
-    from orchestrator.job_spec import FleetType
-
-    return [FleetType(gpu_type=catalog.type(name).gpu_type, gpus_per_node=catalog.type(name).num_gpus,
-                      min_nodes=n, max_nodes=n, market=catalog.type(name).market) for name, n in fleet]
 
 
 def left_after(catalog: Catalog, came: dict[str, int]) -> Catalog | None:
@@ -65,7 +57,7 @@ def choose(job, catalog: Catalog | None = None) -> tuple[FleetChoice, object]:
     auto = job.fleet.auto
     catalog = catalog or auto.catalog
     choice = choose_fleet(catalog, job.model_spec, job.train, auto.objective, auto.budget_per_hour)
-    return choice, job.fleet.model_copy(update={"types": fleet_types(catalog, choice.best.fleet)})
+    return choice, job.fleet.chosen(catalog, choice.best.fleet)  # job_spec.FleetSpec.chosen
 
 
 @dataclass
