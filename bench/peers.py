@@ -411,30 +411,77 @@ def sample_audit(rows: list[dict], b: int, steps: int) -> tuple[int, int]:
     return lost, sum(n - 1 for n in seen.values())
 
 
+def coordinator_tick_s() -> float:
+    """How often Ray Train's elastic policy sees the cluster's nodes anew: it asks Ray's autoscaling
+    coordinator, which reads `ray.nodes()` once a tick (20 s in Ray 2.60)."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            _AutoscalingCoordinatorActor,
+        )
+        return float(_AutoscalingCoordinatorActor.TICK_INTERVAL_S)
+    except (ImportError, AttributeError):
+        return 20.0
+
+
+def wait_all_gpus_free(num_nodes: int, added_at: float, timeout_s: float = 120.0) -> None:
+    """Until the cluster shows `num_nodes` live GPU nodes, every one of their GPUs free, and Ray Train's view
+    of the nodes has been renewed since the newest was added (`added_at`, time.monotonic()). Ray Train places
+    its workers itself and starts with what it sees ready (elastic), so a trial started while the last
+    run's workers still hold a GPU, or before its view holds a new node, trains on fewer workers, and the
+    node the trial kills may hold none (a 'recovery' that recovers nothing)."""
+    deadline = time.monotonic() + timeout_s
+    renewed = added_at + coordinator_tick_s() + 1.0
+    while True:
+        alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]
+        total = sum(n["Resources"]["GPU"] for n in alive)
+        if len(alive) == num_nodes and ray.available_resources().get("GPU", 0) >= total \
+                and time.monotonic() >= renewed:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(alive)} GPU nodes alive ({num_nodes} wanted) and not all their GPUs free "
+                               f"after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def ray_train_trials(ec: EmbeddedCluster, setup: Setup, kills: int, work: Path,
-                     start_timeout_s: float | None = None) -> tuple[dict, list]:
+                     start_timeout_s: float | None = None, tries: int = 3) -> tuple[dict, list]:
     """Ray Train's kills: as its docs set it up, or (`start_timeout_s`) with a shorter worker-group start
-    timeout, the one knob that decides its recovery time here (see docs/benchmarks.md)."""
+    timeout, the one knob that decides its recovery time here (see docs/benchmarks.md). A kill whose steps
+    before it did not run on every node is tried again (up to `tries` times), and fails the bench after."""
     tag = "rt" if start_timeout_s is None else f"rt{start_timeout_s:g}s"
     system = "Ray Train (elastic)" if start_timeout_s is None else \
         f"Ray Train (elastic, start timeout {start_timeout_s:g} s)"
     ref_log = work / f"{tag}-ref.jsonl"
     extra = _fresh(ec, f"{tag}-ref")
+    wait_all_gpus_free(setup.workers, time.monotonic())
     ray_train_run(setup, ref_log, work / "rt-storage", start_timeout_s=start_timeout_s)
     ec.remove(extra.name)
-    ref = {r["step"]: r["loss"] for r in _records(ref_log)}
+    ref_rows = _records(ref_log)
+    if any(r["world"] != setup.workers for r in ref_rows):
+        raise RuntimeError(f"Ray Train's uninterrupted run did not train on {setup.workers} workers throughout")
+    ref = {r["step"]: r["loss"] for r in ref_rows}
     trials = []
-    for i in range(kills):
+    for i in range(kills * tries):
+        if len(trials) == kills:
+            break
         doomed = _fresh(ec, f"{tag}-{i}")
         log, box = work / f"{tag}-{i}.jsonl", {}
+        wait_all_gpus_free(setup.workers, time.monotonic())
         th = watch_and_kill(ec, log, setup, doomed.name, box)
         ray_train_run(setup, log, work / "rt-storage", start_timeout_s=start_timeout_s)
         th.join()
         rows = _records(log)
+        if any(r["world"] != setup.workers for r in rows if r["t"] < box["t"]):
+            print(f"{system}: kill {i} discarded, its steps before the kill ran on fewer than {setup.workers} "
+                  "workers (Ray Train started with what it saw ready)")
+            continue
         losses = {r["step"]: r["loss"] for r in rows}  # a redone step's last report wins
         trials.append(after_kill(rows, box, lambda r: r["world"] < setup.workers)
                       | {"system": system, "losses": losses, "oracle": oracle(losses, ref),
                          "samples": sample_audit(rows, setup.global_batch, setup.steps)})
+    if len(trials) < kills:
+        raise RuntimeError(f"{system}: only {len(trials)} of {kills} kills started on every node in {kills * tries} "
+                           "tries")
     return ref, trials
 
 

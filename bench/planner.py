@@ -3,6 +3,8 @@
     python bench/planner.py            # both parts, prints markdown tables
     python bench/planner.py --quick    # one run of each (the 4,096-GPU plan alone takes about a minute)
     python bench/planner.py --warm-only  # the warm re-plan table at 1,024 to 16,384 GPUs
+    python bench/planner.py --warm-only --collector-on  # the same with the garbage collector left on
+    python bench/planner.py --baseline-sweep  # where the planner loses to a baseline on small clusters
 
 All throughputs come from the same cost model (planner.evaluate). Times are
 medians of repeated runs on this machine.
@@ -11,6 +13,7 @@ medians of repeated runs on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -19,7 +22,8 @@ from pathlib import Path
 # This file is named like the package it measures; import the package, not itself.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec  # noqa: E402
+import planner.search as search  # noqa: E402
+from planner import ClusterSpec, ModelSpec, NodeSpec, PlanningError, TrainSpec  # noqa: E402
 from planner.baselines import all_baselines  # noqa: E402
 from planner.cost import peak_flops  # noqa: E402
 from planner.search import Planner  # noqa: E402
@@ -142,6 +146,33 @@ def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
     print("\nTarget: a warm re-plan at most 1 s of CPU at 16,384 GPUs, its plan no slower than a fresh search's.\n")
 
 
+def baseline_sweep() -> None:
+    """Small single-type clusters on which the planner loses to a baseline under its own cost model (every
+    baseline is a plan it could have chosen): 4 GPU types x 1, 2 or 4 GPUs a node x 1 or 2 nodes x 4 models x
+    batch 16 or 64 x 16 or 64 GiB of host RAM a node, 384 clusters."""
+    import itertools
+
+    losses, t0 = [], time.process_time()
+    for gpu, per_node, nodes, preset, batch, host in itertools.product(
+            ["T4", "L4", "A10G", "A100-40GB"], [1, 2, 4], [1, 2], ["gpt-125m", "gpt-350m", "gpt-1.3b", "7b"],
+            [16, 64], [16, 64]):
+        cluster = ClusterSpec(nodes=[NodeSpec(name=f"n{i}", gpu_type=gpu, num_gpus=per_node, host_mem_gib=host,
+                                              inter_node_bw_gb_s=12.5) for i in range(nodes)])
+        model, train = ModelSpec.preset(preset), TrainSpec(global_batch=batch)
+        try:
+            mine = Planner(model, train).plan(cluster).estimate.step_time_s
+        except PlanningError:
+            mine = float("inf")
+        for name, other in all_baselines(cluster, model, train).items():
+            if other is not None and mine > other.estimate.step_time_s * (1 + 1e-9):
+                losses.append((mine / other.estimate.step_time_s, gpu, per_node, nodes, preset, batch, host, name))
+    print("## The planner against every baseline (384 small clusters)\n")
+    print(f"{len(losses)} losses ({time.process_time() - t0:.0f} s CPU)" + (":" if losses else ""))
+    for x, gpu, per_node, nodes, preset, batch, host, name in sorted(losses, reverse=True):
+        print(f"- {name} faster by {x - 1:.1%}: {nodes} node(s) of {per_node} {gpu}, {preset}, batch {batch}, "
+              f"{host} GiB host RAM a node")
+
+
 def _round_robin(types: list[str], nodes: int) -> ClusterSpec:
     return ClusterSpec(nodes=[NodeSpec(name=f"n{i:03d}", gpu_type=types[i % len(types)], num_gpus=8)
                               for i in range(nodes)])
@@ -151,7 +182,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warm-only", action="store_true", help="only the warm re-plan table (issue 33)")
+    ap.add_argument("--baseline-sweep", action="store_true", help="only the sweep of small clusters on which "
+                    "the planner loses to a baseline")
+    ap.add_argument("--collector-on", action="store_true", help="leave Python's garbage collector on during "
+                    "searches (planner.search.collector_paused), to measure what pausing it saves")
     args = ap.parse_args()
+    if args.collector_on:
+        search.collector_paused = contextlib.nullcontext
+    if args.baseline_sweep:
+        baseline_sweep()
+        return
     if args.warm_only:
         warm_replans((1024, 4096, 8192, 16384), 1 if args.quick else 3)
         return

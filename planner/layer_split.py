@@ -222,13 +222,19 @@ class PipelineModel:
         return best
 
     def _policies_at(self, stages: tuple[StageChoice, ...], b: int, m: int) -> tuple[StageChoice, ...]:
-        """The split's stages with each one's policy chosen again at the m micro-batches it runs (the split was
-        costed at m = p). An offload's transfers are paid once a step while compute grows with m, so at m = p a
-        one-stage pipeline priced parameter offload as if no micro-batch hid it and took a slower policy.
-        The candidates are those the split chose from (in flight as at m = p, which m never exceeds in
-        1F1B), so whatever is chosen fits. Returns `stages` itself when nothing changes."""
+        """A one-stage pipeline's stage with its policy chosen again at the m micro-batches it runs (the split
+        was costed at m = p = 1). An offload's transfers are paid once a step while compute grows with m, so
+        at m = 1 parameter offload was priced as if no micro-batch hid it, and the planner took a slower
+        policy: it lost to data-parallel+offload by up to 5% (gpt-350m on one L4, micro-batch 16 with
+        offload against 8 without). The candidates are those the split chose from, so whatever is chosen
+        fits. Returns `stages` itself when nothing changes.
+
+        Deeper pipelines keep the policies costed at m = p: re-choosing there too moved the sample
+        allocator's seed and settled one heterogeneity case 1.1% slower (bench/planner.py, 13b on H100 +
+        L40S + RTX4090), while it recovered only 3 more of the 49 losses to a baseline in a sweep of small
+        clusters (docs/benchmarks.md)."""
         p = len(self.slots)
-        if m == p:
+        if p > 1 or m <= p:
             return stages
         key = (id(stages), m)
         got = self._again.get(key)
@@ -236,8 +242,12 @@ class PipelineModel:
             out = []
             for i, ch in enumerate(stages):
                 k = cost.inflight(i, p, p, self.schedule)
-                best = cheapest(self._candidates(i, ch.num_layers, b, k), self.slots[i], self.model, self.train,
-                                self._shape(i, ch.num_layers), m)
+                skey = ("again", self._hw[i], i == 0, i == p - 1, k, self.p2p[i], b, ch.num_layers, m)
+                best = self._stage_cache.get(skey)  # shared by every pipeline with this hardware at such a stage
+                if best is None:
+                    best = self._stage_cache[skey] = cheapest(
+                        self._candidates(i, ch.num_layers, b, k), self.slots[i], self.model, self.train,
+                        self._shape(i, ch.num_layers), m)
                 out.append(ch if best is None or best[0] == ch.policy else StageChoice(ch.num_layers, best[0], best[1]))
             got = tuple(out) if any(o is not c for o, c in zip(out, stages, strict=True)) else stages
             self._again[key] = got  # kept alive: _stage_consts caches by id
