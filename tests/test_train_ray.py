@@ -526,6 +526,42 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
         imds.stop()
 
 
+def test_notices_given_together_are_read_together_whatever_each_pollers_phase(cluster):
+    """A capacity reclaim: two nodes get AWS spot notices at once, but each node's poller reads its metadata service
+    on its own phase. Once one notice is read, the other node's service is read at once, so a single poll returns
+    both (the drill notice-staged failed when the controller's step boundary fell between the two pollers' reads:
+    two drains and the warm worker spent on the first)."""
+    from datetime import datetime, timedelta, timezone
+
+    from orchestrator.preemption.metadata_server import FakeMetadataServer
+    from orchestrator.preemption.ray_notices import LABEL_METADATA_URL, RayNotices
+
+    servers = {name: FakeMetadataServer().start() for name in ("n-first", "n-second")}
+    for name, imds in servers.items():
+        cluster.nodes[name] = cluster.add(NodeSpec(name=name, gpu_type="T4", num_gpus=1, inter_node_bw_gb_s=100),
+                                          labels={LABEL_METADATA_URL: imds.url})
+    notices = RayNotices("aws", interval_s=60.0)  # a poller reads its node once, then not for a minute
+    try:
+        deadline = datetime.now(timezone.utc) + timedelta(seconds=90)
+        servers["n-first"].aws_spot(deadline)
+        notices._watch(notices._nodes())  # the pollers start (as a poll at a step boundary starts them)
+        until = time.monotonic() + 30
+        while ray.get(notices.pollers["n-first"].take.remote()) is None:
+            assert time.monotonic() < until, "the first node's poller never read its notice"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the second node's poller has made its one read (no notice) too
+        servers["n-second"].aws_spot(deadline)  # the same reclaim, a moment later on the other node
+        got = notices.poll()
+        assert sorted(n.node for n in got) == ["n-first", "n-second"], got
+        assert {n.source for n in got} == {"aws"}
+        assert notices.poll() == []  # each node's notice once
+    finally:
+        notices.close()
+        for name, imds in servers.items():
+            cluster.remove(name)
+            imds.stop()
+
+
 def test_notice_too_close_to_the_deadline_falls_back_to_recovery(cluster):
     """A notice 1 s before the kill: no drain, the loss is recovered, at most the uncommitted step is redone,
     and the losses still match the uninterrupted run (issue 12)."""

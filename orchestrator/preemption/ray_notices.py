@@ -10,7 +10,12 @@ controller's clock:
   - Ray's own drain: a node that Ray marks as draining (the autoscaler,
     KubeRay, or `ray drain-node --deadline-remaining-seconds N`) with its
     deadline, read from the GCS.
-`poll()` returns each node's notice once.
+`poll()` returns each node's notice once. A capacity reclaim takes several
+instances within seconds, while each poller reads its own node on its own
+phase: when one node's notice arrives, `poll()` has every other node's poller
+read its metadata service again at once (`NoticePoller.check`), so notices
+given together are heeded together (one drain, one re-plan) rather than one
+step boundary apart.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ class NoticePoller:
 
         self.notice = None
         self.stopped = threading.Event()
+        self._poll = lambda: poll(cloud, base_url, timeout_s=min(1.0, interval_s))
 
         def loop() -> None:
             while not self.stopped.is_set() and self.notice is None:
-                self.notice = poll(cloud, base_url, timeout_s=min(1.0, interval_s))
+                self.notice = self.notice or self._poll()
                 self.stopped.wait(interval_s)
 
         threading.Thread(target=loop, daemon=True, name="hetspot-notice-poller").start()
@@ -47,6 +53,12 @@ class NoticePoller:
     def take(self):
         """The notice seen so far (source, deadline as UNIX time), or None."""
         return None if self.notice is None else (self.notice.source, self.notice.deadline_unix)
+
+    def check(self):
+        """`take`, after reading the node's metadata service now when no notice is seen yet."""
+        if self.notice is None:
+            self.notice = self._poll()
+        return self.take()
 
 
 class RayNotices:
@@ -76,12 +88,9 @@ class RayNotices:
     def _to_notice(self, node: str, source: str, deadline_unix: float) -> Notice:
         return Notice(node=node, deadline_s=self.clock.now() + (deadline_unix - time.time()), source=source)
 
-    def poll(self) -> list[Notice]:
-        nodes = self._nodes()
-        self._watch(nodes)
-        out = []
-        names = [n for n in self.pollers if n in nodes and n not in self.reported]
-        refs = {n: self.pollers[n].take.remote() for n in names}
+    def _read(self, names: list[str], method: str) -> list[Notice]:
+        """The notices the pollers on `names` hold (`take`) or read now (`check`)."""
+        out, refs = [], {n: getattr(self.pollers[n], method).remote() for n in names}
         for name, ref in refs.items():
             try:
                 got = ray.get(ref, timeout=10)
@@ -92,6 +101,15 @@ class RayNotices:
                 continue
             if got is not None:
                 out.append(self._to_notice(name, *got))
+        return out
+
+    def poll(self) -> list[Notice]:
+        nodes = self._nodes()
+        self._watch(nodes)
+        names = [n for n in self.pollers if n in nodes and n not in self.reported]
+        out = self._read(names, "take")
+        if out:  # one notice: the others of the same reclaim may be up on their nodes, not yet read by their pollers
+            out += self._read([n for n in names if n in self.pollers and n not in {m.node for m in out}], "check")
         by_id = {n["node_id"]: name for name, n in nodes.items()}
         draining = ray._private.state.state.get_draining_nodes()  # {node id: deadline in ms, 0 = none}
         for node_id, deadline_ms in draining.items():
