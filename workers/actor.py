@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import ray
 import torch
+from torch.distributed import TCPStore
 
 from planner.catalog import gpu_info
 from planner.cost import device_budget_bytes
@@ -128,15 +129,23 @@ class TrainWorker:
         self.engine = None
 
     def rendezvous_address(self) -> str:
-        """Rank 0 picks a free port on its node for torch.distributed's TCP rendezvous."""
+        """Rank 0 serves the group's rendezvous store on its node, on a port the store binds itself and holds:
+        a port found free, let go and bound again later could be taken meanwhile by another process on the node
+        (gloo's pair sockets take ephemeral ports), which failed the start-up with EADDRINUSE."""
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        self.rendezvous = TCPStore(ip, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+        return f"tcp://{ip}:{self.rendezvous.port}"
 
     def connect(self, init_method: str, timeout_s: float) -> int:
-        self.engine.connect(init_method, timeout_s)
+        """Join the group whose rendezvous store rank 0 serves at `init_method` (its own store on rank 0)."""
+        timeout = timedelta(seconds=timeout_s)
+        if self.engine.rank == 0 and getattr(self, "rendezvous", None) is not None:
+            store = self.rendezvous
+            store.set_timeout(timeout)
+        else:
+            host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+            store = TCPStore(host, int(port), None, False, timeout)
+        self.engine.connect(init_method, timeout_s, store=store)
         st = self.engine.stage_spec
         self.log.info("joined world of %d: layers [%d, %d), %d micro-batches, recompute %d layers, "
                       "offload params=%s optimizer=%s", len(self.engine.plan.devices()), st.layer_start,

@@ -108,12 +108,14 @@ class Engine(GradSync, OptimizerState):
         self._pending: int | None = None  # a step synced and clipped, waiting for commit()
 
     # -- set-up --------------------------------------------------------------
-    def connect(self, init_method: str, timeout_s: float = 60.0) -> None:
-        """Join the job's process group and build every group the plan needs (all ranks, same order)."""
+    def connect(self, init_method: str, timeout_s: float = 60.0, store: dist.Store | None = None) -> None:
+        """Join the job's process group and build every group the plan needs (all ranks, same order); with
+        `store` (every rank's, rank 0's the server) the rendezvous goes through it instead of `init_method`."""
         world = len(self.plan.devices())
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=world, timeout=timeout)
+        rendezvous = {"init_method": init_method} if store is None else {"store": store}
+        dist.init_process_group(backend, **rendezvous, rank=self.rank, world_size=world, timeout=timeout)
         self.tp_group = None
         for ranks in layout.tp_groups(self.plan):
             g = dist.new_group(ranks, timeout=timeout)
