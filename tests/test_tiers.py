@@ -108,6 +108,47 @@ def test_a_corrupt_s3_piece_is_refused_and_the_previous_step_restores(endpoint, 
     assert_holds(new, 2)
 
 
+def test_an_upload_a_restore_went_back_from_is_not_written_and_the_redo_is(endpoint):
+    """Step 2 uploads (its keepers slow) when a restore goes back to step 1; the redo's steps 2, 3 and 4 queue
+    behind it (2 and 3 dropped for newer ones). Step 2's first try is not written: its state is redone and its peer
+    copies are replaced by the redo's, so what it read may be of two tries (in CI the dropped redo of step 2 let
+    the keepers prune the first try's copies mid-upload: a KeyError). Dropping the redo of the step in flight keeps
+    that step's copies; the redo's newest step is written whole, and no pin is left behind."""
+    import time
+
+    calls = LocalCalls(["a", "b", "c", "d"])
+    s3 = S3Checkpoints("s3://tiers/rollback", endpoint)
+    store = TieredState(1, s3, s3_every=1, keep=5, meta={"job": "rollback"}, model_units=model_units(LAYERS),
+                        calls=calls, restore_from="s3")
+    group = LocalGroup(OLD, calls)
+    for step in range(2):
+        group.commit(step)
+        store.after_step(group, step)
+        store.flush()
+    for k in calls.keepers.values():
+        k.upload_delay_s = 1.0
+    group.commit(2)
+    store.after_step(group, 2)
+    until = time.monotonic() + 10
+    while store._inflight != 2:
+        assert time.monotonic() < until, "step 2's upload never started"
+        time.sleep(0.01)
+    time.sleep(0.3)  # its keepers are reading their copies (slowly)
+    new = LocalGroup(NEW, calls)
+    assert store.restore(new)["step"] == 1  # from S3 only: step 2 is not there yet
+    for step in (2, 3, 4):  # the redo: each step's upload waits behind the one in flight
+        new.commit(step)
+        store.after_step(new, step)
+    store.flush()
+    assert [(u["step"], u["status"]) for u in store.uploads[2:]] == [
+        (2, "dropped"), (3, "dropped"), (2, "failed"), (4, "written")], store.uploads  # the redo's 2 and 3, then
+    first = store.uploads[4]  # the first try of step 2 ends
+    assert "rolled back to step 1" in first["error"] and "not written" in first["error"], first["error"]
+    assert sorted(s3.complete_steps()) == [0, 1, 4]
+    s3.whole_manifest(4)
+    assert all(not k.pinned for k in calls.keepers.values())
+
+
 def test_s3_every_counts_steps_on_the_snapshot_steps(endpoint):
     """Snapshots every 2 steps and S3 every 4: peer copies at steps 1, 3, 5, 7, uploads at steps 3 and 7."""
     calls = LocalCalls(["a", "b", "c", "d"])

@@ -163,15 +163,12 @@ class KeeperStore:
             time.sleep(self.upload_delay_s)
         store = S3Checkpoints(uri, endpoint_url)
         out = []
-        try:
-            for tier, rank, unit, region in pieces:
-                with self.lock:
-                    shard = self.held[(tier, step, rank)][0][unit]
-                region = tuple(tuple(r) for r in region)
-                tensors = {k: torch.from_numpy(v) for k, v in cut(shard, region).items() if v is not None}
-                out.append({"unit": unit} | store.put_piece(step, unit, region, tensors))
-        finally:
-            self.unpin(step)
+        for tier, rank, unit, region in pieces:  # the step stays pinned: the state plane unpins it when the upload
+            with self.lock:  # ends (on every keeper, unless a redo of the step waits to upload: tiers._release)
+                shard = self.held[(tier, step, rank)][0][unit]
+            region = tuple(tuple(r) for r in region)
+            tensors = {k: torch.from_numpy(v) for k, v in cut(shard, region).items() if v is not None}
+            out.append({"unit": unit} | store.put_piece(step, unit, region, tensors))
         return out
 
 

@@ -9,7 +9,9 @@ The cover is of the job's whole model (`model_units`), not of whatever the keepe
 loss took every copy of some unit, that step is not written (a step that exists is whole). One uploader thread
 works the newest step only: a step due while another uploads waits in a single slot, and a newer one replaces it
 (the older is dropped and its keepers' pins released), so uploads never fall behind by more than the one in flight
-and the one waiting (`upload_lag`), and the job's end waits for those two at most.
+and the one waiting (`upload_lag`), and the job's end waits for those two at most. A restore that goes back to an
+earlier step abandons the uploads of later steps queued before it: the state they copy is being redone, and their
+peer copies are replaced by the redo's, so such a step is not written (its redo is uploaded in its turn).
 After a (re)start, `restore` asks the new workers what they need and the keepers and S3 manifests what they hold,
 runs the pure restore planner (orchestrator/state/restore_plan.py) and hands each worker its transfers; the workers
 pull the bytes themselves (keeper -> worker through Ray's object store, S3 -> worker through boto3). The controller
@@ -54,7 +56,8 @@ class TieredState:
         self.uploads: list[dict] = []  # per S3 step: step, status (written, exists, failed, dropped), bytes, seconds, error
         self.last_restore: dict | None = None
         self._cv = threading.Condition()  # guards the uploader's slot and the step in flight
-        self._pending: tuple[int, list] | None = None  # the newest step waiting for the uploader
+        self._pending: tuple[int, list, int] | None = None  # the newest step waiting for the uploader, its refs and era
+        self._rollbacks: list[int] = []  # the step each restore went to; an upload's era: how many came before it
         self._inflight: int | None = None
         self._uploader: threading.Thread | None = None
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
@@ -212,10 +215,11 @@ class TieredState:
             if self._pending is not None:
                 dropped = self._pending[0]
                 self.uploads.append({"step": dropped, "status": "dropped", "bytes": 0, "seconds": 0.0, "error": None})
-                for k in list(self.keepers.values()):
-                    k.unpin.remote(dropped)
+                if dropped != self._inflight:  # else the upload in flight (a try of that step before a rollback)
+                    for k in list(self.keepers.values()):  # still reads its copies: it releases them when it ends
+                        k.unpin.remote(dropped)
                 log.info("checkpoint step %d dropped: step %d is newer and the uploader is busy", dropped, step)
-            self._pending = (step, refs)
+            self._pending = (step, refs, len(self._rollbacks))
             if self._uploader is None:
                 self._uploader = threading.Thread(target=self._upload_loop, name="hetspot-s3", daemon=True)
                 self._uploader.start()
@@ -225,9 +229,9 @@ class TieredState:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending is not None)
-                (step, refs), self._pending, self._inflight = self._pending, None, self._pending[0]
+                (step, refs, era), self._pending, self._inflight = self._pending, None, self._pending[0]
             try:
-                self._upload(step, refs)
+                self._upload(step, refs, era)
             finally:
                 with self._cv:
                     self._inflight = None
@@ -246,9 +250,32 @@ class TieredState:
                 "backlog": len(backlog), "dropped": sum(u["status"] == "dropped" for u in self.uploads),
                 "failed": sum(u["status"] == "failed" for u in self.uploads), "no_access": sorted(self.no_access)}
 
-    def _upload(self, step: int, refs: list) -> None:
+    def _went_to(self, step: int) -> None:
+        """A restore brought the workers to `step`: uploads of later steps queued before now are of state that is
+        redone (`_check_not_rolled_back`). Recorded before the redo's first snapshot replaces their peer copies."""
+        with self._cv:
+            self._rollbacks.append(step)
+
+    def _release(self, step: int) -> None:
+        """An upload of `step` ended: the keepers may let its peer copies go, unless a redo of it waits its turn."""
+        with self._cv:
+            waiting = self._pending is not None and self._pending[0] == step
+        if not waiting:
+            self._call_keepers("unpin", step)
+
+    def _check_not_rolled_back(self, step: int, era: int) -> None:
+        """Raise when a restore since the upload of `step` was queued (its `era`) went back before `step`."""
+        with self._cv:
+            back = [r for r in self._rollbacks[era:] if r < step]
+        if back:
+            raise CheckpointError(f"step {step} was rolled back to step {back[0]} while it uploaded (its state is "
+                                  "redone, its peer copies replaced by the redo's); not written")
+
+    def _upload(self, step: int, refs: list, era: int = 0) -> None:
         """Once the peer copies of `step` are in, the keepers upload a cover of the whole model; the manifest last.
-        Nothing is written when the keepers answering hold less than the whole model at `step`."""
+        Nothing is written when the keepers answering hold less than the whole model at `step`, or when a restore
+        went back before `step` meanwhile (checked again after the pieces are read: a redo's copies come only
+        after its restore, so pieces read before a check that passes are all of this try)."""
         t0 = time.perf_counter()
         c = self.s3
         try:
@@ -256,8 +283,10 @@ class TieredState:
             self.received_bytes += payload_bytes(receipts)
             if any(r is None for r in receipts):
                 raise CheckpointError(f"the peer copies of step {step} are incomplete")
-            if c.prepare_step(step, self.meta.get("job"), bad=step in self.bad_steps) == "exists":
-                self._call_keepers("unpin", step)  # a redone step that S3 already holds whole: nothing to write
+            exists = c.prepare_step(step, self.meta.get("job"), bad=step in self.bad_steps) == "exists"
+            self._check_not_rolled_back(step, era)
+            if exists:
+                self._release(step)  # a redone step that S3 already holds whole: nothing to write
                 self.uploads.append({"step": step, "status": "exists", "bytes": 0,
                                      "seconds": time.perf_counter() - t0, "error": None})
                 return
@@ -281,17 +310,19 @@ class TieredState:
             pieces: dict[str, list] = {}
             for e in entries:
                 pieces.setdefault(e.pop("unit"), []).append(e)
+            self._check_not_rolled_back(step, era)  # its pieces are in S3 but no manifest names them: not a step
             manifest = c.write_manifest(step, self.model_units, pieces, opt.get(step, 0.0), self.meta,
                                         self.model_units)
             self.bad_steps.discard(step)
             c.keep_newest(self.keep)
+            self._release(step)
             nbytes = sum(u["bytes"] for u in manifest["units"].values())
             self.uploads.append({"step": step, "status": "written", "bytes": nbytes,
                                  "seconds": time.perf_counter() - t0, "error": None})
             log.info("checkpoint step %d in %s: %d bytes from %d keepers in %.2f s", step, c.uri, nbytes,
                      len(by_node), time.perf_counter() - t0)
         except Exception as e:  # an upload failure costs a checkpoint, not the job; it is recorded
-            self._call_keepers("unpin", step)
+            self._release(step)
             self.uploads.append({"step": step, "status": "failed", "bytes": 0, "seconds": time.perf_counter() - t0,
                                  "error": str(e)})
             log.warning("checkpoint step %d to %s failed: %s", step, c.uri, e)
@@ -385,6 +416,7 @@ class TieredState:
                     log.warning("no step has every unit (missing at every step: %s); starting from step 0",
                                 ", ".join(rp.missing[:5]) or "some units")
                 group.holds_state = True  # its fresh initial state is the job's state now
+                self._went_to(-1)
                 return None
             per_rank: list[list] = [[] for _ in ranks]
             ids = self._alive_nodes() if any(t.source.tier == "s3" for t in rp.transfers) else {}
@@ -422,5 +454,6 @@ class TieredState:
             "overlapped_bytes": sum(r.get("deferred_bytes", 0) for r in results)}
         group.holds_state = self._sourcing = True  # the new workers hold it (the moments once the first step waited
         # for them: `after_step` clears the live tier then); salvage refills it on a failure
+        self._went_to(rp.step)
         log.info("restored step %d: bytes by tier %s in %.2f s", rp.step, by_tier, self.last_restore["restore_s"])
         return self.last_restore
