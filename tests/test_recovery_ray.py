@@ -583,7 +583,10 @@ def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cl
         first_try = next(u for u in c.store.uploads if u["step"] == 2 and u["status"] != "dropped")  # the held one
         # (the redone step 2 may be dropped for step 3 before the held upload ends)
         assert first_try["status"] == "failed" and "not written" in first_try["error"], c.store.uploads
-        assert any(u in first_try["error"] for u in lost)
+        # Why depends on when the held request returns: before the restore, the keepers left hold less than the
+        # whole model (the error names a lost unit); after it, step 2 is being redone (rolled back to step 1)
+        assert any(u in first_try["error"] for u in lost) or "rolled back to step 1" in first_try["error"], \
+            first_try["error"]
         steps = every_step_is_whole(j)
         assert steps[0] == STEPS - 1 and len(steps) == 2  # keep: 2, both whole (an older one may have been dropped)
         assert_matches_reference(j, c.progress.losses, final_state(j))
