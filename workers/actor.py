@@ -90,6 +90,7 @@ class TrainWorker:
         self._restore_pool: ThreadPoolExecutor | None = None
         self.retained: tuple[int, dict] | None = None  # (step, shards): committed state kept for the next plan
         self.engine: Engine | None = None
+        self.rendezvous: TCPStore | None = None  # rank 0's: the group's rendezvous store, served here
         self.log = structured_logger("hetspot.worker", rank=rank)
         if plan_json is None:  # a warm worker: imports done and the device context made, in no group yet
             _warm_up(self.device)
@@ -139,12 +140,12 @@ class TrainWorker:
     def connect(self, init_method: str, timeout_s: float) -> int:
         """Join the group whose rendezvous store rank 0 serves at `init_method` (its own store on rank 0)."""
         timeout = timedelta(seconds=timeout_s)
-        if self.engine.rank == 0 and getattr(self, "rendezvous", None) is not None:
+        if self.engine.rank == 0 and self.rendezvous is not None:
             store = self.rendezvous
             store.set_timeout(timeout)
-        else:
+        else:  # a kept process that served an earlier group's store and is not rank 0 now lets it go
             host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-            store = TCPStore(host, int(port), None, False, timeout)
+            store, self.rendezvous = TCPStore(host, int(port), None, False, timeout), None
         self.engine.connect(init_method, timeout_s, store=store)
         st = self.engine.stage_spec
         self.log.info("joined world of %d: layers [%d, %d), %d micro-batches, recompute %d layers, "
