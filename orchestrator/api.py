@@ -20,8 +20,10 @@ from planner.specs import tokens_per_step
 def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput",
              best: Plan | None = None) -> dict[str, Any]:
     """Plan a job on its `cluster:` (or take `best`, planned already) and score the baselines. Returns the
-    JSON-able result."""
-    cluster = require_cluster(job, source)
+    JSON-able result. A job with `fleet:` types and no `cluster:` is planned on its fleet at the most nodes."""
+    from orchestrator.job_spec import fleet_cluster
+
+    cluster = job.cluster or fleet_cluster(job) or require_cluster(job, source)
     model, train = job.model_spec, job.train
     planner = Planner(model, train)  # the baselines reuse its cost caches
     try:
@@ -163,24 +165,31 @@ def check_data(job: JobSpec, source: str) -> None:
 
 
 def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None = None,
-                     auto: bool = False) -> bool:
-    """The `checkpoint:` section against its bucket, before any worker starts (exit 2 on a problem). Returns
-    whether the job goes on from a step there: `resume` (--resume), or with `auto` (the Ray Jobs driver) when
-    `checkpoint.resume` is auto and the prefix holds this job's steps. A prefix holding another job's steps is
-    refused either way: it is never resumed silently."""
+                     auto: bool = False) -> str | None:
+    """The `checkpoint:` section against its bucket, before any worker starts (exit 2 on a problem). Returns the
+    run the job goes on from a step of (the run id its steps record: the job keeps it, so it counts, loads and
+    prunes those steps as its own), or None when it starts a new run: `resume` (--resume), or with `auto` (the Ray
+    Jobs driver) when `checkpoint.resume` is auto and the prefix holds this job's steps. A prefix holding another
+    job's or model's steps is refused either way: it is never resumed silently."""
     from orchestrator.state.s3_store import check_access
 
     c = job.checkpoint
     if c is None:
         if resume:
             raise ConfigError(f"{source}: --resume needs a 'checkpoint:' section whose uri holds the job's steps")
-        return False
+        return None
     try:
         store = check_access(c.uri, c.endpoint_url)
         done = store.complete_steps()
         newest = store.newest_whole() if done else None
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - S3 refused the listing or a manifest read (denied, throttled)
+        from orchestrator.state.s3_store import s3_code
+
+        raise ConfigError(f"{source}: reading the steps under checkpoint.uri {c.uri} was refused by S3 "
+                          f"({s3_code(e)}); check the credentials and the bucket policy (s3:ListBucket, "
+                          "s3:GetObject), or try again if S3 throttled it") from None
     if newest is not None:
         owner, model = newest[1].get("job"), newest[1].get("model")
         if owner is not None and owner != job.name:
@@ -203,7 +212,11 @@ def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None 
         raise ConfigError(f"{source}: checkpoint.uri {c.uri} already holds steps (newest {done[0]}); pass --resume "
                           f"to go on from step {done[0] + 1}, give checkpoint.uri a new prefix, or delete them "
                           f"(`hetspot checkpoints rm {c.uri} --all`)")
-    return resume
+    if not resume:
+        return None
+    import uuid
+
+    return newest[1].get("run_id") or uuid.uuid4().hex[:12]  # an older step without a run id: a new lineage
 
 
 def lost_controller_message(job: JobSpec, source: str, cause: str, steps: int | None = None) -> str:
@@ -244,7 +257,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     job = with_restore_from(load_job(job_path), restore_from, source)
     cluster = require_cluster(job, source)
     check_data(job, source)
-    check_checkpoint(job, source, resume, steps)
+    checkpoint_run = check_checkpoint(job, source, resume, steps)
     if plan_path is not None:
         plan = check_plan(load_plan(plan_path), job, str(plan_path))
     else:
@@ -272,7 +285,8 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         cluster_s = time.perf_counter() - t0
         run_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"  # the run record's folder
         actor = ControllerActor.options(name=controller_name(job.name), **on_head()).remote(
-            job.model_dump_json(), steps, run_id, True, plan.model_dump_json(), plan_path is not None, replan_on_loss)
+            job.model_dump_json(), steps, run_id, True, plan.model_dump_json(), plan_path is not None, replan_on_loss,
+            checkpoint_run=checkpoint_run)
 
         def on_row(row: dict) -> None:
             if on_step is not None:

@@ -60,13 +60,18 @@ def main() -> int:
         return 2
     job_id = os.environ.get(ENV_ID, "local")
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
+    if job.demand() is None and not any(n.get("Alive") and n.get("Resources", {}).get("GPU") for n in ray.nodes()):
+        _print("hetspot driver: the cluster has no GPU node and the job asks for none: add a fleet: section (the "
+               "GPU types to ask Ray's autoscaler for, docs/jobfile.md) or a cluster: section naming the nodes "
+               "it needs", True)
+        return 2
     _withdraw_on_stop(job)
     _print(f"hetspot: job {job_id}: {job.name}, {steps} steps, model {job.model_spec.name}")
     if resumed and not resume:
         _print(f"hetspot: {job.checkpoint.uri} holds this job's steps: going on from the newest complete one "
                "(checkpoint.resume: auto)")
     actor = ControllerActor.options(name=controller_name(job_id), **on_head()).remote(
-        job.model_dump_json(), steps, job_id, False)
+        job.model_dump_json(), steps, job_id, False, checkpoint_run=resumed)
     t0 = time.perf_counter()
 
     printed: list = []

@@ -29,6 +29,7 @@ class FailureKind(str, enum.Enum):
     TIMEOUT = "timeout"
     COLLECTIVE = "collective error"  # a peer vanished under a collective (gloo/NCCL connection errors)
     DETERMINISTIC = "error"  # the worker's own exception: re-running would raise it again
+    RESTORE_SOURCE = "restore source failed"  # a holder did not hold what it said it held (not S3's fault)
 
     def __str__(self) -> str:  # in logs and events, the words
         return self.value
@@ -55,5 +56,34 @@ class ControllerLost(HetspotError):
     exit_code = 1
 
 
+class Refusal(str, enum.Enum):
+    """Why an S3 step is not used (orchestrator/state/manifest.py): the reader falls back to the previous good step.
+
+    Only a step that is shown broken (`replaceable`) may be deleted and written again by its own run's redo; a step
+    that could not be read this time (denied, throttled) or cannot be attributed (malformed) is never deleted."""
+
+    MISSING = "missing"  # a piece the manifest names is not in the bucket (a lifecycle rule, a hand delete)
+    CORRUPT = "corrupt"  # a piece's bytes or tensors differ from what the manifest says
+    NOT_WHOLE = "not whole"  # the manifest does not cover the model's every unit
+    UNREADABLE = "unreadable"  # S3 refused or failed the read (access denied, throttled past the retries)
+    MALFORMED = "malformed"  # the manifest cannot be read as one (or its folder is not its step's)
+    FOREIGN = "foreign"  # another job's, run's or model's step
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def replaceable(self) -> bool:
+        return self in (Refusal.MISSING, Refusal.CORRUPT, Refusal.NOT_WHOLE)
+
+
 class CheckpointError(Exception):
-    """A step that cannot be used: a missing or truncated manifest, or an object whose checksum is wrong."""
+    """A step that cannot be used (`refusal` says why, `step` which one), or a checkpoint write that did not
+    happen."""
+
+    def __init__(self, message: str, refusal: Refusal | None = None, step: int | None = None):
+        super().__init__(message)
+        self.refusal, self.step = refusal, step
+
+    def __reduce__(self):  # crosses Ray's process boundary with its fields
+        return (type(self), (str(self), self.refusal, self.step))

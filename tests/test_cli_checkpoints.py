@@ -78,7 +78,7 @@ def test_resume_and_existing_steps_are_checked(tmp_path, endpoint, monkeypatch):
     res = runner.invoke(app, ["submit", str(job), "--resume"])
     assert res.exit_code == 2 and "--resume: no complete step under s3://jobs/resume-check" in res.output
     store = S3Checkpoints("s3://jobs/resume-check", client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
-    store.save(4, {"w": {"param": torch.ones(2), "exp_avg": None, "exp_avg_sq": None}}, 5.0)
+    store.save(4, {"w": {"param": torch.ones(2), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}}, 5.0)
     res = runner.invoke(app, ["submit", str(job)])
     assert res.exit_code == 2 and "already holds steps (newest 4); pass --resume to go on from step 5" in res.output
     res = runner.invoke(app, ["submit", str(job), "--resume", "--steps", "5"])  # step 4 is the 5-step job's last
@@ -91,7 +91,7 @@ def test_checkpoints_list_verify_rm(endpoint, monkeypatch):
     uri = "s3://jobs/cli"
     store = S3Checkpoints(uri, client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
     for s in (1, 2):
-        store.save(s, {"w": {"param": torch.full((4,), float(s)), "exp_avg": torch.zeros(4), "exp_avg_sq": None}}, s)
+        store.save(s, {"w": {"param": torch.full((4,), float(s)), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.ones(4)}}, s)
     store.client.put_object(Bucket="jobs", Key=store._key(3, "units/w.safetensors"), Body=b"half")
     base = ["--endpoint-url", endpoint]
     res = runner.invoke(app, ["checkpoints", "list", uri, *base, "--json"])
@@ -167,7 +167,7 @@ def test_checkpoint_commands_answer_user_mistakes_in_one_line(tmp_path, endpoint
 
 def test_checksum_error_says_what_was_read_and_what_the_manifest_says(endpoint):
     store = S3Checkpoints("s3://jobs/checksum", client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
-    store.save(1, {"w": {"param": torch.ones(4), "exp_avg": None, "exp_avg_sq": None}}, 1.0)
+    store.save(1, {"w": {"param": torch.ones(4), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}}, 1.0)
     key = store.manifest(1)["units"]["w"]["pieces"][0]["key"]
     data = bytearray(store.client.get_object(Bucket="jobs", Key=key)["Body"].read())
     data[-1] ^= 0xFF  # same size, other bytes: the old message read "(N bytes, manifest says N)"
@@ -190,7 +190,7 @@ def test_a_step_short_of_the_model_fails_verify_and_is_not_exported(tmp_path, en
     store = S3Checkpoints("s3://jobs/half", client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
     units = {p.name: list(p.shape) for p in all_params(model)}
     kept = sorted(units)[:3]  # what two surviving keepers held
-    pieces = {n: [store.put_piece(4, n, tuple((0, d) for d in units[n]), {"param": torch.zeros(units[n])})]
+    pieces = {n: [store.put_piece(4, n, tuple((0, d) for d in units[n]), {k: torch.zeros(units[n]) for k in ("param", "exp_avg", "exp_avg_sq")})]
               for n in kept}
     manifest = {"format": "hetspot-checkpoint/2", "step": 4, "optimizer_steps": 5.0, "written_at": time.time(),
                 "meta": {"job": "half", "model": model.model_dump()},  # format 2: the model names the units
@@ -210,7 +210,7 @@ def test_a_prefix_holding_another_jobs_steps_is_refused(tmp_path, endpoint, monk
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
     store = S3Checkpoints("s3://jobs/taken", client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
-    store.save(2, {"w": {"param": torch.ones(2), "exp_avg": None, "exp_avg_sq": None}}, 3.0, {"job": "someone-else"})
+    store.save(2, {"w": {"param": torch.ones(2), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}}, 3.0, {"job": "someone-else"})
     job = _job(tmp_path, {"uri": "s3://jobs/taken", "endpoint_url": endpoint})
     for extra in ([], ["--resume"]):
         res = runner.invoke(app, ["submit", str(job), *extra])

@@ -337,10 +337,13 @@ def test_trace_replay_holds_the_replayed_plans_reference_bit_for_bit(shared):
     sc, events = trace_scenario(tr, k=3, time_scale=1.0, job=SMALL_TRACE_JOB)
     assert [e.kind for e in events] == ["preempt", "add-node"]
     lines: list[str] = []
-    r = Drill(sc, cluster=ec, s3=s3, on_line=lines.append, reference="replayed").run(until_s=tr.end_s)
+    # the trace's time, and then at least two steps after its last event (a slow machine fits fewer steps in
+    # 24 s; what is checked is the recovery and the join, not a step count)
+    r = Drill(sc, cluster=ec, s3=s3, on_line=lines.append, reference="replayed").run(until_s=tr.end_s,
+                                                                                       commits_after_faults=2)
     out = r.to_json()
     assert r.error is None, r.error
-    assert out["reference_kind"] == "replayed" and len(r.reference) == r.steps >= 6
+    assert out["reference_kind"] == "replayed" and len(r.reference) == r.steps
     assert r.max_rel_diff == 0.0, (r.losses, r.reference)
     assert r.samples["exactly_once"], r.samples
     assert [e["kind"] for e in r.events if e["kind"] in ("re-plan", "scale-up")] == ["re-plan", "scale-up"]

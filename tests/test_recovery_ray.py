@@ -465,7 +465,7 @@ def test_corrupt_newest_step_is_refused_and_the_previous_one_resumes(cluster, en
     second_node, = nodes(cluster, (f"cr-{damage}-b", "L4", 1))
     kill(cluster, first_node.name)
     j2 = make_job([second_node], endpoint, f"corrupt-{damage}")
-    second = make_controller(j2, STEPS)
+    second = make_controller(j2, STEPS, checkpoint_run=first.store.meta["run_id"])  # --resume keeps the run
     with caplog.at_level(logging.WARNING, logger="hetspot"):
         assert second.run() == State.DONE, second.error
     r = restore_events(second)[0]
@@ -679,4 +679,35 @@ def test_a_node_without_credentials_for_the_bucket_is_named_at_its_keepers_start
     assert "NoCredentialsError" in c.store.no_access["cred-none"]
     assert any("cred-none cannot write" in r.getMessage() for r in caplog.records), caplog.text
     c.store.flush()  # no upload thread outlives the test's cluster
+    c.group.shutdown()
+
+
+def test_a_real_gpu_node_is_never_slowed_whatever_the_job_file_says(cluster, caplog):
+    """Issue 42, acceptance 5: `runtime.emulate_speed: true` slows only nodes whose GPUs say they are fake
+    (`hetspot/fake-gpu=true`, which the embedded and test clusters set). A node without the label (a real GPU
+    node, as a cloud's are) runs at its own speed, and the job says so in one warning line; the fake node beside
+    it is still slowed to its catalog ratio."""
+    import logging
+
+    from orchestrator.runtime.worker_group import slowdowns
+
+    fake, real = NodeSpec(name="emu-fake", gpu_type="L4", num_gpus=1, inter_node_bw_gb_s=100), \
+        NodeSpec(name="emu-real", gpu_type="A100-80GB", num_gpus=1, inter_node_bw_gb_s=100)
+    cluster.nodes[fake.name] = cluster.add(fake)
+    cluster.nodes[real.name] = cluster.cluster.add_node(  # a node as a real cluster starts it: no fake label
+        num_cpus=1, num_gpus=1, resources={"accelerator_type:A100": 1},
+        labels={"hetspot/gpu-type": "A100-80GB", "hetspot/market": "spot", "hetspot/node": real.name})
+    j = make_job([fake, real], None, "")
+    j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"emulate_speed": True})})
+    c = make_controller(j, STEPS, first_plan=dp_plan(fake, real))
+    with caplog.at_level(logging.WARNING, logger="hetspot"):
+        run_until(c, 0)
+    from planner import layout
+
+    got = dict(zip([r.node for r in layout.ranks(c.plan)], ray.get([w.__ray_call__.remote(lambda self: self.engine.slowdown)
+                                            for w in c.group.run.workers]), strict=True))
+    want, _ = slowdowns(c.plan, True)  # what emulation would give both if both were fake
+    assert got == {"emu-fake": want["emu-fake"], "emu-real": 1.0} and want["emu-fake"] > 1.0, got
+    warnings = [r.getMessage() for r in caplog.records if "emulate_speed is ignored" in r.getMessage()]
+    assert warnings and "emu-real" in warnings[0] and "emu-fake" not in warnings[0], caplog.text
     c.group.shutdown()

@@ -35,7 +35,7 @@ def state(seed: float, big: bool = False):
     rows = 2048 if big else 8
     return {"wte.weight": {"param": torch.randn(rows, 1024, generator=g), "exp_avg": torch.randn(rows, 1024, generator=g),
                            "exp_avg_sq": torch.rand(rows, 1024, generator=g)},
-            "ln_f.bias": {"param": torch.zeros(4), "exp_avg": None, "exp_avg_sq": None}}
+            "ln_f.bias": {"param": torch.zeros(4), "exp_avg": torch.full((4,), seed), "exp_avg_sq": torch.ones(4)}}
 
 
 def assert_same(a, b):
@@ -114,7 +114,7 @@ def test_keep_newest_deletes_old_and_half_written_steps(store):
         store.save(s, state(s), float(s))
     store.client.put_object(Bucket=store.bucket, Key=store._key(0, "units/x.safetensors"), Body=b"old half")
     store.client.put_object(Bucket=store.bucket, Key=store._key(5, "units/x.safetensors"), Body=b"in flight")
-    assert store.keep_newest(2) == [0, 1, 2]
+    assert store.keep_newest(2).deleted == [0, 1, 2]
     assert [(i.step, i.complete) for i in store.steps()] == [(5, False), (4, True), (3, True)]  # in-flight kept
 
 
@@ -146,9 +146,9 @@ def test_prefixes_are_directories_job1_never_sees_job10(endpoint):
         job10.save(s, state(s + 10), float(s), _meta("job10"))
     assert job1.complete_steps() == [2, 1] and job10.complete_steps() == [8, 7, 6, 5]
     assert job1.newest_whole() == (2, _meta("job1"))
-    assert job1.keep_newest(1) == [1]  # job10's newer steps neither count nor go
+    assert job1.keep_newest(1).deleted == [1]  # job10's newer steps neither count nor go
     assert job10.complete_steps() == [8, 7, 6, 5] and job1.complete_steps() == [2]
-    assert job10.keep_newest(2) == [5, 6] and job1.complete_steps() == [2]
+    assert job10.keep_newest(2).deleted == [5, 6] and job1.complete_steps() == [2]
     assert job1.verify(2) == [] and job1.load_latest()[0] == 2
     assert_same(job1.load(2)[0], state(2))
     job1.delete_step(2)
@@ -194,7 +194,7 @@ def test_half_steps_never_count_for_keep_and_their_redo_replaces_them(store):
     assert store.load_latest()[0] == 2 and [m["step"] for m in store.manifests()] == [2, 1]
     assert store.newest_whole()[0] == 2
     # keep 1: the half steps go, and the last whole step stays whatever is newer
-    assert store.keep_newest(1) == [1, 3, 4]
+    assert store.keep_newest(1).deleted == [1, 3, 4]
     assert store.complete_steps() == [2]
     _half_manifest(store, 3)
     assert store.prepare_step(3, "tiny") == "new"  # the redo of a half step replaces it
@@ -205,5 +205,5 @@ def test_half_steps_never_count_for_keep_and_their_redo_replaces_them(store):
     assert store.prepare_step(3, "tiny", bad=True) == "new"  # unless a restore refused it as corrupt
     assert store.complete_steps() == [2]
     store.save(3, state(3), 3.0, _meta("tiny"))
-    with pytest.raises(CheckpointError, match="belongs to job 'tiny', not 'other'"):
+    with pytest.raises(CheckpointError, match=r"step 3 not written: .* stands \(step 3 was written by job 'tiny', not 'other'\)"):
         store.prepare_step(3, "other")

@@ -73,8 +73,8 @@ class TrainWorker:
 
     def __init__(self, plan_json: str | None, rank: int, model_json: str, train_json: str, data: dict,
                  dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False,
-                 overlap_sync: bool = True):
-        torch.set_num_threads(1)  # one core per worker: the test machines are small and shared
+                 overlap_sync: bool = True, threads: int = 1):
+        torch.set_num_threads(threads)  # the node's CPUs per GPU (runtime.torch_threads; 1 on shared test nodes)
         self.model, self.train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
         self.dataset = make_dataset(data.get("kind", "synthetic"), self.model.seq_len, self.model.vocab_size,
                                     self.train.seed, data.get("path"), data.get("dtype", "uint16"),
@@ -299,8 +299,8 @@ class TrainWorker:
         self.engine.incomplete = None
         split = overlap and optimizer_steps > 0  # no moments before the first update
         got, nbytes, deferred = self._pull(transfers, step, s3, ("param",) if split else None)
-        if "error" in got:
-            return {"error": got["error"], "bytes": nbytes}
+        if "error" in got:  # "refusal": S3 refused the piece (the step is refused, not this worker)
+            return {"error": got["error"], "refusal": got.get("refusal"), "bytes": nbytes}
         t1 = time.perf_counter()
         import_pieces(self.engine, self._pieces(transfers, got), optimizer_steps)
         self.engine.committed_step = step
@@ -324,7 +324,7 @@ class TrainWorker:
         for reqs, fut in futures:
             answers = fut if isinstance(fut, list) else ray.get(fut, timeout=300)
             if answers and "error" in answers[0]:
-                return {"error": answers[0]["error"]}, nbytes, deferred
+                return {"error": answers[0]["error"], "refusal": answers[0].get("refusal")}, nbytes, deferred
             for (i, _), a in zip(reqs, answers, strict=True):
                 got[i] = a["tensors"]
                 nbytes[a["tier"]] += a["bytes"]

@@ -13,6 +13,7 @@ up-front checks (workers/data_validation.py) slice like a memory-mapped file.
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -87,6 +88,7 @@ def new_s3_client(endpoint_url: str | None = None, config=None):
     import boto3
     from botocore.config import Config
 
-    retries = Config(retries=RETRIES)
+    attempts = os.environ.get("AWS_MAX_ATTEMPTS")  # botocore's own knob: a user (or a test) may lower it
+    retries = Config(retries=RETRIES | ({"max_attempts": int(attempts)} if attempts and attempts.isdigit() else {}))
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url,
                                           config=retries if config is None else retries.merge(config))

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from orchestrator.errors import FailureKind, WorkerFailure  # noqa: F401 - FailureKind is read from here too
 
-TRANSIENT = frozenset({FailureKind.NODE_LOST, FailureKind.ACTOR_DIED, FailureKind.TIMEOUT, FailureKind.COLLECTIVE})
+TRANSIENT = frozenset({FailureKind.NODE_LOST, FailureKind.ACTOR_DIED, FailureKind.TIMEOUT, FailureKind.COLLECTIVE,
+                       FailureKind.RESTORE_SOURCE})
 
 
 # Exception types and message fragments that torch.distributed raises when a peer goes away.

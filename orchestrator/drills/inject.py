@@ -114,6 +114,8 @@ class FaultInjection:
             return [(step, kill_mid_upload)]
         elif f.kind == "corrupt-s3":
             self._corrupt(f)
+        elif f.kind == "expire-s3":
+            self._expire(f)
         elif f.kind == "s3-outage":
             self.threads.append(self.s3.outage(f.for_s))
             self._record(f, for_s=f.for_s)
@@ -182,6 +184,21 @@ class FaultInjection:
         t.start()
         self.timers.append(t)  # cancelled when the job ends first
         self._record(f, cloud=f.cloud, deadline_s=f.deadline_s)
+
+    def _expire(self, f: Fault) -> None:
+        """A lifecycle rule on the newest complete step: every piece goes, the manifest (written last) stays."""
+        from orchestrator.state.s3_store import S3Checkpoints
+
+        self.c.store.flush()
+        ck = self.job.checkpoint
+        store = S3Checkpoints(ck.uri, ck.endpoint_url)
+        done = store.complete_steps()
+        if not done:
+            self._record(f, expired=None)
+            return
+        keys = [p["key"] for u in store.manifest(done[0])["units"].values() for p in u["pieces"]]
+        store.client.delete_objects(Bucket=store.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
+        self._record(f, expired_step=done[0], objects=len(keys))
 
     def _corrupt(self, f: Fault) -> None:
         from orchestrator.state.s3_store import S3Checkpoints

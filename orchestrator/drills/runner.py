@@ -137,9 +137,11 @@ class Drill(FaultInjection):
         return [c.progress.losses[s] for s in range(steps)], c.progress.samples
 
     def run(self, reference: list[float] | None = None, steps: int | None = None, timed: list[Fault] | None = None,
-            until_s: float | None = None) -> DrillResult:
+            until_s: float | None = None, commits_after_faults: int = 0) -> DrillResult:
         """The fixed reference run, then the drill (then the replayed reference, or the fixed one after a trace).
-        `until_s`: end the job at the first commit after this time (traces)."""
+        `until_s`: end the job at the first commit after this time (traces); with `commits_after_faults`, not
+        before every timed fault has fired and that many steps were committed after the last one (so what a test
+        checks of a trace does not depend on how many steps a slow machine fits in the trace's time)."""
         from orchestrator.cluster.node_sources import DeclaredNodes
         from orchestrator.control.controller import State
         from orchestrator.runtime.controller_actor import make_controller
@@ -156,7 +158,7 @@ class Drill(FaultInjection):
             self.nodes = DeclaredNodes(self.job.cluster)
             self.recovery_armed: list[str] | None = None
             self.c = c = make_controller(self.job, steps if until_s is None else 10**9, nodes=self.nodes,
-                                         on_phase=self._on_phase)
+                                         on_phase=self._on_phase, first_plan=self.sc.plan)
             self.say(f"drill run: {len(self.sc.faults)} faults")
             by_step = sorted((f for f in self.sc.faults if f.at_step is not None), key=lambda f: f.at_step)
             after_commit: list[tuple[int, Callable[[], None]]] = []
@@ -186,11 +188,14 @@ class Drill(FaultInjection):
                             after_commit.remove((at, action))
                             action()
                     last = c.progress.committed
-                if until_s is not None and time.monotonic() - self.t0 >= until_s and c.steps > c.progress.committed + 1:
+                if until_s is not None and time.monotonic() - self.t0 >= until_s and c.steps > c.progress.committed + 1 \
+                        and self._faults_settled(len(timed or []) + sum(f.at_s is not None for f in self.sc.faults),
+                                                 commits, commits_after_faults):
                     c.finish_after(c.progress.committed + 1)
             if c.state == State.FAILED:
                 error = c.error
             wall = c.clock.now() - c.started_at
+            self.s3_not_good = self._audit_s3()
         except BaseException:
             self._stop()
             self._release()
@@ -203,6 +208,30 @@ class Drill(FaultInjection):
         finally:
             self._release()
         return self._result(steps, reference or [], commits, wall, error, tokens_per_step(c.model, c.train.global_batch))
+
+    def _faults_settled(self, num_timed: int, commits: list, after: int) -> bool:
+        """Every timed fault has fired and `after` commits followed the last one (0: no wait)."""
+        if after <= 0:
+            return True
+        fired = [f["injected_s"] for f in self.fired]
+        if len(fired) < num_timed:
+            return False
+        last = max(fired, default=0.0)
+        return sum(t > last for _, t, _ in commits) >= after
+
+    def _audit_s3(self) -> list[str]:
+        """What the job's prefix holds at the end that is not a whole, readable step of its own: each refused step
+        with why, and each half-written folder behind the newest good step."""
+        s3 = getattr(self.c.store, "s3", None)
+        if s3 is None:
+            return []
+        listing = s3._listing()
+        statuses = s3.survey(self.c.store.identity, listing=listing)
+        out = [f"step {st.step}: {st.reason}" for st in statuses if not st.ok]
+        good = [st.step for st in statuses if st.ok]
+        out += [f"step {i.step}: half-written ({i.num_objects} objects, no manifest)" for i in s3.steps(listing)
+                if not i.complete and good and i.step < good[0]]
+        return out
 
     def replayed(self, plans: dict[int, Plan], steps: int) -> list[float]:
         """The drill's plans, step for step, without faults (replay.py), on the nodes up now and like ones."""
@@ -259,7 +288,7 @@ class Drill(FaultInjection):
                "scale_ups": sum(e["kind"] == "scale-up" for e in events),
                "warmed": sum(e.get("new_workers", 0) for e in events if e["kind"] == "drain" and "ready_s" in e),
                "failed_uploads": sum(1 for u in c.store.uploads if u["error"]), "bytes_by_tier": by_tier,
-               "s3_last_step": end["newest_step"] == steps - 1,
+               "s3_last_step": end["newest_step"] == steps - 1, "s3_not_good": getattr(self, "s3_not_good", []),
                "final_nodes": c.plan.nodes() if c.plan else []}
         final = {s: c.progress.samples.get(s, []) for s in range(steps)}
         useful = sum(c.progress.step_time_s.get(s, 0.0) for s in range(steps))

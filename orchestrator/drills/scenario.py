@@ -15,7 +15,9 @@ through the node's fake metadata service, or a Ray drain; the node is killed at
 `deadline_s`), preempt-during-upload (the step's S3 upload is held in the
 keepers when the node dies), preempt-during-recovery (`then` nodes die while
 the first recovery restores state), corrupt-s3 (one byte flipped in the newest
-complete S3 step), s3-outage (the S3 endpoint stops for `for_s` seconds),
+complete S3 step), expire-s3 (every piece of the newest complete S3 step
+deleted, its manifest left: what a lifecycle rule does, the manifest being
+written last), s3-outage (the S3 endpoint stops for `for_s` seconds),
 s3-slowdown (every S3 request is answered 503 SlowDown for `for_s` seconds, as a
 real bucket throttles), and add-node (declared nodes that start absent and join).
 
@@ -32,9 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from orchestrator.errors import ConfigError
 from orchestrator.job_spec import JobSpec, _cluster_file, _read_yaml, format_validation, parse_job
+from planner import Plan
 
-KINDS = ("preempt", "notice", "preempt-during-upload", "preempt-during-recovery", "corrupt-s3", "s3-outage",
-         "s3-slowdown", "add-node")
+KINDS = ("preempt", "notice", "preempt-during-upload", "preempt-during-recovery", "corrupt-s3", "expire-s3",
+         "s3-outage", "s3-slowdown", "add-node")
 NEEDS_NODES = {"preempt", "notice", "preempt-during-upload", "preempt-during-recovery", "add-node"}
 TIER_NAMES = ("live", "peer", "s3")
 
@@ -68,6 +71,9 @@ class Expect(BaseModel):
     final_nodes: list[str] | None = Field(default=None, description="the nodes the last plan trains on")
     s3_last_step: bool | None = Field(default=None, description="true: the job's last step is in S3 at the end, "
                                       "whole (no fault kept the newest state from landing)")
+    s3_good_only: bool | None = Field(default=None, description="true: at the end the job's prefix holds only "
+                                      "whole, readable steps (no manifest without its pieces, no half-written "
+                                      "folder behind the newest step)")
     bytes: dict[Literal["in_place", "live", "peer", "s3"], int | str] = Field(
         default={}, description="bytes restored per tier (in_place: read by a survivor from its own memory, "
         "nothing moved; live: from other survivors' memory or their node's keeper): an exact count, 0, or '>0'")
@@ -95,6 +101,8 @@ class Scenario(BaseModel):
     job: JobSpec
     faults: list[Fault]
     expect: Expect = Expect()
+    plan: Plan | None = Field(default=None, description="the job's first plan (default: the planner's), e.g. a "
+                              "pipeline whose stages' nodes hold every copy of some units; its nodes are the job's")
     slow: bool = Field(default=False, description="left out of `make test` (tests/test_drills.py)")
 
     def added_nodes(self) -> set[str]:
@@ -220,6 +228,11 @@ def check_against_job(sc: Scenario, source: str) -> None:
         if early:
             raise ConfigError(f"{where}: node(s) {early} join later by an add-node fault; a fault before they join "
                               "cannot take them; move the fault after the add-node one")
+    if sc.plan is not None:
+        stray = sorted(set(sc.plan.nodes()) - set(names))
+        if stray:
+            raise ConfigError(f"{source}: plan: node(s) {stray} are not in the job's cluster ({', '.join(names)}); "
+                              "place the plan's stages on the job's nodes")
     clouds = {f.cloud for f in sc.faults if f.kind == "notice" and f.cloud != "ray"}
     if len(clouds) > 1:
         raise ConfigError(f"{source}: notices from {sorted(clouds)}: a job polls one cloud's metadata service; "
@@ -251,6 +264,8 @@ def check_expect(expect: Expect, got: dict) -> list[str]:
         bad.append(f"failed_uploads: expected {expect.failed_uploads}, got {got['failed_uploads']}")
     if expect.s3_last_step is not None and got["s3_last_step"] != expect.s3_last_step:
         bad.append(f"the job's last step in S3: expected {expect.s3_last_step}, got {got['s3_last_step']}")
+    if expect.s3_good_only and got.get("s3_not_good"):
+        bad.append(f"the job's prefix holds steps that are not whole and readable: {'; '.join(got['s3_not_good'])}")
     for tier, want in expect.bytes.items():
         if not _matches(want, got["bytes_by_tier"][tier]):
             bad.append(f"bytes from {tier}: expected {want}, got {got['bytes_by_tier'][tier]}")

@@ -27,19 +27,22 @@ from planner import Plan
 
 
 def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | None = None, user_plan: bool = False,
-                    replan_user_plan: bool = False, on_step=None, on_phase=None, capacity=None) -> Controller:
+                    replan_user_plan: bool = False, on_step=None, on_phase=None, capacity=None,
+                    checkpoint_run: str | None = None) -> Controller:
     """A Controller over the connected Ray cluster: one TrainWorker per GPU.
 
     Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster); `capacity`
-    (cluster/capacity.Capacity) makes it ask the autoscaler for the job's fleet first.
+    (cluster/capacity.Capacity) makes it ask the autoscaler for the job's fleet first; `checkpoint_run`: the run
+    whose S3 steps the job goes on from (api.check_checkpoint; None: a new run).
     """
     from orchestrator.cluster.node_sources import DeclaredNodes
 
     pool = WorkerPool() if job.runtime.recovery == "in-place" else None  # processes kept across plans
     return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
-                      lambda p: RayWorkerGroup(job, p, on_step, pool), store=make_store(job), first_plan=first_plan,
+                      lambda p: RayWorkerGroup(job, p, on_step, pool), store=make_store(job, run_id=checkpoint_run),
+                      first_plan=first_plan,
                       interruptions=RayNotices(None if job.runtime.notices == "none" else job.runtime.notices,
-                                               job.runtime.notice_poll_s),
+                                               job.runtime.notice_poll_s, grace_s=job.runtime.notice_grace_s),
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
                       on_phase=on_phase, scale_check_every=job.runtime.scale_check_every,
                       max_restarts=job.runtime.max_restarts, capacity=capacity)
@@ -49,7 +52,8 @@ def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None
     """The tiered state plane: live and peer tiers always, S3 when the job has a `checkpoint:` section.
 
     Each S3 manifest names the job (`job`, what a resume and a shared bucket are checked against), the run that
-    wrote it (`run_id`: one per controller) and the model, whose whole unit list every manifest must cover."""
+    wrote it (`run_id`: new for a new run, kept by a resume: the store counts, loads and prunes only that run's
+    steps) and the model, whose whole unit list every manifest must cover."""
     import uuid
 
     from orchestrator.state.tiers import TieredState
@@ -81,7 +85,7 @@ def on_head() -> dict:
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)
 class ControllerActor:
     def __init__(self, job_json: str, steps: int, job_id: str, embedded: bool, first_plan_json: str | None = None,
-                 user_plan: bool = False, replan_user_plan: bool = False):
+                 user_plan: bool = False, replan_user_plan: bool = False, checkpoint_run: str | None = None):
         from orchestrator.cluster.node_sources import DeclaredNodes, LiveNodes
         from orchestrator.runtime.metrics import StepMetrics, TensorBoardLog
 
@@ -89,14 +93,16 @@ class ControllerActor:
         nodes = DeclaredNodes(self.job.cluster) if embedded else LiveNodes(self.job.runtime.profile)
         first = Plan.model_validate_json(first_plan_json) if first_plan_json else None
         capacity = None
-        if self.job.fleet is not None and not embedded:  # a real cluster: ask its autoscaler for the fleet
+        demand = None if embedded else self.job.demand()  # a real cluster: its fleet, or its cluster: nodes
+        if demand is not None:  # ask the autoscaler for them
             import time
 
             from orchestrator.cluster.capacity import ray_capacity
 
-            capacity = ray_capacity(self.job, time.monotonic)
+            capacity = ray_capacity(self.job.model_copy(update={"fleet": demand}), time.monotonic)
         self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
-                                          replan_user_plan=replan_user_plan, capacity=capacity)
+                                          replan_user_plan=replan_user_plan, capacity=capacity,
+                                          checkpoint_run=checkpoint_run)
         chooser = getattr(capacity, "rechoose", None)
         if chooser is not None:  # fleet.auto: say which fleet was chosen
             self.controller._event("fleet", f"chose the fleet: {chooser.history[0]}", fleet=dict(

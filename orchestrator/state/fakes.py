@@ -77,7 +77,7 @@ class LocalGroup:
             for unit, region, keeper, request in transfers:
                 (answer,) = self.calls.get(keeper.get_many.remote([request], step, s3))
                 if answer.get("error"):
-                    return [{"error": answer["error"]}]
+                    return [{"error": answer["error"], "refusal": answer.get("refusal")}]
                 full = got.setdefault(unit, {k: np.zeros(SHAPE) for k in ("param", "exp_avg", "exp_avg_sq")})
                 idx = tuple(slice(a, b) for a, b in region)
                 for k, v in answer["tensors"].items():

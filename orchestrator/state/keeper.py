@@ -99,8 +99,8 @@ class KeeperStore:
         tensors `keys` (None: all; an overlapped restore asks for the moments later, and
         "deferred" says how many bytes the keys left out hold); or ("s3", entry, region): a piece of the S3
         checkpoint (s3 = (uri, endpoint)), whole, read once per keeper and verified against the
-        manifest's SHA256. Each answer is {"tier", "tensors", "bytes", "deferred"}; a checksum
-        mismatch answers {"error": ...} instead.
+        manifest's SHA256. Each answer is {"tier", "tensors", "bytes", "deferred"}; a piece S3 refuses
+        (missing, unreadable, corrupt) answers {"error", "refusal"} instead: the step is refused, not the worker.
         """
         from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
         from workers.state import KEYS, MOMENTS, answer, cut
@@ -121,7 +121,7 @@ class KeeperStore:
                             self.s3_read[entry["key"]], read = self.s3_store[1].read_piece(step, entry)
                         except CheckpointError as e:
                             log.error("restore of step %d: %s", step, e)
-                            return [{"error": str(e)}]
+                            return [{"error": str(e), "refusal": str(e.refusal or "corrupt")}]
                 tensors = cut({k: v.numpy() for k, v in self.s3_read[entry["key"]].items()} | {"slice": entry["region"]},
                               region)
                 out.append({"tier": "s3", "tensors": tensors, "bytes": read, "deferred": 0})
@@ -152,8 +152,10 @@ class KeeperStore:
         except Exception as e:  # noqa: BLE001 - no client at all (no credentials, no endpoint)
             return f"{type(e).__name__}: {e}"
 
-    def upload(self, step: int, pieces: list[tuple], uri: str, endpoint_url: str | None) -> list[dict]:
-        """Upload [(tier, rank, unit, region)] of `step` as S3 objects; their manifest entries (metadata only)."""
+    def upload(self, step: int, pieces: list[tuple], uri: str, endpoint_url: str | None,
+               run_id: str | None = None) -> list[dict]:
+        """Upload [(tier, rank, unit, region)] of `step` as S3 objects named for the run `run_id`; their manifest
+        entries (metadata only)."""
         import torch
 
         from orchestrator.state.s3_store import S3Checkpoints
@@ -168,7 +170,7 @@ class KeeperStore:
                 shard = self.held[(tier, step, rank)][0][unit]
             region = tuple(tuple(r) for r in region)
             tensors = {k: torch.from_numpy(v) for k, v in cut(shard, region).items() if v is not None}
-            out.append({"unit": unit} | store.put_piece(step, unit, region, tensors))
+            out.append({"unit": unit} | store.put_piece(step, unit, region, tensors, run_id))
         return out
 
 

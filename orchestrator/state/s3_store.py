@@ -1,26 +1,28 @@
-"""The S3 tier: one safetensors object per canonical unit (or TP slice of one) per step, a manifest last.
+"""The S3 tier's I/O: one safetensors object per canonical unit (or TP slice of one) per step, a manifest last.
 
 Layout under `s3://BUCKET/PREFIX/`:
-    step-0000000041/units/<parameter name>/<region>.safetensors   tensors "param", "exp_avg", "exp_avg_sq"
-    step-0000000041/manifest.json                                  written last, with If-None-Match: *
-The prefix is a directory: `s3://b/job1` is `job1/` and never sees `job10/`. A region is the slice of the full tensor an object holds (`0-64.0-32`: rows
-0-64, columns 0-32), so the keepers upload the TP shards they hold without
-gathering them anywhere, and a reader cuts out what its own layout needs. The
-manifest lists, per unit, its full shape and its pieces (key, region, SHA256,
-size), the model's whole unit list (`model_units`, from the job's model, not from
-whoever answered) and the job that wrote it (`meta.job`, `meta.run_id`). A step
-without a manifest does not exist: a writer that dies mid-upload leaves objects no
-reader will use; and a manifest is written only when its pieces cover every unit of
-`model_units` (`write_manifest` refuses otherwise), so a step that exists is whole.
-A step found not whole or refused as corrupt is replaced by deleting it (manifest
-first) before its redo is uploaded (`prepare_step`). The manifest holds every object's SHA256 and size,
-and every read is verified against it (moto, like some S3-compatible stores,
-does not check checksums, so the client must); a mismatch or an unreadable
-manifest refuses that step with a log line naming the object, and
-`load_latest` falls back to the previous complete step. safetensors, never
-pickle: loading a checkpoint from a shared bucket cannot run code. Objects
-above `multipart_bytes` go up in parts. Credentials come from boto3's standard
-chain (environment, profile, instance role) and are never logged.
+    step-0000000041/units/<unit>/<region>.run-<run id>.safetensors   tensors "param", "exp_avg", "exp_avg_sq"
+    step-0000000041/manifest.json                                     written last, with If-None-Match: *
+    .hetspot-leases/step-0000000041/<reader>.<expiry>                 a reader's hold: pruning waits for it
+The prefix is a directory: `s3://b/job1` is `job1/` and never sees `job10/`. A region is the slice of the full
+tensor an object holds (`0-64.0-32`: rows 0-64, columns 0-32), so the keepers upload the TP shards they hold
+without gathering them, and a reader cuts out what its layout needs. What a manifest says and what makes a step
+whole, readable and this run's is orchestrator/state/manifest.py; this module reads and writes.
+
+A bucket is hostile, so a step counts only when its bytes are there and are this run's:
+  - every read of a piece is verified against the manifest (SHA256, size, then its tensors against the region:
+    moto, like some S3-compatible stores, does not check checksums, so the client must); any read error (a
+    missing key, access denied, throttled past the retries) refuses that step by name, and every reader
+    (`load_latest`, the tier restore, `verify`, `export`, the resume choice) falls back to the previous good one;
+  - pruning (`keep_newest`) counts only this run's steps that are whole and readable (a listing of the prefix
+    matched against each manifest), never deletes a step it cannot attribute or could not read this time, never
+    deletes under a reader's lease, aborts interrupted multipart uploads, and reports every key a delete left;
+  - a delete removes the manifest on its own first (the step stops existing before its data goes) and reads
+    every per-key error of DeleteObjects: a step whose delete failed is reported, never counted deleted;
+  - a manifest PUT answered 412 after a retry (the first try committed, its answer was lost) is read back and
+    accepted when it is this write.
+safetensors, never pickle: loading a checkpoint from a shared bucket cannot run code. Credentials come from
+boto3's standard chain (environment, profile, instance role) and are never logged.
 """
 
 from __future__ import annotations
@@ -29,17 +31,44 @@ import hashlib
 import io
 import json
 import logging
-import math
+import os
 import re
+import socket
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
-from orchestrator.errors import CheckpointError  # raised here; importers may take it from here
+from orchestrator.errors import (  # raised here; importers may take it from here
+    CheckpointError,
+    Refusal,
+)
+from orchestrator.state.manifest import (
+    FORMAT,
+    MANIFEST,
+    Identity,
+    expected_units,
+    manifest_identity,
+    missing_units,
+    parse_manifest,
+    piece_key,
+    piece_problems,
+    piece_run,
+    region_tag,
+    same_write,
+    step_dir,
+    stored,
+    unlisted,
+)
 
-FORMAT = "hetspot-checkpoint/3"
-READ_FORMATS = ("hetspot-checkpoint/2", FORMAT)  # /2 has no model_units: they come from meta.model
+__all__ = ["CheckpointError", "Identity", "Refusal", "S3Checkpoints", "StepInfo", "StepStatus", "region_tag",
+           "missing_units", "expected_units", "parse_uri", "check_access", "new_client", "FORMAT"]
+
 MULTIPART_BYTES = 8 << 20
+LEASE_TTL_S = 900.0  # a reader's hold on a step; renewed while it reads, so only a dead reader's lapses
+LEASES = ".hetspot-leases"
 _STEP = re.compile(r"step-(\d{10})/(.+)$")
+_LEASE = re.compile(r"step-(\d{10})/(.+)\.(\d+)$")
+_ABSENT = ("404", "NoSuchKey", "NotFound")
 log = logging.getLogger("hetspot.checkpoints")
 
 
@@ -49,7 +78,26 @@ def parse_uri(uri: str) -> tuple[str, str]:
     if not m:
         raise ValueError(f"checkpoint uri {uri!r} must look like s3://BUCKET/PREFIX (a bucket name of 3-63 "
                          "lowercase letters, digits, dots or dashes)")
-    return m.group(1), (m.group(2) or "").strip("/")
+    prefix = (m.group(2) or "").strip("/")
+    bad = [p for p in prefix.split("/") if p in ("", ".", "..")] if prefix else []
+    if bad:
+        raise ValueError(f"checkpoint uri {uri!r}: the prefix has an empty, '.' or '..' segment, which S3 stores "
+                         "literally (it is not a path); write the prefix without it, e.g. s3://BUCKET/jobs/NAME")
+    return m.group(1), prefix
+
+
+def s3_code(e: Exception) -> str:
+    """S3's error code of a botocore error ("NoSuchKey", "AccessDenied", "SlowDown"...), else its type name."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code") or type(e).__name__)
+    return type(e).__name__
+
+
+def read_refusal(e: Exception) -> Refusal:
+    """A failed read's refusal: a missing object is MISSING (the step is broken); anything else (access denied,
+    throttled past the retries, a dropped connection) is UNREADABLE (the step may be fine: never deleted for it)."""
+    return Refusal.MISSING if s3_code(e) in _ABSENT else Refusal.UNREADABLE
 
 
 @dataclass(frozen=True)
@@ -60,13 +108,91 @@ class StepInfo:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class StepStatus:
+    """A step with a manifest, as a reader finds it: good (`refusal` None), or refused and why."""
+
+    step: int
+    refusal: Refusal | None
+    reason: str
+    meta: dict = field(default_factory=dict)
+    manifest: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.refusal is None
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What a delete did: objects removed, and each key left with S3's reason."""
+
+    step: int
+    num_deleted: int
+    left: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.left
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What `keep_newest` did: steps deleted whole, steps whose delete left keys (retried at the next prune),
+    steps kept because a reader holds them, interrupted multipart uploads aborted."""
+
+    deleted: list[int]
+    failed: dict[int, list[str]] = field(default_factory=dict)
+    held: list[int] = field(default_factory=list)
+    aborted_uploads: int = 0
+
+
+class Lease:
+    """A reader's hold on a step (`with store.lease(step):`): an object under `.hetspot-leases/` that pruning
+    honours until it is released or its expiry (in its name) passes. `renew` pushes the expiry on. A reader whose
+    credentials may not write the bucket reads without one (a warning says so)."""
+
+    def __init__(self, store: S3Checkpoints, step: int, ttl_s: float):
+        self.store, self.step, self.ttl_s = store, step, ttl_s
+        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.key: str | None = None
+        self.taken_at = 0.0
+
+    def __enter__(self) -> Lease:
+        self.renew(force=True)
+        return self
+
+    def renew(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and (self.key is None or now - self.taken_at < self.ttl_s / 2):
+            return
+        s = self.store
+        key = f"{s.dir}{LEASES}/step-{self.step:010d}/{self.holder}.{int(now + self.ttl_s)}"
+        try:
+            s.client.put_object(Bucket=s.bucket, Key=key, Body=b"")
+        except Exception as e:  # noqa: BLE001 - reading goes on without a hold; said once
+            if force:
+                log.warning("could not take a read lease on step %d in %s (%s): a job pruning this prefix may "
+                            "delete the step while it is read", self.step, s.uri, s3_code(e))
+            return
+        old, self.key, self.taken_at = self.key, key, now
+        if old is not None:
+            s._delete_quietly(old)
+
+    def __exit__(self, *exc) -> None:
+        if self.key is not None:
+            self.store._delete_quietly(self.key)
+            self.key = None
+
+
 class S3Checkpoints:
     def __init__(self, uri: str, endpoint_url: str | None = None, client=None,
-                 multipart_bytes: int = MULTIPART_BYTES):
+                 multipart_bytes: int = MULTIPART_BYTES, lease_ttl_s: float = LEASE_TTL_S):
         self.uri, self.endpoint_url = uri, endpoint_url
         self.bucket, self.prefix = parse_uri(uri)
         self.client = client or new_client(endpoint_url)
         self.multipart_bytes = multipart_bytes
+        self.lease_ttl_s = lease_ttl_s
 
     # -- keys ---------------------------------------------------------------------
     @property
@@ -74,8 +200,17 @@ class S3Checkpoints:
         """The prefix as a directory ("job1/"; "" for the bucket's root): `job1` never lists `job10`'s keys."""
         return f"{self.prefix}/" if self.prefix else ""
 
+    def step_dir(self, step: int) -> str:
+        return step_dir(self.prefix, step)
+
     def _key(self, step: int, rest: str) -> str:
-        return "/".join(x for x in (self.prefix, f"step-{step:010d}", rest) if x)
+        return self.step_dir(step) + rest if rest else self.step_dir(step).rstrip("/")
+
+    def manifest_key(self, step: int) -> str:
+        return self.step_dir(step) + MANIFEST
+
+    def where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
 
     def check_write(self, name: str) -> str | None:
         """Write and delete one empty object under the prefix: None when this machine may write the bucket, else
@@ -88,57 +223,74 @@ class S3Checkpoints:
             return f"{type(e).__name__}: {e}"
         return None
 
-    def manifest_key(self, step: int) -> str:
-        return self._key(step, "manifest.json")
-
     # -- write --------------------------------------------------------------------
     def save(self, step: int, state: dict[str, dict], optimizer_steps: float, meta: dict | None = None) -> dict:
         """Upload full canonical tensors (one piece per unit), then the manifest. Returns the manifest.
         The state's units are the model's: a direct save is whole by construction."""
-        if self.prepare_step(step, (meta or {}).get("job")) == "exists":
-            raise CheckpointError(f"step {step} already exists at s3://{self.bucket}/{self.manifest_key(step)}; "
+        meta = meta or {}
+        shapes = {name: list(t["param"].shape) for name, t in state.items()}
+        if self.prepare_step(step, Identity.of(meta, shapes)) == "exists":
+            raise CheckpointError(f"step {step} already exists at {self.where(self.manifest_key(step))}; "
                                   "a step is written once")
-        pieces, shapes = {}, {}
+        pieces = {}
         for name, tensors in sorted(state.items()):
-            shapes[name] = list(tensors["param"].shape)
             region = tuple((0, n) for n in tensors["param"].shape)
-            pieces[name] = [self.put_piece(step, name, region, tensors)]
+            pieces[name] = [self.put_piece(step, name, region, tensors, meta.get("run_id"))]
         return self.write_manifest(step, shapes, pieces, optimizer_steps, meta)
 
-    def prepare_step(self, step: int, job: str | None = None, bad: bool = False) -> str:
-        """Before uploading `step`: "exists" when a whole, readable manifest of this job (`job`; None: any) is
-        there and not known `bad` (a complete step is never touched); else "new", after deleting what stood
-        there (a step left not whole, refused as corrupt, or unreadable), its manifest first."""
-        if not self._exists(self.manifest_key(step)):
+    def prepare_step(self, step: int, identity: Identity | str | None = None, bad: bool = False) -> str:
+        """Before uploading `step`: "exists" when this identity's whole, readable step is there and not known
+        `bad` (it is never touched); else "new", after deleting what stood there when it is this identity's and
+        broken (not whole, pieces missing, or refused as corrupt) or its manifest is malformed and names no other
+        run (truncated, garbage), its manifest first. A step of another job, run or model, or one whose manifest
+        S3 would not let us read now, is never deleted: CheckpointError, not written."""
+        if isinstance(identity, str) or identity is None:
+            identity = Identity(identity, None, None)
+        key = self.manifest_key(step)
+        if not self._exists(key):
             return "new"
-        try:
-            m, why = self.manifest(step), None
-        except CheckpointError as e:
-            m, why = None, str(e)
-        if m is not None:
-            owner = m.get("meta", {}).get("job")
-            if job is not None and owner not in (None, job):
-                raise CheckpointError(f"step {step} at {self.uri} belongs to job {owner!r}, not {job!r}")
-            missing = missing_units(m)
-            if bad:
-                why = "refused as corrupt"
-            elif missing:
-                why = f"not whole (missing {len(missing)} units: {', '.join(missing[:3])})"
+        status = self._status(step, self._listing(self.step_dir(step)), identity)
+        if status.refusal is Refusal.MALFORMED and (foreign := self._claimed_by_other(step, identity)):
+            status = StepStatus(step, Refusal.FOREIGN, f"{status.reason}; it names {foreign}")
+        if status.refusal in (Refusal.FOREIGN, Refusal.UNREADABLE):
+            raise CheckpointError(f"step {step} not written: {self.where(key)} stands ({status.reason})",
+                                  status.refusal, step)
+        why = "refused as corrupt by a restore" if bad else status.reason if not status.ok else None
         if why is None:
             return "exists"
         log.warning("replacing checkpoint step %d in %s: %s", step, self.uri, why)
-        self.delete_step(step)
+        deleted = self.delete_step(step, identity.run_id)
+        if self._exists(key):
+            raise CheckpointError(f"step {step} not written: its broken manifest could not be deleted "
+                                  f"({'; '.join(f'{k}: {c}' for k, c in deleted.left) or 'it is still there'})",
+                                  Refusal.UNREADABLE, step)
         return "new"
 
-    def put_piece(self, step: int, unit: str, region, tensors: dict) -> dict:
-        """Upload one unit's tensors over `region`; the manifest entry for it."""
+    def _claimed_by_other(self, step: int, identity: Identity) -> str | None:
+        """Whose a manifest this hetspot cannot parse says it is, when that is not `identity` (its `meta.job` and
+        `meta.run_id`, if it has them: a newer format of another run is never replaced); None when it names no
+        one else (truncated, garbage, or this run's own: its redo replaces it)."""
+        try:
+            raw = json.loads(self.client.get_object(Bucket=self.bucket, Key=self.manifest_key(step))["Body"].read())
+            meta = raw.get("meta") if isinstance(raw, dict) else None
+        except Exception:  # noqa: BLE001 - unreadable as JSON: it names no one
+            return None
+        if not isinstance(meta, dict):
+            return None
+        claimed = Identity(meta.get("job") if isinstance(meta.get("job"), str) else None,
+                           meta.get("run_id") if isinstance(meta.get("run_id"), str) else None, None)
+        return identity.foreign(claimed)
+
+    def put_piece(self, step: int, unit: str, region, tensors: dict, run_id: str | None = None) -> dict:
+        """Upload one unit's tensors over `region`; the manifest entry for it (its key absolute in memory)."""
         from safetensors.torch import save as to_safetensors
 
-        data = to_safetensors({k: v.contiguous() for k, v in tensors.items() if v is not None})
-        key = self._key(step, f"units/{unit}/{region_tag(region)}.safetensors")
+        kept = {k: v.contiguous() for k, v in tensors.items() if v is not None}
+        data = to_safetensors(kept)
+        key = piece_key(self.step_dir(step), unit, region, run_id)
         self._put(key, data)
         return {"key": key, "region": [list(r) for r in region], "sha256": hashlib.sha256(data).hexdigest(),
-                "bytes": len(data)}
+                "bytes": len(data), "tensors": {k: dtype_name(v) for k, v in sorted(kept.items())}}
 
     def write_manifest(self, step: int, shapes: dict[str, list[int]], pieces: dict[str, list[dict]],
                        optimizer_steps: float, meta: dict | None = None,
@@ -146,7 +298,9 @@ class S3Checkpoints:
         """The step's manifest, written last and only once (If-None-Match: *): the step now exists.
 
         `model_units` ({unit: full shape}, default `shapes`) is the job's whole model: a manifest whose pieces
-        do not cover every one of them is refused with CheckpointError and never written."""
+        do not cover every one of them, or that lacks the optimizer's moments after its first update, is refused
+        with CheckpointError and never written. A 412 is read back: the same write (a committed PUT whose answer
+        was lost and retried) is accepted."""
         units = {n: {"shape": list(shapes[n]), "pieces": pieces[n], "bytes": sum(p["bytes"] for p in pieces[n])}
                  for n in sorted(pieces)}
         model_units = {n: list(v) for n, v in sorted((model_units or shapes).items())}
@@ -157,8 +311,31 @@ class S3Checkpoints:
             raise CheckpointError(f"step {step} not written: its pieces cover {len(model_units) - len(missing)} of "
                                   f"the model's {len(model_units)} units (missing {', '.join(missing[:5])}"
                                   f"{', ...' if len(missing) > 5 else ''})")
-        self.client.put_object(Bucket=self.bucket, Key=self.manifest_key(step), IfNoneMatch="*",
-                               Body=json.dumps(manifest).encode(), ContentType="application/json")
+        if optimizer_steps > 0:
+            short = [f"{n} ({p['key'].rsplit('/', 1)[-1]})" for n, u in units.items() for p in u["pieces"]
+                     if "tensors" in p and not {"exp_avg", "exp_avg_sq"} <= set(p["tensors"])]
+            if short:
+                raise CheckpointError(f"step {step} not written: pieces of {', '.join(short[:3])} lack the "
+                                      f"optimizer's moments after {optimizer_steps:g} updates")
+        body = json.dumps(stored(manifest, self.step_dir(step))).encode()
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self.manifest_key(step), IfNoneMatch="*", Body=body,
+                                   ContentType="application/json")
+        except ClientError as e:
+            if s3_code(e) not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise
+            try:
+                there = self.manifest(step)
+            except CheckpointError:
+                there = None
+            if there is None or not same_write(there, manifest):
+                who = (there or {}).get("meta", {})
+                raise CheckpointError(f"step {step} not written: another manifest is there (run "
+                                      f"{who.get('run_id')} of job {who.get('job')!r})", Refusal.FOREIGN,
+                                      step) from None
+            log.info("step %d's manifest PUT answered %s; it is there and is this write: written", step, s3_code(e))
         return manifest
 
     def _exists(self, key: str) -> bool:
@@ -168,7 +345,7 @@ class S3Checkpoints:
             self.client.head_object(Bucket=self.bucket, Key=key)
             return True
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if s3_code(e) in _ABSENT:
                 return False
             raise
 
@@ -178,34 +355,46 @@ class S3Checkpoints:
             return
         from boto3.s3.transfer import TransferConfig
 
-        cfg = TransferConfig(multipart_threshold=self.multipart_bytes, multipart_chunksize=max(5 << 20, self.multipart_bytes))
+        cfg = TransferConfig(multipart_threshold=self.multipart_bytes,
+                             multipart_chunksize=max(5 << 20, self.multipart_bytes))
         self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=cfg)
 
-    # -- read ---------------------------------------------------------------------
-    def steps(self) -> list[StepInfo]:
-        """Every step under the prefix, newest first, complete or not."""
-        found: dict[int, list] = {}
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.dir)
+    # -- list ---------------------------------------------------------------------
+    def _listing(self, under: str | None = None) -> dict[str, int]:
+        """Every object under the prefix (or the folder `under`): {key: size}."""
+        out = {}
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=under or self.dir)
         for page in pages:
-            for obj in page.get("Contents", []):
-                m = _STEP.fullmatch(obj["Key"][len(self.dir):])  # directly under the prefix, not a sub-folder
-                if m:
-                    found.setdefault(int(m.group(1)), []).append((m.group(2), obj["Size"]))
-        return [StepInfo(s, any(rest == "manifest.json" for rest, _ in objs), len(objs), sum(n for _, n in objs))
+            out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+        return out
+
+    def steps(self, listing: dict[str, int] | None = None) -> list[StepInfo]:
+        """Every step folder under the prefix, newest first, complete (a manifest exists) or not."""
+        found: dict[int, list] = {}
+        for key, size in (self._listing() if listing is None else listing).items():
+            m = _STEP.fullmatch(key[len(self.dir):])  # directly under the prefix, not a sub-folder
+            if m:
+                found.setdefault(int(m.group(1)), []).append((m.group(2), size))
+        return [StepInfo(s, any(rest == MANIFEST for rest, _ in objs), len(objs), sum(n for _, n in objs))
                 for s, objs in sorted(found.items(), reverse=True)]
 
     def complete_steps(self) -> list[int]:
+        """Steps with a manifest, newest first (whether they are whole and readable: `survey`)."""
         return [s.step for s in self.steps() if s.complete]
 
+    # -- read ---------------------------------------------------------------------
     def manifest(self, step: int) -> dict:
+        """The manifest of `step`, checked and with its pieces' keys in this prefix; CheckpointError if it cannot
+        be read (MISSING: gone; UNREADABLE: S3 refused the read; MALFORMED: not a manifest of this step)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         key = self.manifest_key(step)
         try:
-            m = json.loads(self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"s3://{self.bucket}/{key} is not valid JSON (truncated?): {e.msg}") from None
-        if not isinstance(m, dict) or m.get("format") not in READ_FORMATS or not isinstance(m.get("units"), dict):
-            raise CheckpointError(f"s3://{self.bucket}/{key} is not a {FORMAT} manifest")
-        return m
+            raw = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except (BotoCoreError, ClientError) as e:
+            raise CheckpointError(f"{self.where(key)} could not be read ({s3_code(e)})", read_refusal(e),
+                                  step) from None
+        return parse_manifest(raw, step, self.step_dir(step), self.where(key), _units_of_model)
 
     def whole_manifest(self, step: int) -> dict:
         """The manifest of `step` when it covers its whole model; CheckpointError naming the missing units if not."""
@@ -214,32 +403,89 @@ class S3Checkpoints:
         if missing:
             raise CheckpointError(f"step {step} is not whole: {len(missing)} of the model's "
                                   f"{len(expected_units(m))} units are missing ({', '.join(missing[:5])}"
-                                  f"{', ...' if len(missing) > 5 else ''})")
+                                  f"{', ...' if len(missing) > 5 else ''})", Refusal.NOT_WHOLE, step)
         return m
 
-    def manifests(self, limit: int | None = None) -> list[dict]:
-        """The newest complete steps' manifests, newest first; unreadable ones are refused with a log line."""
-        out = []
-        for step in self.complete_steps():
-            try:
-                out.append(self.whole_manifest(step))
-            except CheckpointError as e:
-                log.warning("refusing checkpoint step %d: %s", step, e)
-            if limit is not None and len(out) >= limit:
+    def _status(self, step: int, listing: dict[str, int], identity: Identity | None) -> StepStatus:
+        try:
+            m = self.manifest(step)
+        except CheckpointError as e:
+            return StepStatus(step, e.refusal or Refusal.MALFORMED, str(e))
+        meta = m.get("meta", {})
+        why = identity.foreign(manifest_identity(m)) if identity is not None else None
+        if why:  # checked first: another run's step is neither judged nor touched
+            return StepStatus(step, Refusal.FOREIGN, f"step {step} was {why}", meta, m)
+        missing = missing_units(m)
+        if missing:
+            return StepStatus(step, Refusal.NOT_WHOLE, f"step {step} is not whole: {len(missing)} of the model's "
+                              f"{len(expected_units(m))} units are missing ({', '.join(missing[:5])}"
+                              f"{', ...' if len(missing) > 5 else ''})", meta, m)
+        gone = unlisted(m, listing)
+        if gone:
+            return StepStatus(step, Refusal.MISSING, f"step {step} is not readable: {len(gone)} of its pieces are "
+                              f"gone ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''})", meta, m)
+        return StepStatus(step, None, "whole and readable", meta, m)
+
+    def survey(self, identity: Identity | None = None, limit: int | None = None,
+               listing: dict[str, int] | None = None) -> list[StepStatus]:
+        """The steps with a manifest, newest first, each good or refused and why (whole, readable: every piece
+        listed at its size; with `identity`, its own), up to the `limit`-th good one. One LIST of the prefix and
+        one GET per manifest."""
+        listing = self._listing() if listing is None else listing
+        out, good = [], 0
+        for info in self.steps(listing):
+            if not info.complete:
+                continue
+            st = self._status(info.step, listing, identity)
+            out.append(st)
+            good += st.ok
+            if limit is not None and good >= limit:
                 break
         return out
 
+    def usable(self, identity: Identity | None = None, limit: int | None = None) -> tuple[list[dict], list[StepStatus]]:
+        """(The manifests of the newest good steps, newest first; the steps refused on the way, each logged)."""
+        statuses = self.survey(identity, limit)
+        refused = [s for s in statuses if not s.ok]
+        for s in refused:
+            log.log(logging.INFO if s.refusal is Refusal.FOREIGN else logging.WARNING,
+                    "refusing checkpoint step %d in %s: %s", s.step, self.uri, s.reason)
+        return [s.manifest for s in statuses if s.ok], refused
+
+    def manifests(self, limit: int | None = None, identity: Identity | None = None) -> list[dict]:
+        """The newest good steps' manifests, newest first; refused ones are logged."""
+        return self.usable(identity, limit)[0]
+
     def read_piece(self, step: int, entry: dict) -> tuple[dict, int]:
-        """One piece's tensors, verified against its SHA256 and size in the manifest; (tensors, bytes read)."""
+        """One piece's tensors, verified against its SHA256 and size in the manifest and then its tensors against
+        its region; (tensors, bytes read). CheckpointError (the step is refused) on any read error or mismatch."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        from safetensors import SafetensorError
         from safetensors.torch import load as from_safetensors
 
-        data = self.client.get_object(Bucket=self.bucket, Key=entry["key"])["Body"].read()
+        where = self.where(entry["key"])
+        try:
+            data = self.client.get_object(Bucket=self.bucket, Key=entry["key"])["Body"].read()
+        except (BotoCoreError, ClientError) as e:
+            refusal = read_refusal(e)
+            what = "is not in the bucket" if refusal is Refusal.MISSING else "could not be read"
+            raise CheckpointError(f"{where} of step {step} {what} ({s3_code(e)})", refusal, step) from None
         digest = hashlib.sha256(data).hexdigest()
         if len(data) != entry["bytes"] or digest != entry["sha256"]:
-            raise CheckpointError(f"s3://{self.bucket}/{entry['key']} does not match its SHA256 in the manifest "
-                                  f"of step {step} (read {len(data)} bytes with SHA256 {digest[:12]}...; the "
-                                  f"manifest says {entry['bytes']} bytes with SHA256 {entry['sha256'][:12]}...)")
-        return from_safetensors(data), len(data)
+            raise CheckpointError(f"{where} does not match its SHA256 in the manifest of step {step} (read "
+                                  f"{len(data)} bytes with SHA256 {digest[:12]}...; the manifest says "
+                                  f"{entry['bytes']} bytes with SHA256 {entry['sha256'][:12]}...)", Refusal.CORRUPT,
+                                  step)
+        try:
+            tensors = from_safetensors(data)
+        except SafetensorError as e:
+            raise CheckpointError(f"{where} of step {step} is not a safetensors file ({e})", Refusal.CORRUPT,
+                                  step) from None
+        problems = piece_problems(entry, {k: (dtype_name(t), tuple(t.shape)) for k, t in tensors.items()})
+        if problems:
+            raise CheckpointError(f"{where} of step {step} does not hold what its manifest says: "
+                                  + "; ".join(problems), Refusal.CORRUPT, step)
+        return tensors, len(data)
 
     def read_unit(self, manifest: dict, name: str) -> tuple[dict, int]:
         """One unit's full tensors from its pieces, each verified; (tensors, bytes read)."""
@@ -257,122 +503,189 @@ class S3Checkpoints:
         return full, nbytes
 
     def load(self, step: int, names: list[str] | None = None) -> tuple[dict, float, int]:
-        """(state by unit name, optimizer steps, bytes read) of a whole step; CheckpointError if unusable."""
-        m = self.whole_manifest(step)
-        state, nbytes = {}, 0
-        for name in names if names is not None else sorted(m["units"]):
-            tensors, n = self.read_unit(m, name)
-            state[name] = {k: tensors.get(k) for k in ("param", "exp_avg", "exp_avg_sq")}
-            nbytes += n
+        """(state by unit name, optimizer steps, bytes read) of a whole step, read under a lease (pruning waits);
+        CheckpointError if it cannot be used."""
+        with self.lease(step) as lease:
+            m = self.whole_manifest(step)
+            state, nbytes = {}, 0
+            for name in names if names is not None else sorted(m["units"]):
+                tensors, n = self.read_unit(m, name)
+                state[name] = {k: tensors.get(k) for k in ("param", "exp_avg", "exp_avg_sq")}
+                nbytes += n
+                lease.renew()
         return state, float(m["optimizer_steps"]), nbytes
 
-    def load_latest(self) -> tuple[int, dict, float, int] | None:
-        """The newest complete step that verifies: (step, state, optimizer steps, bytes read), or None."""
-        for step in self.complete_steps():
+    def load_latest(self, identity: Identity | None = None) -> tuple[int, dict, float, int] | None:
+        """The newest good step that loads: (step, state, optimizer steps, bytes read), or None. Each refused
+        step is logged by name, and the previous one tried."""
+        for m in self.manifests(identity=identity):
             try:
-                state, opt_steps, nbytes = self.load(step)
+                state, opt_steps, nbytes = self.load(m["step"])
             except CheckpointError as e:
-                log.warning("refusing checkpoint step %d: %s; trying the previous complete step", step, e)
+                log.warning("refusing checkpoint step %d: %s; trying the previous complete step", m["step"], e)
                 continue
-            return step, state, opt_steps, nbytes
+            return m["step"], state, opt_steps, nbytes
         return None
 
     def verify(self, step: int) -> list[str]:
-        """Problems found checking a step: its manifest against the model's unit list (every unit, every region
-        covered), then every object re-read against its checksum (empty: the step is sound)."""
-        try:
-            m = self.manifest(step)
-        except CheckpointError as e:
-            return [str(e)]
-        missing = missing_units(m)
-        problems = [f"step {step} is not whole: the manifest lacks {len(missing)} of the model's "
-                    f"{len(expected_units(m))} units: {', '.join(missing)}"] if missing else []
-        for name in sorted(m["units"]):
+        """Problems found checking a step (empty: it is sound): its manifest, the model's every unit covered,
+        every piece in the bucket, and every piece re-read against its checksum and its region. A read S3 refuses
+        (denied, throttled) is no verdict on the step: it raises CheckpointError (UNREADABLE)."""
+        with self.lease(step) as lease:
             try:
-                self.read_unit(m, name)
+                m = self.manifest(step)
             except CheckpointError as e:
-                problems.append(str(e))
+                if e.refusal is Refusal.UNREADABLE:
+                    raise
+                return [str(e)]
+            missing = missing_units(m)
+            problems = [f"step {step} is not whole: the manifest lacks {len(missing)} of the model's "
+                        f"{len(expected_units(m))} units: {', '.join(missing)}"] if missing else []
+            for name in sorted(m["units"]):
+                for piece in m["units"][name]["pieces"]:
+                    try:
+                        self.read_piece(step, piece)
+                    except CheckpointError as e:
+                        if e.refusal is Refusal.UNREADABLE:
+                            raise
+                        problems.append(str(e))
+                    lease.renew()
         return problems
 
+    def newest_whole(self, identity: Identity | None = None) -> tuple[int, dict] | None:
+        """(the newest good step: whole, every piece there, with `identity` its own; its manifest's meta), or
+        None when there is none."""
+        found = self.manifests(limit=1, identity=identity)
+        return (found[0]["step"], found[0].get("meta", {})) if found else None
+
+    # -- leases -------------------------------------------------------------------
+    def lease(self, step: int, ttl_s: float | None = None) -> Lease:
+        return Lease(self, step, self.lease_ttl_s if ttl_s is None else ttl_s)
+
+    def leased_steps(self, now: float | None = None) -> set[int]:
+        """Steps a reader holds now (leases not yet expired)."""
+        now = time.time() if now is None else now
+        under = f"{self.dir}{LEASES}/"
+        held = set()
+        for key in self._listing(under):
+            m = _LEASE.fullmatch(key[len(under):])
+            if m and int(m.group(3)) > now:
+                held.add(int(m.group(1)))
+        return held
+
+    def _delete_quietly(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - a lease left behind expires on its own
+            log.info("could not delete %s (%s)", self.where(key), s3_code(e))
+
     # -- delete -------------------------------------------------------------------
-    def delete_step(self, step: int) -> int:
-        """Delete a step's objects, the manifest first (so the step stops existing before its data goes)."""
-        keys = [self.manifest_key(step)]
-        prefix = self._key(step, "") + "/"
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            keys += [o["Key"] for o in page.get("Contents", []) if o["Key"] != keys[0]]
+    def delete_step(self, step: int, run_id: str | None = None) -> Deleted:
+        """Delete a step: its interrupted multipart uploads, then its manifest on its own (the step stops existing
+        before its data goes; if the manifest stays, nothing else is touched), then its pieces (with `run_id`,
+        only that run's and older formats' pieces), reading every per-key error of DeleteObjects."""
+        from botocore.exceptions import ClientError
+
+        folder = self.step_dir(step)
+        self._abort_uploads(folder, run_id)
+        key = self.manifest_key(step)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except ClientError as e:
+            if s3_code(e) not in _ABSENT:
+                return Deleted(step, 0, [(key, s3_code(e))])
+        keys = [k for k in self._listing(folder) if k != key and (run_id is None or piece_run(k) in (None, run_id))]
+        left = self._delete_keys(keys)
+        return Deleted(step, 1 + len(keys) - len(left), left)
+
+    def _delete_keys(self, keys: list[str]) -> list[tuple[str, str]]:
+        """Delete `keys` in batches of 1,000; the keys S3 did not delete, each with its error code (DeleteObjects
+        answers 200 with an error entry per key it refused)."""
+        left = []
         for i in range(0, len(keys), 1000):
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
-        return len(keys)
-
-    def keep_newest(self, keep: int) -> list[int]:
-        """Keep the newest `keep` whole steps; delete older whole steps, every manifest that is not whole or not
-        readable (it cannot be restored), and half-written steps older than the newest whole one (newer ones
-        may be uploads in flight). A step that is not whole never counts toward `keep`."""
-        infos = self.steps()
-        whole, doomed = [], []
-        for info in infos:  # newest first
-            if not info.complete:
-                continue
+            batch = keys[i:i + 1000]
             try:
-                self.whole_manifest(info.step)
-            except CheckpointError as e:
-                log.warning("deleting checkpoint step %d: %s", info.step, e)
-                doomed.append(info.step)
+                resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch]})
+            except Exception as e:  # noqa: BLE001 - the whole batch stays; reported, retried by the next prune
+                left += [(k, s3_code(e)) for k in batch]
                 continue
-            (whole if len(whole) < keep else doomed).append(info.step)
-        if whole:
-            doomed += [i.step for i in infos if not i.complete and i.step < whole[0]]
-        for step in doomed:
-            self.delete_step(step)
-        return sorted(doomed)
+            left += [(err.get("Key", "?"), err.get("Code", "?")) for err in resp.get("Errors", [])]
+        return left
 
-    def newest_whole(self) -> tuple[int, dict] | None:
-        """(newest whole, readable step, its manifest's meta: whose step it is); None when there is none."""
-        for step in self.complete_steps():
-            try:
-                return step, self.whole_manifest(step).get("meta", {})
-            except CheckpointError:
+    def _abort_uploads(self, under: str, run_id: str | None = None, before: int | None = None) -> int:
+        """Abort the multipart uploads under `under` (with `run_id`, that run's only; with `before`, in step folders
+        older than that step): an interrupted upload's parts are billed until aborted, and no listing shows them."""
+        n = 0
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=under)
+        for page in pages:
+            for up in page.get("Uploads", []):
+                m = _STEP.fullmatch(up["Key"][len(self.dir):])
+                if before is not None and (m is None or int(m.group(1)) >= before):
+                    continue
+                if run_id is not None and piece_run(up["Key"]) not in (None, run_id):
+                    continue
+                try:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    n += 1
+                except Exception as e:  # noqa: BLE001 - aborted at the next prune
+                    log.warning("could not abort the upload of %s (%s)", self.where(up["Key"]), s3_code(e))
+        return n
+
+    def keep_newest(self, keep: int, identity: Identity | None = None) -> Pruned:
+        """Keep the newest `keep` good steps of `identity` (None: every step counts as its own). Delete its older
+        good steps, its steps shown broken (not whole, pieces gone), its half-written folders and interrupted
+        uploads older than the newest good step (newer ones may be uploads in flight). Never counted nor deleted:
+        another job's, run's or model's step, a step whose manifest could not be read this time or cannot be
+        attributed, and a step a reader holds (deleted at a later prune, once released)."""
+        listing = self._listing()
+        kept: list[int] = []
+        doomed: list[int] = []
+        for st in self.survey(identity, listing=listing):
+            if st.refusal in (Refusal.FOREIGN, Refusal.UNREADABLE, Refusal.MALFORMED):
+                if st.refusal is not Refusal.FOREIGN:
+                    log.warning("not pruning checkpoint step %d: %s", st.step, st.reason)
                 continue
-        return None
+            if st.ok and len(kept) < keep:
+                kept.append(st.step)
+            else:
+                doomed.append(st.step)
+        run_id = identity.run_id if identity is not None else None
+        aborted = 0
+        if kept:  # half-written folders of this run (or an older format) behind its newest good step
+            runs: dict[int, set] = {}
+            for key in listing:
+                m = _STEP.fullmatch(key[len(self.dir):])
+                if m:
+                    runs.setdefault(int(m.group(1)), set()).add(piece_run(key))
+            doomed += [i.step for i in self.steps(listing) if not i.complete and i.step < kept[0]
+                       and runs.get(i.step, set()) & {None, run_id}]
+            aborted = self._abort_uploads(self.dir, run_id, before=kept[0])
+        held = self.leased_steps() & set(doomed) if doomed else set()
+        deleted, failed = [], {}
+        for step in sorted(set(doomed) - held):
+            result = self.delete_step(step, run_id)
+            if result.ok:
+                deleted.append(step)
+            else:
+                failed[step] = [f"{k} ({c})" for k, c in result.left]
+                log.warning("pruning checkpoint step %d of %s left %d objects (%s); the next prune tries again",
+                            step, self.uri, len(result.left), ", ".join(failed[step][:3]))
+        for step in sorted(held):
+            log.info("not pruning checkpoint step %d of %s yet: a reader holds it", step, self.uri)
+        return Pruned(deleted, failed, sorted(held), aborted)
 
 
-def expected_units(manifest: dict) -> dict[str, list[int]]:
-    """The model's units ({name: full shape}) a manifest must cover: its own `model_units`, or for a format-2
-    manifest the units of the model its meta records (its own units when it records none)."""
-    if "model_units" in manifest:
-        return manifest["model_units"]
-    model = manifest.get("meta", {}).get("model")
-    if not model:
-        return {n: u["shape"] for n, u in manifest["units"].items()}
+def dtype_name(t) -> str:
+    """A tensor's dtype as a manifest records it ("float32", "bfloat16")."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _units_of_model(model: dict) -> dict[str, list[int]]:
+    """A format-2 manifest's unit list, from the model its meta records."""
     from planner.specs import ModelSpec
     from workers.model import all_params
 
     return {p.name: list(p.shape) for p in all_params(ModelSpec(**model))}
-
-
-def missing_units(manifest: dict) -> list[str]:
-    """The model's units a manifest does not cover whole: absent, of another shape, or with pieces whose regions
-    do not tile the full tensor (they must lie inside it, not overlap, and add up to it)."""
-    out = []
-    for name, shape in sorted(expected_units(manifest).items()):
-        u = manifest["units"].get(name)
-        if u is None or list(u["shape"]) != list(shape) or not _tiles([p["region"] for p in u["pieces"]], shape):
-            out.append(name)
-    return out
-
-
-def _tiles(regions: list, shape: list[int]) -> bool:
-    inside = all(len(r) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(r, shape, strict=True))
-                 for r in regions)
-    disjoint = all(any(b1 <= a2 or b2 <= a1 for (a1, b1), (a2, b2) in zip(r, q, strict=True))
-                   for i, r in enumerate(regions) for q in regions[i + 1:])
-    return inside and disjoint and sum(math.prod(b - a for a, b in r) for r in regions) == math.prod(shape)
-
-
-def region_tag(region) -> str:
-    """`((0, 64), (0, 32))` -> "0-64.0-32" (the object's name under its unit)."""
-    return ".".join(f"{a}-{b}" for a, b in region) or "scalar"
 
 
 def new_client(endpoint_url: str | None = None, config=None):
@@ -404,7 +717,7 @@ def check_access(uri: str, endpoint_url: str | None = None, timeout_s: float = 5
         raise ValueError(f"checkpoint.endpoint_url: cannot reach the S3 endpoint ({e}); check the URL and that "
                          "the service is up, or drop endpoint_url to use AWS") from None
     except ClientError as e:
-        code = str(e.response.get("Error", {}).get("Code"))
+        code = s3_code(e)
         if code in ("404", "NoSuchBucket", "NotFound"):
             raise ValueError(f"checkpoint.uri: bucket {bucket!r} does not exist at "
                              f"{endpoint_url or 'AWS'}; create it (`aws s3 mb s3://{bucket}`) or fix the name") from None

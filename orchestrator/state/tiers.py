@@ -21,20 +21,27 @@ refuses that S3 step (a log line names the object); the restore plans again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 
 from orchestrator.control.drain import replicated_off
+from orchestrator.errors import FailureKind, Refusal, WorkerFailure
 from orchestrator.runtime.metrics import payload_bytes
 from orchestrator.state.calls import RayCalls
 from orchestrator.state.holdings import keeper_holdings, process_holdings, s3_holdings
 from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
-from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
+from orchestrator.state.s3_store import CheckpointError, Identity, S3Checkpoints
 from planner import layout
 
 log = logging.getLogger("hetspot.checkpoints")
 RPC_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield None
 
 
 class TieredState:
@@ -49,7 +56,11 @@ class TieredState:
         self.peer_every, self.s3, self.s3_every, self.keep = peer_every, s3, s3_every, keep
         self.meta, self.restore_from, self.overlap = meta or {}, restore_from, overlap
         self.model_units = dict(sorted((model_units or {}).items()))  # {unit: full shape}: the job's whole model
+        # whose S3 steps this run counts, loads, replaces and prunes: its job, run (lineage) and model only
+        self.identity = Identity.of(self.meta, self.model_units or None)
+        self.pruned: list = []  # per prune that did not go cleanly: what it left (s3_store.Pruned), retried next time
         self.bad_steps: set[int] = set()  # S3 steps a restore refused: their redo replaces them
+        self._refused: dict[int, str] = {}  # S3 steps the last restore refused, and why
         self._sourcing = False  # a restore's moments may still be pulled from the keepers (until the next step)
         self.keepers: dict[str, object] = {}  # node -> its keeper's handle
         self.received_bytes = 0  # what the controller took in for state: metadata only
@@ -283,7 +294,7 @@ class TieredState:
             self.received_bytes += payload_bytes(receipts)
             if any(r is None for r in receipts):
                 raise CheckpointError(f"the peer copies of step {step} are incomplete")
-            exists = c.prepare_step(step, self.meta.get("job"), bad=step in self.bad_steps) == "exists"
+            exists = c.prepare_step(step, self.identity, bad=step in self.bad_steps) == "exists"
             self._check_not_rolled_back(step, era)
             if exists:
                 self._release(step)  # a redone step that S3 already holds whole: nothing to write
@@ -304,7 +315,9 @@ class TieredState:
             for t in cover.transfers:
                 tier, _, rank = t.source.holder.split(":")
                 by_node.setdefault(t.source.node, []).append((tier, int(rank), t.need.unit, t.region))
-            futures = [self.keepers[n].upload.remote(step, pieces, c.uri, c.endpoint_url) for n, pieces in by_node.items()]
+            run_id = self.meta.get("run_id")
+            futures = [self.keepers[n].upload.remote(step, pieces, c.uri, c.endpoint_url, run_id)
+                       for n, pieces in by_node.items()]
             entries = [e for got in self.calls.get(futures, timeout=600) for e in got]
             self.received_bytes += payload_bytes(entries)
             pieces: dict[str, list] = {}
@@ -314,7 +327,7 @@ class TieredState:
             manifest = c.write_manifest(step, self.model_units, pieces, opt.get(step, 0.0), self.meta,
                                         self.model_units)
             self.bad_steps.discard(step)
-            c.keep_newest(self.keep)
+            self._prune()
             self._release(step)
             nbytes = sum(u["bytes"] for u in manifest["units"].values())
             self.uploads.append({"step": step, "status": "written", "bytes": nbytes,
@@ -326,6 +339,19 @@ class TieredState:
             self.uploads.append({"step": step, "status": "failed", "bytes": 0, "seconds": time.perf_counter() - t0,
                                  "error": str(e)})
             log.warning("checkpoint step %d to %s failed: %s", step, c.uri, e)
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` good steps of this run; a prune that fails or leaves keys is recorded and logged,
+        never counted against the upload (its step is written): the next prune tries again."""
+        try:
+            result = self.s3.keep_newest(self.keep, self.identity)
+        except Exception as e:  # noqa: BLE001 - a listing refused or throttled: pruning waits for the next upload
+            log.warning("pruning %s failed (%s: %s); the next upload's prune tries again", self.s3.uri,
+                        type(e).__name__, e)
+            self.pruned.append({"error": f"{type(e).__name__}: {e}"})
+            return
+        if result.failed:
+            self.pruned.append({"failed": result.failed})
 
     def flush(self, timeout_s: float = 300.0) -> None:
         """Wait for the upload in flight and the one waiting (at the end of a job, so its last step is in S3)."""
@@ -372,16 +398,16 @@ class TieredState:
             return [], {}, {}
         from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
-            manifests = self.s3.manifests(limit=self.keep)
+        try:  # this run's good steps only: whole, every piece listed (another run's are never loaded)
+            manifests, refused = self.s3.usable(self.identity, limit=self.keep)
         except (BotoCoreError, ClientError) as e:
             log.warning("cannot list checkpoints in %s: %s; restoring without the S3 tier", self.s3.uri, e)
             return [], {}, {}
-        job = self.meta.get("job")
-        foreign = [m["step"] for m in manifests if m.get("meta", {}).get("job") not in (None, job)]
-        if foreign:  # never resume another job's state silently (api.check_checkpoint refuses such a prefix)
-            log.warning("ignoring steps %s in %s: written by another job than %r", foreign, self.s3.uri, job)
-            manifests = [m for m in manifests if m["step"] not in foreign]
+        for st in refused:
+            if st.refusal is not Refusal.FOREIGN:
+                self._refused[st.step] = st.reason
+                if st.refusal.replaceable:
+                    self.bad_steps.add(st.step)  # its redo replaces it in S3
         self.received_bytes += sum(payload_bytes(m) for m in manifests)
         return s3_holdings(manifests)
 
@@ -390,6 +416,7 @@ class TieredState:
         (doomed by a notice: they may go during the restore); None: nothing held."""
         t0 = time.perf_counter()
         group.holds_state = False
+        self._refused: dict[int, str] = {}  # S3 steps this restore refused, and why
         needs_by_rank = group.needs()
         self.received_bytes += payload_bytes(needs_by_rank)
         ranks = layout.ranks(group.plan)
@@ -407,8 +434,8 @@ class TieredState:
         sh, ssrc, sopt = ([], {}, {}) if skip_s3 else self._s3_holdings()
         holdings, sources, opt = kh + sh, ksrc | ssrc, sopt | kopt
         only = {"s3"} if self.restore_from == "s3" else None
-        refused: set[int] = set()
-        while True:
+        refused = self._refused
+        while True:  # each turn refuses one more S3 step: it ends after the steps that exist
             usable = [h for h in holdings if not (h.tier == "s3" and h.step in refused)]
             rp = plan_restore(needs, usable, only)
             if rp.step is None:
@@ -434,20 +461,28 @@ class TieredState:
                 per_rank[t.need.rank].append((t.need.unit, t.region, keeper, request))
             s3cfg = (self.s3.uri, self.s3.endpoint_url) if self.s3 is not None else None
             t_load = time.perf_counter()
-            results = group.load(per_rank, rp.step, opt[rp.step], s3cfg, self.overlap)
+            from_s3 = any(t.source.tier == "s3" for t in rp.transfers)
+            with self.s3.lease(rp.step, RPC_TIMEOUT_S * 10) if from_s3 else _nothing():  # not pruned under it
+                results = group.load(per_rank, rp.step, opt[rp.step], s3cfg, self.overlap)
             self.received_bytes += payload_bytes(results)
-            errors = [r["error"] for r in results if r.get("error")]
+            errors = [r for r in results if r.get("error")]
             if not errors:
                 break
-            log.warning("refusing checkpoint step %d: %s; trying the previous complete step", rp.step, errors[0])
-            refused.add(rp.step)
-            self.bad_steps.add(rp.step)  # its redo replaces it in S3
+            own = [r for r in errors if not r.get("refusal")]
+            if own:  # a source that did not hold what it said (not S3's fault): the controller re-plans
+                raise WorkerFailure(f"restore of step {rp.step}", own[0]["error"], FailureKind.RESTORE_SOURCE)
+            why = Refusal(errors[0]["refusal"])
+            log.warning("refusing checkpoint step %d (%s): %s; trying the previous complete step", rp.step, why,
+                        errors[0]["error"])
+            refused[rp.step] = errors[0]["error"]
+            if why.replaceable:
+                self.bad_steps.add(rp.step)  # its redo replaces it in S3 (a read denied or throttled: not)
         by_tier = {t: sum(r["bytes"].get(t, 0) for r in results) for t in TIERS}
         in_place = sum(r["bytes"].get("in_place", 0) for r in results)
         self.last_restore = {  # times: planning (sources listed), the slowest rank's pull and load, in all
             "step": rp.step, "tier": next((t for t in reversed(TIERS) if by_tier[t]), "in place" if in_place else "live"),
             "bytes": sum(by_tier.values()), "bytes_by_tier": by_tier, "in_place_bytes": in_place,
-            "refused_steps": sorted(refused),
+            "refused_steps": sorted(refused), "refused": {str(s): why for s, why in sorted(refused.items())},
             "s3_units": sorted({t.need.unit for t in rp.transfers if t.source.tier == "s3"}),
             "plan_s": round(t_load - t0, 3), "restore_s": round(time.perf_counter() - t0, 3)} | {
             k: round(max(r.get(k, 0.0) for r in results), 3) for k in ("pull_s", "import_s")} | {
