@@ -38,6 +38,7 @@ deploy-configs: $(STAMP)  # re-render deploy/ from orchestrator/deploy/render.py
 	$(BIN)/hetspot deploy render --cloud aws --out deploy/aws/mixed-spot.yaml
 	$(BIN)/hetspot deploy render --cloud kuberay --mix h100:1,a100:2,l4:4,t4:4 --platform gke --rayjob --out deploy/kuberay/gke-spot.yaml
 	$(BIN)/hetspot deploy render --cloud kuberay --mix a100:2,a10g:2,l4:4,t4:4 --platform eks --out deploy/kuberay/eks-spot.yaml
+	$(BIN)/hetspot deploy render --cloud kuberay --mix a100:2,a10g:2,l4:4,t4:4 --platform eks-karpenter --rayjob --out deploy/kuberay/eks-karpenter-spot.yaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -165,7 +165,7 @@ def main() -> None:
         return "; ".join(f"{x.num_samples} samples on " + "+".join(f"{s.tp}x{s.gpu_type}[{s.layer_start}:{s.layer_end}]"
                                                                    for s in x.stages) for x in p.pipelines)
 
-    print(f"slowdowns: {slowdowns(hp, True) | slowdowns(sym, True)}")
+    print(f"slowdowns: {slowdowns(hp, True)[0] | slowdowns(sym, True)[0]}")
     print(f"hetspot plan: {describe(hp)}")
     print(f"symmetric plan: {describe(sym)}\n")
     print("| contender | tokens/s (median) | vs hetspot |")

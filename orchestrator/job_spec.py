@@ -82,7 +82,8 @@ class RuntimeSpec(_Section):
     )
     emulate_speed: bool = Field(
         default=True,
-        description="on fake GPUs, slow each worker by the catalog TFLOPS ratio to the fastest type",
+        description="on fake GPUs (nodes labelled hetspot/fake-gpu=true, as test clusters are), slow each worker by "
+        "the catalog TFLOPS ratio to the fastest type; real GPUs always run at their own speed",
     )
     step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
     collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")
@@ -107,12 +108,26 @@ class RuntimeSpec(_Section):
     tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX); "
                                        "`record`: in the run record's location, so they outlive the head")
     log_every: int = Field(default=10, ge=1, description="workers log a structured line every k steps")
+    torch_threads: int | Literal["auto"] = Field(
+        default="auto", description="CPU threads each worker's torch uses (host-side work: the offloaded optimizer, "
+        "data). auto: the node's CPUs per GPU on real GPU nodes (a g6.12xlarge: 48 / 4 = 12), 1 on fake-GPU test "
+        "nodes, which share small machines")
+
+    @field_validator("torch_threads")
+    @classmethod
+    def _threads(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{v}: use a number of threads >= 1, or auto")
+        return v
     overlap_grad_sync: bool = Field(default=True, description="launch each layer's gradient all-reduce during the "
                                     "last micro-batch's backward (false: after backward; for comparison)")
     notices: Literal["none", "aws", "gcp", "azure"] = Field(
         default="none", description="poll each node's cloud metadata service for spot notices and drain before "
                                     "the deadline; Ray's own drain (`ray drain-node`, autoscaler) is heeded always")
     notice_poll_s: float = Field(default=1.0, gt=0, le=60, description="seconds between two polls of a node")
+    notice_grace_s: float | None = Field(default=None, gt=0, le=600, description="seconds a GCP notice leaves "
+                                         "(it carries no deadline): default a VM's 30 s; GKE spot pods get 15 s "
+                                         "unless their node pool is configured for more")
     meter_memory: bool = Field(default=False, description="count device-resident bytes per step against the GPU's "
                                                           "memory minus train.memory_reserve_gib (slows CPU steps)")
 
@@ -281,7 +296,7 @@ class JobSpec(_Section):
     @model_validator(mode="before")
     @classmethod
     def _old_spellings(cls, data):
-        """Spellings of the previous release, accepted for this one with a FutureWarning saying what to write."""
+        """Spellings of the previous release, accepted for this one (`parse_job` warns, naming the file)."""
         ckpt = data.get("checkpoint") if isinstance(data, dict) else None
         if isinstance(ckpt, dict) and "peer_every" in ckpt:
             runtime = data.get("runtime") if isinstance(data.get("runtime"), dict) else {}
@@ -289,8 +304,6 @@ class JobSpec(_Section):
             if "snapshot_every" in runtime and runtime["snapshot_every"] != every:
                 raise ValueError("checkpoint.peer_every is the old name of runtime.snapshot_every, and the two differ; "
                                  "keep runtime.snapshot_every only")
-            warnings.warn(f"checkpoint.peer_every is now runtime.snapshot_every; write `runtime: {{snapshot_every: "
-                          f"{every}}}` (the old name goes in the next release)", FutureWarning, stacklevel=2)
             data = data | {"checkpoint": {k: v for k, v in ckpt.items() if k != "peer_every"},
                            "runtime": runtime | {"snapshot_every": every}}
         return data
@@ -307,6 +320,19 @@ class JobSpec(_Section):
     @property
     def model_spec(self) -> ModelSpec:
         return self.model.resolve()
+
+    def demand(self) -> FleetSpec | None:
+        """What the job asks a real cluster's autoscaler for: its `fleet:`, else exactly its `cluster:` nodes
+        (each GPU type's count, all of them needed before it trains), else nothing."""
+        if self.fleet is not None or self.cluster is None:
+            return self.fleet
+        by_type: dict[str, list[int]] = {}
+        for n in self.cluster.nodes:
+            by_type.setdefault(n.gpu_type, []).append(n.num_gpus)
+        return FleetSpec(types=[FleetType(gpu_type=t, gpus_per_node=max(g), min_nodes=len(g), max_nodes=len(g),
+                                          market="spot" if any(n.market == "spot" for n in self.cluster.nodes
+                                                               if n.gpu_type == t) else "on-demand")
+                                for t, g in sorted(by_type.items())])
 
 
 def format_validation(path: str, err: ValidationError, what: str = "job file") -> str:
@@ -325,6 +351,11 @@ def format_validation(path: str, err: ValidationError, what: str = "job file") -
 def parse_job(data: object, source: str = "<job>") -> JobSpec:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a job file must be a YAML mapping with model:, train: and cluster: sections")
+    ckpt = data.get("checkpoint")
+    if isinstance(ckpt, dict) and "peer_every" in ckpt:  # the previous release's spelling: one line, this file
+        warnings.warn(f"{source}: checkpoint.peer_every is now runtime.snapshot_every; write `runtime: "
+                      f"{{snapshot_every: {ckpt['peer_every']}}}` (the old name goes in the next release)",
+                      FutureWarning, stacklevel=2)
     try:
         job = JobSpec.model_validate(data)
         job.model_spec  # noqa: B018 - validates the model section (preset + overrides)
@@ -377,6 +408,17 @@ def _side_file(job_path: Path, ref: str, field: str, what: str, inline: str = "g
         raise ConfigError(f"{job_path}: field '{field}': the {what} file {ref!r} ({p}) does not exist; give a path "
                           f"relative to the job file, or {inline}")
     return _read_yaml(p, f"{what} file")
+
+
+def fleet_cluster(job: JobSpec) -> ClusterSpec | None:
+    """The cluster a job's `fleet:` types come to at their most nodes (what `hetspot plan` plans on for a job
+    that asks a cloud for its GPUs); None without fleet types."""
+    from planner.specs import NodeSpec
+
+    if job.fleet is None or not job.fleet.types:
+        return None
+    return ClusterSpec(nodes=[NodeSpec(name=f"{t.gpu_type.lower()}-{i}", gpu_type=t.gpu_type, num_gpus=t.gpus_per_node,
+                                       market=t.market) for t in job.fleet.types for i in range(t.max_nodes)])
 
 
 def require_cluster(job: JobSpec, source: str) -> ClusterSpec:

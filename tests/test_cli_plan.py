@@ -112,6 +112,19 @@ def test_one_name_per_knob_the_old_spelling_is_read_with_a_warning(tmp_path):
     both = {**old, "runtime": {"snapshot_every": 3}}
     res = runner.invoke(app, ["plan", _write(tmp_path, both)])
     assert res.exit_code == 2 and "checkpoint.peer_every is the old name of runtime.snapshot_every" in res.output
+    # what a user sees (issue 49): one line naming the file and the field, no library internals
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = _write(tmp_path, old)
+    r = subprocess.run([str(Path(sys.executable).with_name("hetspot")), "plan", path, "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"warning: {path}: checkpoint.peer_every is now runtime.snapshot_every"), lines
+    assert "pydantic" not in r.stderr and ".py:" not in r.stderr
 
 
 def test_s3_every_counts_steps_and_must_fall_on_snapshots(tmp_path):

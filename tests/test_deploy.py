@@ -27,9 +27,14 @@ AWS_FILES = sorted((DEPLOY / "aws").glob("*.yaml"))
 K8S_FILES = sorted((DEPLOY / "kuberay").glob("*.yaml"))
 RENDERED = {  # more mixes and regions than the shipped files, through the same templates
     "aws-all-types": ("aws", {"mix": ",".join(f"{k.lower()}:1" for k in NODE_KINDS), "region": "eu-west-1"}),
-    "aws-small": ("aws", {"mix": "t4:3", "region": "ap-southeast-2", "install": "git+https://example.org/h.git"}),
+    "aws-small": ("aws", {"mix": "t4:3", "region": "ap-southeast-2", "image": "123.dkr.ecr.ap-southeast-2."
+                          "amazonaws.com/hetspot-node:0.1.0", "ami": "ami-0123456789abcdef0",
+                          "fast_health_checks": True}),
     "k8s-eks-all": ("kuberay", {"mix": ",".join(f"{k.lower()}:2" for k in NODE_KINDS), "platform": "eks"}),
     "k8s-gke": ("kuberay", {"mix": "a100-80gb:1,l4:2", "platform": "gke", "rayjob": True}),
+    "k8s-gke-extended": ("kuberay", {"mix": "l4:2", "platform": "gke", "grace_s": 120, "s3_secret": "hetspot-s3",
+                                     "fast_health_checks": True}),
+    "k8s-karpenter": ("kuberay", {"mix": "l40s:1,a10g:2", "platform": "eks-karpenter", "rayjob": True}),
 }
 
 
@@ -49,7 +54,7 @@ def _clusters():
 
 def test_files_are_shipped():
     assert [p.name for p in AWS_FILES] == ["mixed-spot.yaml"]
-    assert {p.name for p in K8S_FILES} == {"gke-spot.yaml", "eks-spot.yaml"}
+    assert {p.name for p in K8S_FILES} == {"gke-spot.yaml", "eks-spot.yaml", "eks-karpenter-spot.yaml"}
 
 
 @pytest.mark.parametrize("path", AWS_FILES + K8S_FILES, ids=lambda p: p.name)
@@ -71,8 +76,18 @@ def test_aws_config_passes_rays_own_validator(name, config):
         if nt_name != config["head_node_type"]:
             assert nt["node_config"]["InstanceMarketOptions"] == {"MarketType": "spot"}
     start = " ".join(config["head_start_ray_commands"])
-    assert "RAY_AUTH_MODE=token" in start and "health_check_period_ms" in start
+    assert "RAY_AUTH_MODE=token" in start
+    assert ("health_check_period_ms" in start) == (name == "aws-small")  # opt-in (--fast-health-checks)
     assert all("RAY_AUTH_MODE=token" in c for c in config["worker_start_ray_commands"][1:])
+    # one image, nothing installed at launch, a current GPU AMI, a profile per role (deploy/aws/iam/)
+    assert config["docker"]["image"] and config["docker"]["container_name"] and config["setup_commands"] == []
+    assert not any(k in config for k in ("head_setup_commands", "worker_setup_commands", "initialization_commands")
+                   if config.get(k))
+    for nt_name, nt in config["available_node_types"].items():
+        ami = nt["node_config"]["ImageId"]
+        assert ami.startswith("ami-") or ami.startswith("resolve:ssm:/aws/service/deeplearning/"), ami
+        profile = nt["node_config"]["IamInstanceProfile"]["Name"]
+        assert profile == ("hetspot-head" if nt_name == config["head_node_type"] else "hetspot-node")
     # nothing secret: the token is a file mounted from the user's machine, no key or password inline
     assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
     text = yaml.safe_dump(config).lower()
@@ -194,17 +209,22 @@ def test_kuberay_cluster_is_what_the_operator_accepts_and_ray_start_parses(name,
     spec = cluster["spec"]
     assert spec["rayVersion"] and spec["enableInTreeAutoscaling"] is True
     assert spec["authOptions"] == {"mode": "token"}  # the operator gives the token to every container it makes
+    assert spec["autoscalerOptions"]["version"] == "v2" and spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     for group, head in _groups(cluster):
         assert operator_problems(group, head) == [], (name, group.get("groupName"))
         params = ray_start_accepts(operator_command(group, head), tmp_path)
         for c in group["template"]["spec"]["containers"]:
             assert not {e["name"] for e in c.get("env", [])} & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}  # authOptions
+        pod = group["template"]["spec"]
+        secret = [e["secretRef"]["name"] for c in pod["containers"] for e in c.get("envFrom", [])]
+        assert pod.get("serviceAccountName") == "hetspot" or secret, name  # S3 access reaches every pod
         if head:
             assert params["head"] and params["num_gpus"] == 0
-            assert {e["name"] for e in group["template"]["spec"]["containers"][0]["env"]} >= \
-                {"RAY_health_check_period_ms", "RAY_health_check_failure_threshold", "RAY_health_check_timeout_ms"}
-            pod = group["template"]["spec"]
+            health = {"RAY_health_check_period_ms", "RAY_health_check_failure_threshold", "RAY_health_check_timeout_ms"}
+            got = {e["name"] for e in group["template"]["spec"]["containers"][0].get("env", [])}
+            assert (got >= health) == (name == "k8s-gke-extended") and (got & health in (set(), health))
             on_demand = pod.get("nodeSelector", {}).get("eks.amazonaws.com/capacityType") == "ON_DEMAND" or \
+                pod.get("nodeSelector", {}).get("karpenter.sh/capacity-type") == "on-demand" or \
                 {"key": "cloud.google.com/gke-spot", "operator": "DoesNotExist"} in pod["affinity"]["nodeAffinity"][
                     "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
             assert on_demand, name
@@ -222,12 +242,16 @@ def test_kuberay_cluster_is_what_the_operator_accepts_and_ray_start_parses(name,
             machine, vcpus, gb = kind.gke_machine
             assert int(limits["cpu"]) < vcpus and _quantity(limits["memory"]) < gb * 1e9, (machine, limits)
         else:
-            assert sel.get("eks.amazonaws.com/capacityType") == "SPOT"
+            karpenter = "karpenter" in name
+            assert sel.get("karpenter.sh/capacity-type" if karpenter else "eks.amazonaws.com/capacityType") == \
+                ("spot" if karpenter else "SPOT"), name
             assert int(limits["cpu"]) < kind.num_cpus and _quantity(limits["memory"]) < kind.memory_gib * 2**30
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-        stop = container["lifecycle"]["preStop"]["exec"]["command"][-1]
-        assert "ray drain-node" in stop and "DRAIN_NODE_REASON_PREEMPTION" in stop
-        assert pod["terminationGracePeriodSeconds"] > int(re.search(r"--deadline-remaining-seconds (\d+)", stop)[1])
+        assert pod["restartPolicy"] == "Never"  # the v2 autoscaler replaces a failed Ray container's pod
+        assert "lifecycle" not in container  # no drain on every pod deletion (scale-down): notices drain
+        gke = sel.get("cloud.google.com/gke-spot") == "true"
+        want_grace = 120 if name == "k8s-gke-extended" else 15 if gke else 120  # GKE spot pods: 15 s by default
+        assert pod["terminationGracePeriodSeconds"] == want_grace, name
 
 
 def test_the_operator_rules_catch_each_defect_of_the_old_manifests(tmp_path):
@@ -365,3 +389,63 @@ def test_missing_cluster_file_names_the_field(tmp_path):
     job.write_text("model: {preset: tiny}\ntrain: {global_batch: 4}\ncluster: nowhere.yaml\n")
     res = runner.invoke(app, ["plan", str(job)])
     assert res.exit_code == 2 and "field 'cluster'" in res.output and "nowhere.yaml" in res.output
+
+
+def test_speed_emulation_runs_only_on_nodes_whose_gpus_say_they_are_fake():
+    """Issue 42, acceptance 5 (the decision; tests/test_recovery_ray.py shows it on a Ray cluster): a node is fake
+    only with `hetspot/fake-gpu=true`, which no rendered config sets; an unlabelled node is never slowed, and the
+    job file asking for emulation gets one warning naming the real nodes."""
+    from orchestrator.runtime.worker_group import slowdowns
+    from planner import Pipeline, Plan, Stage
+
+    found = RayInventory(lambda: [_ray_node("a" * 56, {"GPU": 1, "accelerator_type:L4": 1},
+                                            {"hetspot/node": "l4", "hetspot/fake-gpu": "true"}),
+                                  _ray_node("b" * 56, {"GPU": 1, "accelerator_type:A100": 1},
+                                            {"hetspot/node": "a100", "hetspot/gpu-type": "A100-80GB"})]).discover()
+    fake = {d.name for d in found if d.fake}
+    assert fake == {"l4"}
+    plan = Plan(model_name="m", num_layers=2, global_batch=4, pipelines=[Pipeline(
+        num_samples=n, micro_batch_size=n, num_micro_batches=1, stages=[Stage(
+            layer_start=0, layer_end=2, gpu_type=g, node=node, devices=[f"{node}/0"])])
+        for n, g, node in ((2, "L4", "l4"), (2, "A100-80GB", "a100"))])
+    slow, warning = slowdowns(plan, True, set(), fake)
+    assert slow["a100"] == 1.0 and slow["l4"] > 2.0
+    assert "ignored on a100" in warning and "l4" not in warning.split(":")[0]
+    assert slowdowns(plan, True, set(), {"l4", "a100"})[1] is None
+    assert slowdowns(plan, False, set(), set()) == ({"l4": 1.0, "a100": 1.0}, None)
+    for _name, config in _aws_configs():  # what a real cluster starts never says it is fake
+        assert not any("hetspot/fake-gpu" in nt.get("labels", {}) for nt in config["available_node_types"].values())
+    for _name, cluster in _clusters():
+        assert not any("hetspot/fake-gpu" in g["labels"] for g in cluster["spec"]["workerGroupSpecs"])
+
+
+def test_a_worker_reads_its_instance_labels_from_imds_inside_the_image(tmp_path):
+    """The AWS workers' `ray start` takes `$(python -m orchestrator.cluster.node_labels)`: IMDSv2's instance id
+    and type as labels, which Ray's own label parser accepts and discovery reads back; without a metadata
+    service it says so in one line and exits 1 (the node starts unlabelled)."""
+    import subprocess
+    import sys
+
+    from ray._private.label_utils import parse_node_labels_string
+
+    from orchestrator.preemption.metadata_server import FakeMetadataServer
+
+    config = _docs(AWS_FILES[0].read_text())[0]
+    assert "$(python -m orchestrator.cluster.node_labels)" in config["worker_start_ray_commands"][-1]
+    imds = FakeMetadataServer(instance_id="i-0abc123", instance_type="g6.12xlarge").start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cluster.node_labels", imds.url], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT)
+    finally:
+        imds.stop()
+    assert r.returncode == 0, r.stderr
+    flag = r.stdout.strip()
+    labels = parse_node_labels_string(flag.removeprefix("--labels="))
+    assert labels == {"hetspot/instance-id": "i-0abc123", "hetspot/instance-type": "g6.12xlarge",
+                      "hetspot/node": "i-0abc123"}
+    node = _ray_node("c" * 56, {"GPU": 4, "accelerator_type:L4": 1}, labels | {"hetspot/gpu-type": "L4"})
+    (found,) = RayInventory(lambda: [node]).discover()
+    assert found.name == found.instance_id == "i-0abc123" and found.instance_type == "g6.12xlarge"
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cluster.node_labels", "http://127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "did not answer" in r.stderr

@@ -369,14 +369,11 @@ def test_a_rendered_aws_config_comes_up_on_the_fake_provider_and_runs_the_job_he
     """Issue 29, acceptance 5: `hetspot deploy render --cloud aws` with its provider swapped for Ray's fake
     multi-node provider (node types, resources, labels and limits kept) comes up as `ray up` brings up a head:
     the config is the head's ~/ray_bootstrap_config.yaml, the auth token is the file it mounts, and the
-    rendered `head_start_ray_commands` run through bash with the autoscaler-v2 environment `ray up` adds. The
-    nodes' Python has exactly what the config's setup command installs and no hetspot. `hetspot submit
+    rendered `head_start_ray_commands` run through bash with the autoscaler-v2 environment `ray up` adds. Nothing
+    is installed at launch, and the nodes' Python has no hetspot. `hetspot submit
     --address` ships hetspot; the job's fleet asks the autoscaler for a t4-spot node, which comes up with the
     rendered resources and labels, and the job trains with the 1-device run's losses."""
-    import shlex
-
     import yaml
-    from packaging.requirements import Requirement
     from ray.autoscaler._private.fake_multi_node.node_provider import (
         FAKE_HEAD_NODE_ID,
         FAKE_HEAD_NODE_TYPE,
@@ -391,12 +388,9 @@ def test_a_rendered_aws_config_comes_up_on_the_fake_provider_and_runs_the_job_he
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(rendered.read_text())
-    # The nodes' interpreter satisfies every requirement of the setup command (`pip install -U REQ ...`).
-    reqs = [Requirement(a) for a in shlex.split(cfg["setup_commands"][0])[3:]]
-    check = ("import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))")
-    got = json.loads(subprocess.run([str(bin_dir / "python"), "-c", check, *[q.name for q in reqs]], check=True,
-                                    capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout)
-    assert all(q.specifier.contains(got[q.name], prereleases=True) for q in reqs), (reqs, got)
+    # Nothing is installed at launch: the nodes run the image (here, an interpreter with Ray, torch and
+    # hetspot's dependencies but no hetspot: the job ships hetspot itself).
+    assert cfg["setup_commands"] == [] and cfg["docker"]["image"]
 
     head = RealHead(tmp_path, auth=True, bin_dir=bin_dir)  # its HOME holds ~/.ray/auth_token, as mounted
     head.url = "http://127.0.0.1:8265"  # the rendered head's dashboard port

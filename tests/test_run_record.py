@@ -16,8 +16,10 @@ JOB = {"name": "rec", "model": {"preset": "tiny"}, "train": {"global_batch": 8},
 
 
 def _row(s: int, loss: float) -> dict:
+    """A committed step's row as the controller gives it (the job's length is the record's, not the row's: a
+    `steps` key here once hid a KeyError of `status` on every real local record)."""
     return {"step": s, "loss": loss, "tokens_per_s": 1000.0 + s, "step_time_s": 0.5, "mfu": None, "restarts": 1,
-            "steps": 2500, "peer_step": max(s - 2, 0)}
+            "peer_step": max(s - 2, 0)}
 
 
 def write_run(location: str, steps: int, endpoint: str | None = None, clock=None) -> RunRecordWriter:
@@ -98,6 +100,7 @@ def test_status_history_and_plot_from_a_run_record(tmp_path):
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
     assert "peer copies: step 27 (2 steps old)" in out  # the newest row's peer_step (write_run: two behind)
+    assert "step 30/2500: loss" in out  # the job's length from the record's summary
     assert "30 steps committed, 2470 left" in out and "2 steps redone" in out and "re-plan at step 9" in out
     assert "committed steps" in out and "9.9667" in out  # the history table: step 1's loss
     res = runner.invoke(app, ["status", where, "--history", "--json"])

@@ -8,24 +8,29 @@ from pathlib import Path
 import typer
 
 from orchestrator.deploy.fleet import DEFAULT_GKE_MIX, DEFAULT_MIX
-from orchestrator.deploy.render import DEFAULT_IMAGE, DEFAULT_INSTALL
+from orchestrator.deploy.render import DEFAULT_AMI, DEFAULT_IMAGE
 
 deploy_app = typer.Typer(no_args_is_help=True, help="Spot-fleet configs for Ray's AWS launcher and KubeRay.")
 
 
-def render_command(cloud: str, mix: str, region: str, platform: str, install: str, image: str, rayjob: bool) -> str:
+def render_command(cloud: str, mix: str, region: str, platform: str, image: str, rayjob: bool,
+                   ami: str = DEFAULT_AMI, grace_s: int | None = None, s3_secret: str | None = None,
+                   fast_health_checks: bool = False) -> str:
     """The command line that renders these options: the header of the file, and how to re-render it."""
     cmd = f"hetspot deploy render --cloud {cloud} --mix {mix}"
     if cloud == "aws":
-        cmd += f" --region {region}" + (f" --install {install}" if install else "")
+        cmd += f" --region {region}" + (f" --ami {ami}" if ami != DEFAULT_AMI else "")
     else:
-        cmd += f" --platform {platform}" + (f" --image {image}" if image != DEFAULT_IMAGE else "")
+        cmd += f" --platform {platform}" + (f" --grace-s {grace_s}" if grace_s is not None else "")
+        cmd += f" --s3-secret {s3_secret}" if s3_secret else ""
         cmd += " --rayjob" if rayjob else ""
-    return cmd
+    cmd += f" --image {image}" if image != DEFAULT_IMAGE else ""
+    return cmd + (" --fast-health-checks" if fast_health_checks else "")
 
 
 def render_text(cloud: str, mix: str | None = None, region: str = "us-east-1", platform: str = "gke",
-                install: str = DEFAULT_INSTALL, image: str = DEFAULT_IMAGE, rayjob: bool = False) -> str:
+                image: str = DEFAULT_IMAGE, rayjob: bool = False, ami: str = DEFAULT_AMI, grace_s: int | None = None,
+                s3_secret: str | None = None, fast_health_checks: bool = False) -> str:
     from orchestrator.deploy.fleet import MixError
     from orchestrator.deploy.render import aws_config, kuberay_cluster, kuberay_job, to_yaml
     from orchestrator.errors import ConfigError
@@ -33,15 +38,18 @@ def render_text(cloud: str, mix: str | None = None, region: str = "us-east-1", p
     try:
         if cloud == "aws":
             mix = mix or DEFAULT_MIX
-            docs = aws_config(mix, region, install)
+            docs = aws_config(mix, region, image, ami=ami, fast_health_checks=fast_health_checks)
         elif cloud == "kuberay":
             mix = mix or (DEFAULT_GKE_MIX if platform == "gke" else DEFAULT_MIX)
-            docs = [kuberay_cluster(mix, platform, image)] + (kuberay_job() if rayjob else [])
+            docs = [kuberay_cluster(mix, platform, image, grace_s=grace_s, s3_secret=s3_secret,
+                                    fast_health_checks=fast_health_checks)]
+            docs += kuberay_job(platform=platform, grace_s=grace_s) if rayjob else []
         else:
             raise ConfigError(f"--cloud {cloud!r} must be 'aws' or 'kuberay'")
     except MixError as e:
         raise ConfigError(str(e)) from None
-    return to_yaml(docs, render_command(cloud, mix, region, platform, install, image, rayjob))
+    return to_yaml(docs, render_command(cloud, mix, region, platform, image, rayjob, ami, grace_s, s3_secret,
+                                        fast_health_checks))
 
 
 def render(
@@ -49,26 +57,35 @@ def render(
     mix: str | None = typer.Option(None, "--mix", help="most worker nodes per GPU type, like 'a100:2,l4:4,t4:2' "
                                    f"(default {DEFAULT_MIX}; on GKE, which has no A10G, {DEFAULT_GKE_MIX})"),
     region: str = typer.Option("us-east-1", "--region", help="AWS region (aws only)"),
-    platform: str = typer.Option("gke", "--platform", help="gke or eks: the spot node selectors (kuberay only)"),
-    install: str = typer.Option(DEFAULT_INSTALL, "--install",
-                                help="an extra pip requirement for the nodes (aws), e.g. a hetspot wheel to have the "
-                                     "`hetspot` command on the head; jobs ship hetspot themselves"),
-    image: str = typer.Option(DEFAULT_IMAGE, "--image", help="container image with hetspot (kuberay)"),
+    platform: str = typer.Option("gke", "--platform", help="gke, eks (managed node groups) or eks-karpenter "
+                                 "(Karpenter or EKS Auto Mode): the spot node selectors (kuberay only)"),
+    image: str = typer.Option(DEFAULT_IMAGE, "--image", help="the node image built from deploy/image/Dockerfile and "
+                              "pushed to your registry (every node runs it)"),
+    ami: str = typer.Option(DEFAULT_AMI, "--ami", help="aws: the machine image (an ami-... id, or resolve:ssm:NAME); "
+                            "the default is AWS's current Deep Learning Base GPU AMI by its public SSM parameter"),
+    grace_s: int | None = typer.Option(None, "--grace-s", min=1, max=600, help="kuberay: seconds a spot pod gets "
+                                       "after its notice (default: GKE 15, EKS 120); the job's drain deadline"),
+    s3_secret: str | None = typer.Option(None, "--s3-secret", help="kuberay: a Secret with AWS_ACCESS_KEY_ID and "
+                                         "AWS_SECRET_ACCESS_KEY for S3, instead of the `hetspot` service account"),
+    fast_health_checks: bool = typer.Option(False, "--fast-health-checks", help="declare a lost node dead in about "
+                                            "2 s instead of Ray's 14 s (measured on one host only)"),
+    install: str | None = typer.Option(None, "--install", hidden=True),
     rayjob: bool = typer.Option(False, "--rayjob", help="kuberay: add a RayJob whose entry point is hetspot's driver "
                                                         "(an example job; edit its runtimeEnvYAML)"),
     out: str | None = typer.Option(None, "--out", help="write to this file instead of standard output"),
 ) -> None:
     """Write a spot-fleet config for your GPU mix, from the same templates as the files in deploy/."""
-    if out and not Path(out).resolve().parent.is_dir():
-        from orchestrator.errors import ConfigError
+    from orchestrator.errors import ConfigError
 
+    if install is not None:
+        raise ConfigError("--install is gone: nodes no longer install anything at launch. Build the node image "
+                          "(docker build -f deploy/image/Dockerfile .), push it, and pass --image REGISTRY/NAME:TAG")
+    if out and not Path(out).resolve().parent.is_dir():
         raise ConfigError(f"--out {out}: the directory {str(Path(out).parent)!r} does not exist; create it first "
                           "(nothing was written)")
     if out and Path(out).is_dir():
-        from orchestrator.errors import ConfigError
-
         raise ConfigError(f"--out {out} is a directory; name the file to write, e.g. {Path(out) / 'cluster.yaml'}")
-    text = render_text(cloud, mix, region, platform, install, image, rayjob)
+    text = render_text(cloud, mix, region, platform, image, rayjob, ami, grace_s, s3_secret, fast_health_checks)
     if out:
         Path(out).write_text(text)
         typer.echo(f"wrote {out}", err=True)

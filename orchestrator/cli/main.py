@@ -394,7 +394,16 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning for the user (a deprecated field, a setting ignored) as one line on stderr: what it says names
+    the file and the field, never the library line that raised it."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
+    import warnings
+
+    warnings.showwarning = _one_line_warning
     app()
 
 

@@ -133,8 +133,12 @@ def print_status(ref: str, st: dict, console: Console) -> None:
     if st.get("phase"):
         console.print(f"  phase: {st['phase']}")
     if p:
-        console.print(f"  step {p['step'] + 1}/{p['steps']}: loss {p['loss']:.4f}, {p['tokens_per_s']:,.0f} tokens/s, "
-                      f"MFU {format_mfu(p.get('mfu'))}, step {p['step_time_s']:.2f} s, {p['restarts']} re-plans")
+        # a driver's row names the job's length; a run record's row does not (its summary does)
+        total = p.get("steps") or ((summ or {}).get("committed_steps", 0) + (summ or {}).get("steps_left", 0)) or None
+        of = f"/{total}" if total else ""
+        console.print(f"  step {p['step'] + 1}{of}: loss {p['loss']:.4f}, {p.get('tokens_per_s', 0):,.0f} tokens/s, "
+                      f"MFU {format_mfu(p.get('mfu'))}, step {p.get('step_time_s', 0):.2f} s, "
+                      f"{p.get('restarts', 0)} re-plans")
         if p.get("peer_step") is not None:
             console.print(f"  peer copies: step {p['peer_step']} ({p['step'] - p['peer_step']} steps old)")
         if "upload_lag_steps" in p:

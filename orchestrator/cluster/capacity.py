@@ -29,10 +29,22 @@ def ray_capacity(job, now: Callable[[], float]) -> Capacity:
     return Capacity(fleet, ray_side.count_up, ray_side.request, now, ray_side.withdraw, rechoose=rechoose)
 
 
+def demand_bundles(demand: dict[str, int], gpus: dict[str, int], resource: dict[str, str]):
+    """(bundles, their label selectors) for `request_resources`: one whole node per bundle, of the GPU type's
+    resource shape, on a node labelled with exactly that type."""
+    from orchestrator.cluster.labels import LABEL_GPU_TYPE
+
+    types = [t for t, n in sorted(demand.items()) for _ in range(n)]
+    return ([{"GPU": gpus[t], f"accelerator_type:{resource[t]}": 1} for t in types],
+            [{LABEL_GPU_TYPE: t} for t in types])
+
+
 class RayAutoscaler:
     """The executor on Ray: counts GPU nodes by type (discovery) and states demand with request_resources, one
     bundle per node: its GPUs and the `accelerator_type:<T>` resource its nodes carry (`ray_resource`, default
-    the name Ray itself gives that GPU: A100, L4, T4, ...)."""
+    the name Ray itself gives that GPU: A100, L4, T4, ...), and a label selector on `hetspot/gpu-type`, so the
+    autoscaler launches the flavour asked for where two share Ray's name (A100-40GB and A100-80GB are both
+    `A100`: without the selector an A100-80GB demand could start an A100-40GB node)."""
 
     def __init__(self, fleet):
         self.gpus: dict[str, int] = {}
@@ -60,10 +72,9 @@ class RayAutoscaler:
     def request(self, demand: dict[str, int]) -> None:
         from ray.autoscaler.sdk import request_resources
 
-        bundles = [{"GPU": self.gpus[t], f"accelerator_type:{self.resource[t]}": 1}
-                   for t, n in sorted(demand.items()) for _ in range(n)]
+        bundles, selectors = demand_bundles(demand, self.gpus, self.resource)
         log.info("asking the autoscaler for %s", ", ".join(f"{n}x {t}" for t, n in sorted(demand.items()) if n))
-        request_resources(bundles=bundles)
+        request_resources(bundles=bundles, bundle_label_selectors=selectors)
 
     def withdraw(self) -> None:
         from ray.autoscaler.sdk import request_resources

@@ -3,7 +3,9 @@
 `RayInventory(nodes_fn)`: per alive Ray node, the GPU count, the GPU type (the
 `accelerator_type:<T>` resource Ray sets on GPU nodes, or a `hetspot/gpu-type`
 / `ray.io/accelerator-type` label), market, zone, node name, instance type and
-id from labels, the address and Ray's node id. `nodes_fn` defaults to
+id from labels, the address, Ray's node id, and whether its GPUs are fake
+(`hetspot/fake-gpu=true`: the embedded and test clusters set it; speed emulation
+runs only there). `nodes_fn` defaults to
 `ray.nodes`; the CLI passes the dashboard's State API for an http address.
 EC2 facts are added by `orchestrator/cluster/ec2.py`.
 """
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.cluster.labels import LABEL_FAKE_GPU
 from planner.catalog import CATALOG, canonical_gpu_type
 from planner.specs import ClusterSpec, NodeSpec
 
@@ -31,6 +34,8 @@ class DiscoveredNode:
     gpu_mem_gib: float | None = None
     price_per_hour: float | None = None
     node_id: str = ""  # Ray's node id: placement pins bundles to it (label ray.io/node-id)
+    fake: bool = False  # its GPUs are pretend (LABEL_FAKE_GPU): the only nodes where speed is emulated
+    num_cpus: int = 0  # the CPUs Ray counts on the node
 
     def to_spec(self) -> NodeSpec:
         return NodeSpec(name=self.name, gpu_type=self.gpu_type, num_gpus=self.num_gpus,
@@ -84,6 +89,7 @@ class RayInventory:
                 instance_id=labels.get("hetspot/instance-id") or labels.get("ray.io/instance-id"),
                 instance_type=labels.get("hetspot/instance-type") or labels.get("ray.io/instance-type"),
                 node_id=n["NodeID"],
+                fake=labels.get(LABEL_FAKE_GPU) == "true", num_cpus=int(res.get("CPU", 0)),
             ))
         return sorted(out, key=lambda d: d.name)
 
@@ -97,6 +103,11 @@ def _short(node_id: str) -> str:
 def node_ids(nodes_fn: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, str]:
     """Node name (as discovery names it) -> Ray node id, for the alive GPU nodes."""
     return {d.name: d.node_id for d in RayInventory(nodes_fn).discover()}
+
+
+def fake_gpu_nodes(nodes_fn: Callable[[], list[dict[str, Any]]] | None = None) -> set[str]:
+    """The alive GPU nodes (as discovery names them) whose GPUs say they are fake."""
+    return {d.name for d in RayInventory(nodes_fn).discover() if d.fake}
 
 
 def to_cluster_spec(nodes: list[DiscoveredNode], calibration: dict[str, float] | None = None) -> ClusterSpec:

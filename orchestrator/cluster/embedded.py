@@ -2,7 +2,8 @@
 
 Each job node becomes a Ray node advertising `num_gpus`, the resource
 `accelerator_type:<TYPE>` (as Ray sets on real GPU nodes), and labels for GPU
-type, market and node name (discovery reads the name from `hetspot/node`).
+type, market and node name (discovery reads the name from `hetspot/node`), and
+`hetspot/fake-gpu=true`: its GPUs are pretend, so speed emulation may run there.
 Health checks are tuned so a removed node is declared dead in about a second.
 The dashboard binds to 127.0.0.1 only.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from orchestrator.cluster.labels import LABEL_FAKE_GPU
 from planner.specs import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class EmbeddedCluster:
         return self.cluster.add_node(
             num_cpus=n.num_gpus, num_gpus=n.num_gpus, **extra,
             resources={f"accelerator_type:{n.gpu_type}": 1},
-            labels={"hetspot/gpu-type": n.gpu_type, "hetspot/market": n.market, "hetspot/node": n.name} | (labels or {}),
+            labels={"hetspot/gpu-type": n.gpu_type, "hetspot/market": n.market, "hetspot/node": n.name,
+                    LABEL_FAKE_GPU: "true"} | (labels or {}),
         )
 
     def remove(self, name: str) -> None:

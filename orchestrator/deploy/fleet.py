@@ -15,9 +15,14 @@ AWS_REGIONS = ("us-east-1", "us-east-2", "us-west-1", "us-west-2", "ca-central-1
                "eu-west-2", "eu-west-3", "sa-east-1", "ap-northeast-1", "ap-northeast-2", "ap-northeast-3",
                "ap-southeast-1", "ap-southeast-2")
 
-# Label keys hetspot's discovery reads (orchestrator/cluster/discovery.py).
-LABEL_GPU_TYPE, LABEL_MARKET, LABEL_NODE = "hetspot/gpu-type", "hetspot/market", "hetspot/node"
-LABEL_INSTANCE_ID, LABEL_INSTANCE_TYPE = "hetspot/instance-id", "hetspot/instance-type"
+# Label keys hetspot's discovery reads (orchestrator/cluster/labels.py, named here for the renderer).
+from orchestrator.cluster.labels import (  # noqa: E402, F401
+    LABEL_GPU_TYPE,
+    LABEL_INSTANCE_ID,
+    LABEL_INSTANCE_TYPE,
+    LABEL_MARKET,
+    LABEL_NODE,
+)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ exercise their real HTTP code (moto's IMDS answers 500 for these paths):
     returns a token; `GET /latest/meta-data/spot/instance-action` and
     `GET /latest/meta-data/events/recommendations/rebalance` need it in
     `X-aws-ec2-metadata-token` (401 without) and answer 404 until a notice is on;
+    `GET /latest/meta-data/instance-id` and `.../instance-type` answer the node's own
+    (what a node's start command reads for its labels);
   - GCP: `GET /computeMetadata/v1/instance/preempted` with `Metadata-Flavor: Google`
     answers `FALSE` or `TRUE`;
   - Azure Scheduled Events: `GET /metadata/scheduledevents?api-version=...` with
@@ -28,8 +30,10 @@ def iso(t: datetime) -> str:
 
 
 class FakeMetadataServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, instance_id: str = "i-0fake0000000000001",
+                 instance_type: str = "g6.12xlarge"):
         self.tokens: set[str] = set()
+        self.instance = {"instance-id": instance_id, "instance-type": instance_type}
         self.spot_action: dict | None = None
         self.rebalance: dict | None = None
         self.gcp_preempted = False
@@ -56,6 +60,9 @@ class FakeMetadataServer:
                 if path.startswith("/latest/"):
                     if self.headers.get("X-aws-ec2-metadata-token") not in server.tokens:
                         return self._send(401, "")
+                    name = path.removeprefix("/latest/meta-data/")
+                    if name in server.instance:
+                        return self._send(200, server.instance[name])
                     body = {"/latest/meta-data/spot/instance-action": server.spot_action,
                             "/latest/meta-data/events/recommendations/rebalance": server.rebalance}.get(path)
                     return self._send(200, json.dumps(body)) if body else self._send(404, "Not Found")

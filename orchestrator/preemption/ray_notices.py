@@ -62,8 +62,10 @@ class NoticePoller:
 
 
 class RayNotices:
-    def __init__(self, cloud: str | None, interval_s: float = 1.0, clock: Clock | None = None):
+    def __init__(self, cloud: str | None, interval_s: float = 1.0, clock: Clock | None = None,
+                 grace_s: float | None = None):
         self.cloud, self.interval_s = cloud, interval_s
+        self.grace_s = grace_s  # a GCP notice carries no deadline: the platform's grace (GKE spot pods: 15 s)
         self.clock = clock or SystemClock()
         self.pollers: dict[str, object] = {}
         self.reported: set[str] = set()
@@ -86,6 +88,10 @@ class RayNotices:
                 name=None).remote(self.cloud, n["labels"].get(LABEL_METADATA_URL), self.interval_s)
 
     def _to_notice(self, node: str, source: str, deadline_unix: float) -> Notice:
+        if source == "gcp" and self.grace_s is not None:  # the poller assumed a VM's 30 s from when it read it
+            from orchestrator.preemption.notices import GCP_NOTICE_S
+
+            deadline_unix += self.grace_s - GCP_NOTICE_S
         return Notice(node=node, deadline_s=self.clock.now() + (deadline_unix - time.time()), source=source)
 
     def _read(self, names: list[str], method: str) -> list[Notice]:

@@ -50,14 +50,23 @@ class TrainResult:
     real_gpus: bool = False  # every worker computed on CUDA (else fake GPUs: no MFU)
 
 
-def slowdowns(plan: Plan, emulate: bool, declared: set[str] = frozenset()) -> dict[str, float]:
-    """Per GPU type: how much slower than the fastest type of the plan or of the job's declared nodes
-    (so a plan on slow GPUs runs slower than one that adds a fast node later), by catalog TFLOPS."""
-    types = {st.gpu_type for p in plan.pipelines for st in p.stages}
+def slowdowns(plan: Plan, emulate: bool, declared: set[str] = frozenset(),
+              fake_nodes: set[str] | None = None) -> tuple[dict[str, float], str | None]:
+    """Per node of the plan: how much slower its GPUs run than the fastest type of the plan or of the job's
+    declared nodes (so a plan on slow GPUs runs slower than one that adds a fast node later), by catalog TFLOPS;
+    and a warning, or None. Emulation runs only on nodes whose GPUs say they are fake (`fake_nodes`, labelled
+    `hetspot/fake-gpu=true` by the embedded and test clusters; None: every node): a real GPU runs at its own
+    speed whatever the job file says (slowing it would make hetspot lose to every system on real hardware)."""
+    nodes = {st.node: st.gpu_type for p in plan.pipelines for st in p.stages}
     if not emulate:
-        return {t: 1.0 for t in types}
-    fastest = max(gpu_info(t).peak_tflops for t in types | set(declared))
-    return {t: fastest / gpu_info(t).peak_tflops for t in types}
+        return dict.fromkeys(nodes, 1.0), None
+    real = sorted(n for n in nodes if fake_nodes is not None and n not in fake_nodes)
+    fastest = max(gpu_info(t).peak_tflops for t in set(nodes.values()) | set(declared))
+    out = {n: 1.0 if n in real else fastest / gpu_info(t).peak_tflops for n, t in nodes.items()}
+    warning = (f"runtime.emulate_speed is ignored on {', '.join(real)}: its GPUs are real (no "
+               "hetspot/fake-gpu=true label), so they run at their own speed; drop emulate_speed from the job "
+               "file to silence this") if real else None
+    return out, warning
 
 
 def stage_rows(plan: Plan, ranks: list, time_s: list[float], mem: list[int]) -> list[dict]:
@@ -107,11 +116,11 @@ class WorkerPool:
         self.idle.remove(best)
         return best
 
-    def start_warm(self, job: JobSpec, node: str, node_id: str) -> None:
+    def start_warm(self, job: JobSpec, node: str, node_id: str, threads: int = 1) -> None:
         """Start a worker on one GPU of `node` that joins no group yet (TrainWorker with no plan): its process,
         imports and device context are ready when a plan's rank takes it."""
         pg = _gpu_pg(node_id)
-        actor = _new_worker(job, pg, None, -1, 1.0)
+        actor = _new_worker(job, pg, None, -1, 1.0, threads)
         self.warm.append(Kept(actor, pg, node, (0, 0), 0, -1, actor.ready.remote()))
 
     def warm_ready(self) -> bool:
@@ -140,7 +149,18 @@ def _gpu_pg(node_id: str):
     return placement_group([{"GPU": 1}], strategy="STRICT_PACK", bundle_label_selector=[{"ray.io/node-id": node_id}])
 
 
-def _new_worker(job: JobSpec, pg, plan_json: str | None, rank: int, slowdown: float):
+def torch_threads(job: JobSpec, node) -> int:
+    """CPU threads for a worker on `node` (a DiscoveredNode, or None when unknown): the job's number, or with auto
+    the node's CPUs per GPU on a real GPU node (host-side optimizer and data work use them) and 1 on a fake one."""
+    want = job.runtime.torch_threads
+    if want != "auto":
+        return int(want)
+    if node is None or node.fake or not node.num_gpus:
+        return 1
+    return max(1, node.num_cpus // node.num_gpus)
+
+
+def _new_worker(job: JobSpec, pg, plan_json: str | None, rank: int, slowdown: float, threads: int = 1):
     """A TrainWorker process in placement group `pg`: rank `rank` of `plan_json`, or warm (no plan) with None."""
     from workers.actor import TrainWorker
 
@@ -148,7 +168,7 @@ def _new_worker(job: JobSpec, pg, plan_json: str | None, rank: int, slowdown: fl
         num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
     ).remote(plan_json, rank, job.model_spec.model_dump_json(), job.train.model_dump_json(), job.data.model_dump(),
              job.runtime.dtype, slowdown, job.runtime.log_every, job.runtime.meter_memory,
-             job.runtime.overlap_grad_sync)
+             job.runtime.overlap_grad_sync, threads)
 
 
 def _end(actor, pg) -> None:
@@ -178,15 +198,20 @@ class PlanRun:
         except PlanContractError as e:
             raise WorkerFailure("start-up", f"refusing to start a plan that breaks the plan contract: {e}",
                                 FailureKind.DETERMINISTIC) from None
-        from orchestrator.cluster.discovery import node_ids
+        from orchestrator.cluster.discovery import RayInventory, node_ids
 
-        ids = node_ids()
+        found = RayInventory().discover()
+        ids = {d.name: d.node_id for d in found}
+        by_name = {d.name: d for d in found}
         missing = sorted(set(self.plan.nodes()) - set(ids))
         if missing:
             raise WorkerFailure("start-up", f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
                             f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST)
         declared = {n.gpu_type for n in self.job.cluster.nodes} if self.job.cluster else set()
-        slow = slowdowns(self.plan, self.job.runtime.emulate_speed, declared)
+        slow, warning = slowdowns(self.plan, self.job.runtime.emulate_speed, declared,
+                                  {d.name for d in found if d.fake})
+        if warning:
+            log.warning(warning)
         plan_json = self.plan.model_dump_json()
         spans = layout.rank_spans(self.plan)
         joined = []
@@ -199,11 +224,12 @@ class PlanRun:
                     if kept is not None:
                         self.workers.append(kept.actor)
                         self.pgs.append(kept.pg)
-                        joined.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.gpu_type]))
+                        joined.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.node]))
                         continue
                     pg = _gpu_pg(ids[st.node])
                     self.pgs.append(pg)
-                    self.workers.append(_new_worker(self.job, pg, plan_json, rank, slow[st.gpu_type]))
+                    self.workers.append(_new_worker(self.job, pg, plan_json, rank, slow[st.node],
+                                                    torch_threads(self.job, by_name.get(st.node))))
         if joined:
             warm = sum(1 for k in self.kept if k is not None and k.ready is not None)
             log.info("%d of %d workers stay in their processes, %d take a warm worker; %d start",
@@ -462,11 +488,12 @@ class RayWorkerGroup:
 
     def _warm(self, want: Counter, most: int) -> int:
         """Start up to `most` warm workers so that each node has `want[node]` processes of this job."""
-        from orchestrator.cluster.discovery import node_ids
+        from orchestrator.cluster.discovery import RayInventory
 
         if most <= 0:  # runtime.warm_workers: 0 (the default), or as many as asked already wait: no cluster query
             return 0
-        ids = node_ids()
+        found = {d.name: d for d in RayInventory().discover()}
+        ids = {name: d.node_id for name, d in found.items()}
         have = Counter(r.node for r in self.run.ranks if self.run.workers) + Counter(
             k.node for k in self.pool.idle + self.pool.warm)
         started = 0
@@ -474,7 +501,7 @@ class RayWorkerGroup:
             for _ in range(n - have[node]):
                 if started >= most or node not in ids:
                     break
-                self.pool.start_warm(self.run.job, node, ids[node])
+                self.pool.start_warm(self.run.job, node, ids[node], torch_threads(self.run.job, found[node]))
                 started += 1
         if started:
             log.info("started %d warm worker(s) on %s", started, ", ".join(sorted({k.node for k in self.pool.warm})))
