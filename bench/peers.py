@@ -610,7 +610,12 @@ def main() -> None:
                     help=f"ray-train-tuned's worker-group start timeout, s ({START_TIMEOUT_VAR}; Ray's default 60)")
     ap.add_argument("--hetero", type=int, default=3, help="heterogeneous (layout change) kills of hetspot")
     ap.add_argument("--json", default=None, help="also write the summary here")
+    ap.add_argument("-v", action="store_true", help="show moto's request log, Ray's echo of the injected failures "
+                    "and the systems' recovery warnings")
     args = ap.parse_args()
+    from bench.quiet import quiet
+
+    quiet(args.v)
     try:
         import torchft  # noqa: F401
         from ray import train  # noqa: F401

@@ -243,7 +243,12 @@ def main() -> None:
     ap.add_argument("--reshard-trials", type=int, default=3, help="layout-change kill trials per recovery path")
     ap.add_argument("--big-hidden", type=int, default=384, help="hidden size of the larger model of the tier comparison")
     ap.add_argument("--only-tiers", action="store_true", help="only the tier comparison (no kill, scale-up or notice)")
+    ap.add_argument("-v", action="store_true", help="show moto's request log, Ray's echo of the injected failures "
+                    "and hetspot's recovery warnings")
     args = ap.parse_args()
+    from bench.quiet import quiet
+
+    quiet(args.v)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -141,7 +141,7 @@ def test_cli_exports_a_jobs_s3_checkpoint_for_transformers(tmp_path, monkeypatch
     with moto_s3("jobs") as url:
         store = S3Checkpoints("s3://jobs/llama", url)
         for step, scale in ((1, 0.5), (2, 1.0)):  # the newest step is the one exported
-            store.save(step, {n: {"param": t * scale, "exp_avg": torch.zeros_like(t), "exp_avg_sq": None}
+            store.save(step, {n: {"param": t * scale, "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
                               for n, t in params.items()}, 3.0, {"model": LLAMA.model_dump()})
         out = tmp_path / "hf"
         r = CliRunner().invoke(app, ["checkpoints", "export", "s3://jobs/llama", "--endpoint-url", url,

@@ -7,6 +7,9 @@ step under any plan sees the same data: none lost, none repeated.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -61,14 +64,52 @@ class _Windowed:
         self.tokens, self.vocab_size, self.seq_len, self.seed = tokens, vocab_size, seq_len, seed
         self.source = source
 
-    def batch(self, indices: range) -> torch.Tensor:
+    def batch(self, indices: range, pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
+        """The samples' windows; with `pool`, read side by side (one ranged GET each on S3: they cannot be merged
+        into one request, the windows lie anywhere in the file)."""
         span = len(self.tokens) - self.seq_len - 1
-        rows = []
-        for o in ((((i + 1) * _MIX) ^ self.seed) % (1 << 61) % span for i in indices):
-            row = np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-            check_window(row, self.vocab_size, self.source, o)
-            rows.append(row)
+        offsets = [(((i + 1) * _MIX) ^ self.seed) % (1 << 61) % span for i in indices]
+        rows = list(pool.map(self._window, offsets)) if pool is not None else [self._window(o) for o in offsets]
         return torch.from_numpy(np.stack(rows))
+
+    def _window(self, o: int) -> np.ndarray:
+        row = np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
+        check_window(row, self.vocab_size, self.source, o)
+        return row
+
+
+class ReadAhead:
+    """A remote dataset (S3) read ahead of the step: `prefetch(ranges)` starts reading micro-batches on a thread
+    (their windows side by side on a pool of `window_threads`), `batch(r)` hands one over once it is in, so the
+    step's forward never waits on S3's first-byte latency when it was asked for early enough. Batches are kept
+    in a bounded LRU (`keep`): a redone step after a recovery reads them again from memory. The data stays a
+    function of the sample index: the same batches, wherever and whenever they are read."""
+
+    def __init__(self, inner: _Windowed, window_threads: int = 16, keep: int = 64):
+        self.inner, self.vocab_size, self.keep = inner, inner.vocab_size, keep
+        self._windows = ThreadPoolExecutor(window_threads, thread_name_prefix="hetspot-data")
+        self._batches = ThreadPoolExecutor(2, thread_name_prefix="hetspot-readahead")
+        self._got: OrderedDict[tuple[int, int], Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def prefetch(self, ranges: list[range]) -> None:
+        for r in ranges:
+            self._future(r)
+
+    def _future(self, r: range) -> Future:
+        key = (r.start, r.stop)
+        with self._lock:
+            fut = self._got.get(key)
+            if fut is None:
+                fut = self._got[key] = self._batches.submit(self.inner.batch, r, self._windows)
+                while len(self._got) > self.keep:
+                    self._got.popitem(last=False)
+            else:
+                self._got.move_to_end(key)
+            return fut
+
+    def batch(self, indices: range) -> torch.Tensor:
+        return self._future(indices).result()
 
 
 class TextFile(_Windowed):
@@ -99,7 +140,9 @@ def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: 
     if kind == "text":
         if not is_s3(path):  # a local file is read whole here anyway; S3 windows are checked as they are read
             check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
-        return TextFile(path, seq_len, seed, vocab_size, endpoint_url)
+            return TextFile(path, seq_len, seed, vocab_size, endpoint_url)
+        return ReadAhead(TextFile(path, seq_len, seed, vocab_size, endpoint_url))
     if kind == "tokens":
-        return TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url)
+        tokens = TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url)
+        return ReadAhead(tokens) if is_s3(path) else tokens
     raise ValueError(f"unknown data kind {kind!r}; use synthetic, text or tokens")

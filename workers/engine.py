@@ -291,6 +291,10 @@ class Engine(GradSync, OptimizerState):
         start = step_index * big_b + self.plan.sample_offsets()[self.info.pipeline]
         sizes = self.pipe.micro_batch_sizes()
         starts = [start + sum(sizes[:j]) for j in range(len(sizes))]
+        reads = self.first or self.last  # only these stages consume tokens (inputs, targets); middle ones never read
+        if reads and hasattr(self.data, "prefetch"):  # remote data: this step's micro-batches and the next step's,
+            self.data.prefetch([range(a, a + n) for a, n in zip(starts, sizes, strict=True)]  # read ahead of use
+                               + [range(a + big_b, a + big_b + n) for a, n in zip(starts, sizes, strict=True)])
         recv_act, send_act, recv_grad, send_grad = self.peers
         h = self.model.hidden_size
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -305,7 +309,7 @@ class Engine(GradSync, OptimizerState):
                 self._final_bwd = i == last_b
                 t_op = time.perf_counter()
                 if kind == "F":
-                    tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device)
+                    tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device) if reads else None
                     if self.first:
                         inp = tokens[:, :-1]
                     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 import numpy as np
 
@@ -36,9 +37,11 @@ class S3Array:
             raise DataError(f"data.path {uri!r} must look like s3://BUCKET/KEY (a bucket name of 3-63 lowercase "
                             "letters, digits, dots or dashes, then the object's key)")
         self.uri, self.bucket, self.key, self.dtype = uri, m.group(1), m.group(2), np.dtype(dtype)
-        self.client = client or new_s3_client(endpoint_url)
+        self.client = client or new_s3_client(endpoint_url)  # boto3 clients are safe to share between threads
         self.size_bytes = self._head(endpoint_url)
         self.bytes_read = 0
+        self.requests = 0
+        self._count = threading.Lock()
 
     def _head(self, endpoint_url: str | None) -> int:
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -74,7 +77,9 @@ class S3Array:
             return np.empty(0, dtype=self.dtype)
         first, last = start * self.dtype.itemsize, stop * self.dtype.itemsize - 1
         body = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={first}-{last}")["Body"].read()
-        self.bytes_read += len(body)
+        with self._count:
+            self.bytes_read += len(body)
+            self.requests += 1
         return np.frombuffer(body, dtype=self.dtype)
 
 

@@ -133,10 +133,13 @@ class S3FaultProxy:
                     self._answer(500, error_document("InternalError"))
                     return
                 self.send_response(status)
+                length = str(len(data))
                 for k, v in resp_headers:
-                    if k.lower() not in HOP_BY_HOP and k.lower() != "content-length":
+                    if k.lower() == "content-length" and self.command == "HEAD":
+                        length = v  # a HEAD's answer has no body: its length is the object's
+                    elif k.lower() not in HOP_BY_HOP and k.lower() != "content-length":
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
