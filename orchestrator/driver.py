@@ -58,6 +58,11 @@ def main() -> int:
     except ConfigError as e:
         _print(f"hetspot driver: {e}", True)
         return 2
+    bad = _unservable(job)
+    if bad:
+        _print(f"hetspot driver: the cluster's autoscaler cannot start what the job asks for: {'; '.join(bad)}; "
+               "change the job's fleet: or render the cluster for it (hetspot deploy render --from-job)", True)
+        return 2
     job_id = os.environ.get(ENV_ID, "local")
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
     if job.demand() is None and not any(n.get("Alive") and n.get("Resources", {}).get("GPU") for n in ray.nodes()):
@@ -109,6 +114,26 @@ def main() -> int:
     _print(f"hetspot: done: {len(summary['losses'])} steps, loss {summary['losses'][0]:.4f} -> "
            f"{summary['losses'][-1]:.4f}, {summary['restarts']} re-plans; run record: {summary['run_record']}")
     return 0
+
+
+def _unservable(job) -> list[str]:
+    """What of the job's demand the cluster's autoscaler config (a `ray up` head's ~/ray_bootstrap_config.yaml)
+    has no node type for; empty when it serves all, or when there is no such file (KubeRay, a hand-made cluster)."""
+    from pathlib import Path
+
+    demand = job.demand()
+    path = Path(os.environ.get("HETSPOT_AUTOSCALER_CONFIG", "~/ray_bootstrap_config.yaml")).expanduser()
+    if demand is None or not demand.types or not path.is_file():
+        return []
+    import yaml
+
+    from orchestrator.cluster.capacity import unservable
+
+    try:
+        types = (yaml.safe_load(path.read_text()) or {}).get("available_node_types") or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    return unservable(demand, types)
 
 
 def _withdraw(job) -> None:

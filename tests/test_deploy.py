@@ -291,7 +291,15 @@ def test_rayjob_runs_the_driver_as_its_entrypoint():
     assert job["clusterSelector"] == {"ray.io/cluster": docs["RayCluster"]["metadata"]["name"]}
     assert docs["RayCluster"]["spec"]["authOptions"]["mode"] == "token"  # the submitter gets the token
     env = yaml.safe_load(job["runtimeEnvYAML"])["env_vars"]
-    parse_job(json.loads(env[ENV_JOB]), "the RayJob's job")  # a valid job
+    spec = parse_job(json.loads(env[ENV_JOB]), "the RayJob's job")  # a valid job
+    assert spec.fleet is not None and spec.fleet.types  # it asks for its own GPUs: no worker runs until it does
+    # GKE: the job heeds the node's notice with the deadline the pods get (15 s), within their grace period
+    pods = [g["template"]["spec"] for g in docs["RayCluster"]["spec"]["workerGroupSpecs"]]
+    assert spec.runtime.notices == "gcp" and spec.runtime.notice_grace_s == 15
+    assert all(p["terminationGracePeriodSeconds"] >= spec.runtime.notice_grace_s for p in pods)
+    karpenter = {d["kind"]: d for d in _docs((DEPLOY / "kuberay" / "eks-karpenter-spot.yaml").read_text())}
+    eks_job = parse_job(json.loads(yaml.safe_load(karpenter["RayJob"]["spec"]["runtimeEnvYAML"])["env_vars"][ENV_JOB]))
+    assert eks_job.runtime.notices == "aws" and eks_job.runtime.notice_grace_s is None  # EC2's notice has a time
 
 
 @pytest.mark.parametrize("platform", ["gke", "eks"])
@@ -449,3 +457,57 @@ def test_a_worker_reads_its_instance_labels_from_imds_inside_the_image(tmp_path)
     r = subprocess.run([sys.executable, "-m", "orchestrator.cluster.node_labels", "http://127.0.0.1:9"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "did not answer" in r.stderr
+
+
+def test_a_jobs_fleet_renders_exactly_its_instance_types_and_counts(tmp_path):
+    """Issue 42, acceptance 7: `deploy render --from-job` emits the node types and most counts the job's fleet
+    asks for: the fleet its `auto:` chooses from the shipped catalog, instance type for instance type (a 1-GPU
+    g6.xlarge choice is a g6.xlarge node type, not the 4-GPU default), or its types at max_nodes."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from orchestrator.control.fleet_choice import choose
+    from orchestrator.job_spec import load_job
+
+    def workers(text: str) -> dict[str, int]:
+        cfg = _docs(text)[0]
+        validate_config(prepare_config(copy.deepcopy(cfg)))
+        return {nt["node_config"]["InstanceType"]: nt["max_workers"] for name, nt in cfg["available_node_types"].items()
+                if name != cfg["head_node_type"]}
+
+    job = ROOT / "examples" / "fleet-auto.yaml"
+    chosen = dict(choose(load_job(job))[0].best.fleet)
+    res = runner.invoke(app, ["deploy", "render", "--cloud", "aws", "--from-job", str(job)])
+    assert res.exit_code == 0, res.output
+    assert workers(res.stdout) == chosen, (chosen, res.stdout[:500])
+    typed = tmp_path / "typed.yaml"
+    typed.write_text(yaml.safe_dump({"model": {"preset": "small"}, "train": {"global_batch": 32}, "fleet": {"types": [
+        {"gpu_type": "L4", "gpus_per_node": 1, "max_nodes": 3}, {"gpu_type": "T4", "gpus_per_node": 4, "max_nodes": 2}]}}))
+    res = runner.invoke(app, ["deploy", "render", "--cloud", "aws", "--from-job", str(typed)])
+    assert res.exit_code == 0, res.output
+    assert workers(res.stdout) == {"g6.xlarge": 3, "g4dn.12xlarge": 2}
+
+
+def test_a_fleet_no_node_type_can_serve_is_refused_when_the_job_is_checked(tmp_path):
+    """Issue 42, acceptance 7: a fleet type that no shipped node type serves (an L4 node of 3 GPUs) exits 2 at
+    render; on a cluster, the driver checks the job's demand against the autoscaler's own node types (a `ray up`
+    head's ~/ray_bootstrap_config.yaml) and exits 2 in one line before it connects, not after fleet.wait_s."""
+    import os
+    import subprocess
+    import sys
+
+    from orchestrator.runtime.progress_lines import ENV_JOB
+
+    odd = tmp_path / "odd.yaml"
+    odd.write_text(yaml.safe_dump({"model": {"preset": "small"}, "train": {"global_batch": 32},
+                                   "fleet": {"types": [{"gpu_type": "L4", "gpus_per_node": 3, "max_nodes": 1}]}}))
+    res = runner.invoke(app, ["deploy", "render", "--cloud", "aws", "--from-job", str(odd)])
+    assert res.exit_code == 2 and "no shipped node type serves L4 nodes of 3 GPUs" in " ".join(res.output.split())
+    job = {"name": "v100-job", "model": {"preset": "tiny"}, "train": {"global_batch": 8},
+           "fleet": {"types": [{"gpu_type": "V100-16GB", "gpus_per_node": 4, "max_nodes": 1}], "wait_s": 900}}
+    env = os.environ | {ENV_JOB: json.dumps(job), "HETSPOT_AUTOSCALER_CONFIG": str(AWS_FILES[0]),
+                        "RAY_ADDRESS": "127.0.0.1:9"}  # nothing listens there: the check comes first
+    r = subprocess.run([sys.executable, "-m", "orchestrator.driver"], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    line = r.stderr.strip().splitlines()[-1]
+    assert "cannot start what the job asks for: V100-16GB nodes of 4 GPUs" in line and "Traceback" not in r.stderr

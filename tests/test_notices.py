@@ -63,3 +63,22 @@ def test_unreachable_service_is_no_notice(monkeypatch):
                         real(url, headers, timeout_s, *a))
     assert poll("aws", "http://127.0.0.1:9", timeout_s=0.5) is None
     assert calls == [0.5]
+
+
+def test_a_gcp_notice_gets_the_platforms_grace_when_the_job_says_it():
+    """GCP's notice carries no deadline: a GCE VM has about 30 s, a GKE spot pod 15 s (runtime.notice_grace_s,
+    which the KubeRay render for GKE sets). AWS's own time is kept whatever the setting."""
+    import time
+
+    from orchestrator.preemption.notices import GCP_NOTICE_S
+    from orchestrator.preemption.ray_notices import RayNotices
+
+    class Clock:
+        def now(self):
+            return 100.0
+
+    now = time.time()
+    vm = RayNotices(None, clock=Clock())._to_notice("n", "gcp", now + GCP_NOTICE_S)
+    gke = RayNotices(None, clock=Clock(), grace_s=15)._to_notice("n", "gcp", now + GCP_NOTICE_S)
+    aws = RayNotices(None, clock=Clock(), grace_s=15)._to_notice("n", "aws", now + 120)
+    assert abs(vm.deadline_s - 130) < 1 and abs(gke.deadline_s - 115) < 1 and abs(aws.deadline_s - 220) < 1

@@ -28,14 +28,51 @@ def render_command(cloud: str, mix: str, region: str, platform: str, image: str,
     return cmd + (" --fast-health-checks" if fast_health_checks else "")
 
 
+def kinds_for_fleet(job_file: str) -> tuple[list, str]:
+    """The node kinds and counts a job's `fleet:` asks for (its types at max_nodes, or the fleet its `auto:` chooses
+    from its catalog, instance type for instance type), and the same as a --mix string for the file's header.
+    ConfigError (exit 2) when the job asks for nothing or no shipped node type serves a type."""
+    from orchestrator.deploy.fleet import MixError, instance_kind, kind_for
+    from orchestrator.errors import ConfigError
+    from orchestrator.job_spec import load_job
+
+    job = load_job(job_file)
+    if job.fleet is None:
+        raise ConfigError(f"--from-job {job_file}: the job has no fleet: section; render from a job that asks for "
+                          "its GPUs, or give --mix")
+    try:
+        if job.fleet.auto is not None:
+            from orchestrator.control.fleet_choice import choose
+            from planner import PlanningError
+
+            try:
+                choice, _ = choose(job)
+            except PlanningError as e:
+                raise ConfigError(f"{job_file}: field 'fleet.auto': {e}") from None
+            kinds = [(instance_kind(name), n) for name, n in choice.best.fleet]
+        else:
+            kinds = [(kind_for(t.gpu_type, t.gpus_per_node), t.max_nodes) for t in job.fleet.types]
+    except MixError as e:
+        raise ConfigError(f"--from-job {job_file}: {e}") from None
+    return kinds, ",".join(f"{k.instance_type}:{n}" for k, n in kinds)
+
+
 def render_text(cloud: str, mix: str | None = None, region: str = "us-east-1", platform: str = "gke",
                 image: str = DEFAULT_IMAGE, rayjob: bool = False, ami: str = DEFAULT_AMI, grace_s: int | None = None,
-                s3_secret: str | None = None, fast_health_checks: bool = False) -> str:
+                s3_secret: str | None = None, fast_health_checks: bool = False, from_job: str | None = None) -> str:
     from orchestrator.deploy.fleet import MixError
     from orchestrator.deploy.render import aws_config, kuberay_cluster, kuberay_job, to_yaml
     from orchestrator.errors import ConfigError
 
+    if from_job is not None and (cloud != "aws" or mix is not None):
+        raise ConfigError("--from-job renders the AWS config of a job's fleet (--cloud aws, without --mix)")
     try:
+        if from_job is not None:
+            kinds, _ = kinds_for_fleet(from_job)
+            docs = aws_config(kinds, region, image, ami=ami, fast_health_checks=fast_health_checks)
+            header = render_command(cloud, "", region, platform, image, rayjob, ami, grace_s, s3_secret,
+                                    fast_health_checks).replace(" --mix ", f" --from-job {from_job}", 1)
+            return to_yaml(docs, header)
         if cloud == "aws":
             mix = mix or DEFAULT_MIX
             docs = aws_config(mix, region, image, ami=ami, fast_health_checks=fast_health_checks)
@@ -69,6 +106,8 @@ def render(
                                          "AWS_SECRET_ACCESS_KEY for S3, instead of the `hetspot` service account"),
     fast_health_checks: bool = typer.Option(False, "--fast-health-checks", help="declare a lost node dead in about "
                                             "2 s instead of Ray's 14 s (measured on one host only)"),
+    from_job: str | None = typer.Option(None, "--from-job", help="aws: render exactly the node types and counts the "
+                                        "job's fleet: asks for (its types, or the fleet its auto: chooses)"),
     install: str | None = typer.Option(None, "--install", hidden=True),
     rayjob: bool = typer.Option(False, "--rayjob", help="kuberay: add a RayJob whose entry point is hetspot's driver "
                                                         "(an example job; edit its runtimeEnvYAML)"),
@@ -85,7 +124,8 @@ def render(
                           "(nothing was written)")
     if out and Path(out).is_dir():
         raise ConfigError(f"--out {out} is a directory; name the file to write, e.g. {Path(out) / 'cluster.yaml'}")
-    text = render_text(cloud, mix, region, platform, image, rayjob, ami, grace_s, s3_secret, fast_health_checks)
+    text = render_text(cloud, mix, region, platform, image, rayjob, ami, grace_s, s3_secret, fast_health_checks,
+                       from_job)
     if out:
         Path(out).write_text(text)
         typer.echo(f"wrote {out}", err=True)

@@ -29,6 +29,24 @@ def ray_capacity(job, now: Callable[[], float]) -> Capacity:
     return Capacity(fleet, ray_side.count_up, ray_side.request, now, ray_side.withdraw, rechoose=rechoose)
 
 
+def unservable(fleet, node_types: dict) -> list[str]:
+    """The fleet's types no node type of an autoscaler config (`available_node_types`) can serve: none carries
+    the type's `hetspot/gpu-type` label with at least its GPUs per node and room for a node (max_workers > 0).
+    Each as a sentence naming the type and what the config has; empty when every type can come."""
+    from orchestrator.cluster.labels import LABEL_GPU_TYPE
+
+    out = []
+    for t in fleet.types:
+        same = {name: nt for name, nt in node_types.items() if (nt.get("labels") or {}).get(LABEL_GPU_TYPE) == t.gpu_type}
+        fits = [name for name, nt in same.items() if nt.get("resources", {}).get("GPU", 0) >= t.gpus_per_node
+                and nt.get("max_workers", 0) > 0]
+        if not fits:
+            have = ", ".join(f"{name} ({nt.get('resources', {}).get('GPU', 0)} GPUs, at most "
+                             f"{nt.get('max_workers', 0)})" for name, nt in sorted(same.items())) or "none"
+            out.append(f"{t.gpu_type} nodes of {t.gpus_per_node} GPUs (the cluster's {t.gpu_type} node types: {have})")
+    return out
+
+
 def demand_bundles(demand: dict[str, int], gpus: dict[str, int], resource: dict[str, str]):
     """(bundles, their label selectors) for `request_resources`: one whole node per bundle, of the GPU type's
     resource shape, on a node labelled with exactly that type."""

@@ -55,6 +55,48 @@ NODE_KINDS: dict[str, NodeKind] = {k.gpu_type: k for k in [
     NodeKind("V100-16GB", "p3.8xlarge", 4, 32, "V100", "nvidia-tesla-v100", 244, ("n1-standard-32", 32, 120)),
 ]}
 
+# EC2 GPU instance sizes (AWS's instance type pages): name -> (GPU type, GPUs, vCPUs, GiB). A fleet chosen from a
+# catalog, or a job's fleet types, render to exactly these instance types (`kinds_for_fleet`).
+EC2_SIZES: dict[str, tuple[str, int, int, int]] = {
+    "g4dn.xlarge": ("T4", 1, 4, 16), "g4dn.2xlarge": ("T4", 1, 8, 32), "g4dn.12xlarge": ("T4", 4, 48, 192),
+    "g4dn.metal": ("T4", 8, 96, 384),
+    "g5.xlarge": ("A10G", 1, 4, 16), "g5.2xlarge": ("A10G", 1, 8, 32), "g5.12xlarge": ("A10G", 4, 48, 192),
+    "g5.48xlarge": ("A10G", 8, 192, 768),
+    "g6.xlarge": ("L4", 1, 4, 16), "g6.2xlarge": ("L4", 1, 8, 32), "g6.12xlarge": ("L4", 4, 48, 192),
+    "g6.48xlarge": ("L4", 8, 192, 768),
+    "g6e.xlarge": ("L40S", 1, 4, 32), "g6e.12xlarge": ("L40S", 4, 48, 384), "g6e.48xlarge": ("L40S", 8, 192, 1536),
+    "p3.2xlarge": ("V100-16GB", 1, 8, 61), "p3.8xlarge": ("V100-16GB", 4, 32, 244),
+    "p3.16xlarge": ("V100-16GB", 8, 64, 488),
+    "p4d.24xlarge": ("A100-40GB", 8, 96, 1152), "p4de.24xlarge": ("A100-80GB", 8, 96, 1152),
+    "p5.48xlarge": ("H100-SXM", 8, 192, 2048),
+}
+
+
+def instance_kind(name: str) -> NodeKind:
+    """The node kind of one EC2 instance type (its GPU type's Ray name; no GKE machine)."""
+    if name not in EC2_SIZES:
+        raise MixError(f"instance type {name!r} is not in hetspot's deploy table; use one of "
+                       f"{', '.join(sorted(EC2_SIZES))}")
+    gpu, gpus, vcpus, mem = EC2_SIZES[name]
+    return NodeKind(gpu, name, gpus, vcpus, NODE_KINDS[gpu].ray_accelerator, None, mem)
+
+
+def kind_for(gpu_type: str, gpus_per_node: int) -> NodeKind:
+    """The node kind serving nodes of `gpus_per_node` GPUs of `gpu_type`: the deploy table's default instance when
+    its GPU count matches, else the smallest listed size with that count; MixError when none has it."""
+    default = NODE_KINDS.get(gpu_type)
+    if default is not None and default.num_gpus == gpus_per_node:
+        return default
+    sizes = sorted((v[2], k) for k, v in EC2_SIZES.items() if v[0] == gpu_type and v[1] == gpus_per_node)
+    if not sizes:
+        have = sorted({v[1] for v in EC2_SIZES.values() if v[0] == gpu_type})
+        raise MixError(f"no shipped node type serves {gpu_type} nodes of {gpus_per_node} GPUs "
+                       + (f"(the deploy table has {gpu_type} nodes of {', '.join(map(str, have))} GPUs): set "
+                          "gpus_per_node to one of those" if have else f"(the deploy table has no {gpu_type} "
+                          "instance): choose another GPU type"))
+    return instance_kind(sizes[0][1])
+
+
 DEFAULT_MIX = "h100:1,a100:2,a10g:2,l4:4,t4:4"
 DEFAULT_GKE_MIX = "h100:1,a100:2,l4:4,t4:4"  # GKE has no A10G
 

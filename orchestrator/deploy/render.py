@@ -53,7 +53,12 @@ NOTICES = {"gke": "gcp", "eks": "aws"}  # the metadata service a platform's pods
 
 
 def _group_name(kind: NodeKind) -> str:
-    return f"{kind.slug}-spot"
+    """`l4-spot` for the deploy table's node of a GPU type; `l4-g6-xlarge-spot` for another size of it."""
+    from orchestrator.deploy.fleet import NODE_KINDS
+
+    if NODE_KINDS.get(kind.gpu_type) == kind:
+        return f"{kind.slug}-spot"
+    return f"{kind.slug}-{kind.instance_type.replace('.', '-')}-spot"
 
 
 def _worker_labels(kind: NodeKind) -> dict[str, str]:
@@ -70,14 +75,16 @@ def _ray_resources(kind: NodeKind) -> dict[str, int]:
 NODE_LABELS = "$(python -m orchestrator.cluster.node_labels)"
 
 
-def aws_config(mix: str, region: str = "us-east-1", image: str = DEFAULT_IMAGE, cluster_name: str = "hetspot-spot",
+def aws_config(mix: str | list[tuple[NodeKind, int]], region: str = "us-east-1", image: str = DEFAULT_IMAGE,
+               cluster_name: str = "hetspot-spot",
                head_profile: str = HEAD_PROFILE, node_profile: str = NODE_PROFILE, ami: str = DEFAULT_AMI,
                fast_health_checks: bool = False) -> dict:
     """Ray's cluster launcher config. Every node runs `image` through the launcher's `docker:` section on `ami`
     (nothing installed at launch); the head runs with `head_profile` (launch the workers, pass the node role) and
     the workers with `node_profile` (the bucket only): deploy/aws/iam/ has both policies. `max_workers` per type
-    is the mix's count and `min_workers` 0: hetspot's own demand (the job's `fleet:` or `cluster:`) starts them."""
-    kinds = parse_mix(mix)
+    is the mix's count and `min_workers` 0: hetspot's own demand (the job's `fleet:` or `cluster:`) starts them.
+    `mix` is a --mix string or the node kinds and counts themselves (a job's fleet: `kinds_for_fleet`)."""
+    kinds = parse_mix(mix) if isinstance(mix, str) else mix
     check_region(region)
 
     def on(profile: str) -> dict:
