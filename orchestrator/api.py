@@ -74,7 +74,8 @@ def load_catalog(path: str | Path):
 
 
 def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path | Catalog, objective: str = "cost",
-               budget_per_hour: float | None = None, progress=None) -> dict[str, Any]:
+               budget_per_hour: float | None = None, progress=None, min_tokens_per_s: float | None = None,
+               deadline_h: float | None = None) -> dict[str, Any]:
     """`hetspot plan --fleet auto`: choose the fleet to request from a catalog and plan on it (planner/fleet.py).
     Returns plan_job's result for the chosen fleet, with a `fleet` section: the choice beside the next best two
     and the best single-type fleet."""
@@ -83,22 +84,33 @@ def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path | Catalog, ob
     catalog = catalog_path if isinstance(catalog_path, Catalog) else load_catalog(catalog_path)
     if budget_per_hour is not None and (not budget_per_hour > 0 or budget_per_hour == float("inf")):
         raise ConfigError(f"--budget {budget_per_hour} must be a positive $/h")
+    for flag, v in (("--min-tokens-per-s", min_tokens_per_s), ("--deadline-h", deadline_h)):
+        if v is not None and not (0 < v < float("inf")):
+            raise ConfigError(f"{flag} {v} must be a positive number")
+    if min_tokens_per_s is not None and deadline_h is not None:
+        raise ConfigError("give one of --min-tokens-per-s or --deadline-h (a deadline sets the floor)")
+    if deadline_h is not None:  # the job's tokens within the deadline: a floor on what the fleet delivers
+        from planner.specs import tokens_per_step
+
+        min_tokens_per_s = tokens_per_step(job.model_spec, job.train.global_batch) * job.steps / (deadline_h * 3600)
     try:
-        choice = choose_fleet(catalog, job.model_spec, job.train, objective, budget_per_hour, progress)
+        choice = choose_fleet(catalog, job.model_spec, job.train, objective, budget_per_hour, progress,
+                              min_tokens_per_s)
     except PlanningError as e:
         raise ConfigError(f"{source}: {e}") from None
 
     def row(o, label):
         return {"label": label, "fleet": [{"type": name, "nodes": n} for name, n in o.fleet],
                 "price_per_hour": o.price_per_hour, "cost_per_mtok": o.cost_per_mtok, "tokens_per_s": o.tokens_per_s,
-                "preemption_loss": o.plan.estimate.preemption_loss}
+                "effective_tokens_per_s": o.effective_tokens_per_s, "preemption_loss": o.plan.estimate.preemption_loss}
 
     rows = [row(choice.best, "chosen")] + [row(o, f"next best {i}") for i, o in enumerate(choice.runners_up, 1)]
     if choice.best_single is not None:
         rows.append(row(choice.best_single, "best single type"))
     out = plan_job(job.model_copy(update={"cluster": catalog.cluster(choice.best.fleet)}), source,
                    objective, best=choice.best.plan)
-    out["fleet"] = {"objective": objective, "budget_per_hour": budget_per_hour, "options": rows,
+    out["fleet"] = {"objective": objective, "budget_per_hour": budget_per_hour, "min_tokens_per_s": min_tokens_per_s,
+                    "options": rows,
                     "fleets_planned": choice.planned, "fleets_within_limits": choice.space}
     return out
 

@@ -7,7 +7,11 @@ dearest per token once preemptions are paid. Here a catalog lists instance types
 limits (nodes per type, GPUs per GPU type, how many types one fleet mixes), and
 `choose_fleet` picks the fleet and its plan that minimise $ per million tokens
 (risk-aware: `evaluate`'s cost_per_mtok charges each expected preemption's
-recovery) or maximise tokens/s under a $/h budget.
+recovery), at or above a throughput floor if one is given (`min_tokens_per_s`:
+a deadline for the job's tokens comes to one), or maximise the tokens/s a fleet
+delivers after its expected preemptions (`effective_tokens_per_s`, the same risk
+model) under a $/h budget: a cheap pool that is taken away every twenty minutes
+does not win on its raw speed.
 
 Every candidate fleet is planned by the trusted planner (`Planner`, its cost
 caches shared across fleets). The fleets are searched, not enumerated: every
@@ -136,6 +140,12 @@ class Option:
     cost_per_mtok: float
     tokens_per_s: float
 
+    @property
+    def effective_tokens_per_s(self) -> float:
+        """What the fleet delivers after its expected preemptions (the plan's `preemption_loss`: the share of wall
+        time its recoveries take)."""
+        return self.tokens_per_s * (1.0 - self.plan.estimate.preemption_loss)
+
     def describe(self) -> str:
         return " + ".join(f"{n}x {name}" for name, n in self.fleet)
 
@@ -171,11 +181,12 @@ class FleetSearch:
     """Plans candidate fleets (each once) and ranks them by the objective."""
 
     def __init__(self, catalog: Catalog, model: ModelSpec, train: TrainSpec, objective: str = "cost",
-                 budget_per_hour: float | None = None, progress: Callable[[int], None] | None = None):
+                 budget_per_hour: float | None = None, progress: Callable[[int], None] | None = None,
+                 min_tokens_per_s: float | None = None):
         if objective not in ("cost", "throughput"):
             raise ValueError(f"objective {objective!r} must be 'cost' or 'throughput'")
         self.catalog, self.model, self.train = catalog, model, train
-        self.objective, self.budget = objective, budget_per_hour
+        self.objective, self.budget, self.floor = objective, budget_per_hour, min_tokens_per_s
         self.progress = progress
         self._planner = Planner(model, train)
         self._seen: dict[Fleet, Option | None] = {}
@@ -207,10 +218,14 @@ class FleetSearch:
             self.progress(len(self._seen))
         return got
 
+    def meets(self, o: Option) -> bool:
+        return self.floor is None or o.effective_tokens_per_s >= self.floor * (1 - 1e-9)
+
     def key(self, o: Option) -> tuple:
-        if self.objective == "cost":
-            return (o.cost_per_mtok, -o.tokens_per_s, o.fleet)
-        return (-o.tokens_per_s, o.cost_per_mtok, o.fleet)
+        if self.objective == "cost":  # a fleet below the floor ranks after every one above it, nearest first
+            short = 0.0 if self.meets(o) else self.floor - o.effective_tokens_per_s
+            return (short, o.cost_per_mtok, -o.effective_tokens_per_s, o.fleet)
+        return (-o.effective_tokens_per_s, o.cost_per_mtok, o.fleet)
 
     def _neighbours(self, fleet: Fleet) -> list[Fleet]:
         counts = dict(fleet)
@@ -253,6 +268,12 @@ class FleetSearch:
             found.setdefault(o.fleet, o)
         if not found:
             raise PlanningError(self._nothing_fits())
+        if not self.meets(next(iter(found.values()))):
+            fastest = max(found.values(), key=lambda o: o.effective_tokens_per_s)
+            raise PlanningError(f"no fleet found delivers {self.floor:,.0f} tokens/s after its preemptions "
+                                f"(--min-tokens-per-s or --deadline-h); the fastest, {fastest.describe()}, delivers "
+                                f"{fastest.effective_tokens_per_s:,.0f}: lower the floor, extend the deadline, or "
+                                "raise the catalog's max_nodes")
         ranked = list(found.values())
         single = [o for o in ranked if len(o.fleet) == 1]
         return FleetChoice(best=ranked[0], runners_up=ranked[1:3], best_single=single[0] if single else None,
@@ -278,8 +299,11 @@ class FleetSearch:
 
 def choose_fleet(catalog: Catalog, model: ModelSpec, train: TrainSpec, objective: str = "cost",
                  budget_per_hour: float | None = None,
-                 progress: Callable[[int], None] | None = None) -> FleetChoice:
-    """The fleet to request and its plan (see the module doc). Raises PlanningError when none fits."""
+                 progress: Callable[[int], None] | None = None, min_tokens_per_s: float | None = None) -> FleetChoice:
+    """The fleet to request and its plan (see the module doc). Raises PlanningError when none fits, or none
+    meets `min_tokens_per_s` (effective, after preemptions)."""
+    if min_tokens_per_s is not None and not (math.isfinite(min_tokens_per_s) and min_tokens_per_s > 0):
+        raise PlanningError(f"min_tokens_per_s {min_tokens_per_s} must be a positive number of tokens/s")
     if budget_per_hour is not None:
         if not math.isfinite(budget_per_hour) or budget_per_hour <= 0:
             raise PlanningError(f"budget_per_hour {budget_per_hour} must be a positive $/h")
@@ -287,4 +311,4 @@ def choose_fleet(catalog: Catalog, model: ModelSpec, train: TrainSpec, objective
         if budget_per_hour < cheapest:
             raise PlanningError(f"budget {budget_per_hour:g} $/h (--budget) is below the cheapest fleet (one instance, "
                                 f"${cheapest:g}/h); raise the budget")
-    return FleetSearch(catalog, model, train, objective, budget_per_hour, progress).run()
+    return FleetSearch(catalog, model, train, objective, budget_per_hour, progress, min_tokens_per_s).run()

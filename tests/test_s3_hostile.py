@@ -182,27 +182,28 @@ def test_the_tier_restore_refuses_a_step_with_a_missing_piece_whether_listed_or_
     assert 3 in store.bad_steps  # broken: its redo may replace it
     assert_holds(new, 2)
     # gone between the listing and the read (a lifecycle rule at that moment): refused when read, the same way
-    _, s3b, store, _ = trained(proxy.url, "restore-404")
-    key = s3b.manifest(3)["units"]["layer2"]["pieces"][0]["key"]
-    proxy.fail("GET", key=key.split("/", 1)[1], code="NoSuchKey")
+    r, store = restore_with_a_read_refused(proxy, "restore-404", "layer2", "NoSuchKey")
+    assert r["step"] == 2 and r["refused_steps"] == [3] and "not in the bucket" in r["refused"]["3"]
+    assert 3 in store.bad_steps
+
+
+def restore_with_a_read_refused(proxy, prefix: str, unit: str, code: str):
+    """Train 4 steps to S3 through the proxy, then restore on a fresh node (S3 only) while the proxy answers
+    `code` to the read of `unit`'s piece of step 3; (the restore's report, the state plane). Step 2 is restored."""
+    _, s3a, store, _ = trained(proxy.url, prefix)
+    key = s3a.manifest(3)["units"][unit]["pieces"][0]["key"]
+    proxy.fail("GET", key=key.split("/", 1)[1], code=code)
     new = LocalGroup(NEW, LocalCalls(["a"]))
     store.calls, _ = new.calls, store.keepers.clear()
     r = store.restore(new)
-    assert r["step"] == 2 and r["refused_steps"] == [3] and "not in the bucket" in r["refused"]["3"]
-    assert 3 in store.bad_steps
     assert_holds(new, 2)
+    return r, store
 
 
 def test_a_read_denied_refuses_the_step_for_this_restore_but_never_marks_it_for_deletion(s3, proxy):
-    _, s3a, store, _ = trained(proxy.url, "restore-denied")
-    key = s3a.manifest(3)["units"]["layer1"]["pieces"][0]["key"]
-    proxy.fail("GET", key=key.split("/", 1)[1], code="AccessDenied")
-    new = LocalGroup(NEW, LocalCalls(["a"]))
-    store.calls, _ = new.calls, store.keepers.clear()
-    r = store.restore(new)
+    r, store = restore_with_a_read_refused(proxy, "restore-denied", "layer1", "AccessDenied")
     assert r["step"] == 2 and "AccessDenied" in r["refused"]["3"]
     assert 3 not in store.bad_steps  # S3 refused a read: the step may be fine, it is never deleted for it
-    assert_holds(new, 2)
 
 
 def test_a_workers_own_error_is_not_blamed_on_s3_and_does_not_loop(s3):

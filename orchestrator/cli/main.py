@@ -62,8 +62,13 @@ def plan(
                               "instance types, how many) together with its plan; the job's cluster: is not used"),
     catalog: str = typer.Option(None, "--catalog", help="YAML catalog of instance types with prices and "
                                 "preemption rates (examples/catalog-aws.yaml); with --fleet auto"),
-    budget: float = typer.Option(None, "--budget", help="$/h the fleet may cost; with --fleet auto (with "
-                                 "--objective throughput: the most tokens/s within it)"),
+    budget: str = typer.Option(None, "--budget", help="$/h the fleet may cost; with --fleet auto (with "
+                               "--objective throughput: the most tokens/s within it, after preemptions)"),
+    min_tokens_per_s: str = typer.Option(None, "--min-tokens-per-s", help="with --fleet auto and the cost "
+                                         "objective: the cheapest fleet per token that delivers at least this many "
+                                         "tokens/s after its expected preemptions"),
+    deadline_h: str = typer.Option(None, "--deadline-h", help="with --fleet auto and the cost objective: the job's "
+                                   "steps done within this many hours (a floor on tokens/s, after preemptions)"),
 ) -> None:
     """Plan asymmetric DP/PP/TP for the job's cluster and compare with baselines; or, with --fleet auto,
     choose the fleet to ask for as well."""
@@ -74,8 +79,10 @@ def plan(
         raise ConfigError(f"--objective {objective!r} must be 'throughput' or 'cost'")
     if fleet is not None and fleet != "auto":
         raise ConfigError(f"--fleet {fleet!r}: the one value is auto (choose the fleet from --catalog)")
-    if fleet is None and (catalog is not None or budget is not None):
-        raise ConfigError("--catalog and --budget choose a fleet: add --fleet auto")
+    budget, min_tokens_per_s, deadline_h = (_number(flag, v) for flag, v in (
+        ("--budget", budget), ("--min-tokens-per-s", min_tokens_per_s), ("--deadline-h", deadline_h)))
+    if fleet is None and any(v is not None for v in (catalog, budget, min_tokens_per_s, deadline_h)):
+        raise ConfigError("--catalog, --budget, --min-tokens-per-s and --deadline-h choose a fleet: add --fleet auto")
     from orchestrator.job_spec import load_job
 
     job = load_job(job_file)
@@ -88,7 +95,8 @@ def plan(
             result = api.plan_fleet(job, job_file, catalog if fleet == "auto" else auto.catalog,
                                     objective or (auto.objective if fleet is None else "cost"),
                                     budget if fleet == "auto" else auto.budget_per_hour,
-                                    lambda n: status.update(f"choosing a fleet: {n} fleets planned"))
+                                    lambda n: status.update(f"choosing a fleet: {n} fleets planned"),
+                                    min_tokens_per_s, deadline_h)
     else:
         result = api.plan_job(job, job_file, objective or "throughput")
     if as_json:
@@ -99,6 +107,18 @@ def plan(
         if "fleet" in result:
             fleet_table(result["fleet"], console)
         plan_tables(result, console)
+
+
+def _number(flag: str, value: str | None) -> float | None:
+    """A numeric flag read here, so a bad value is one line naming it (typer's own check prints a usage box)."""
+    if value is None:
+        return None
+    from orchestrator.errors import ConfigError
+
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r} is not a number; give e.g. {flag} 10") from None
 
 
 ADDRESS_ENV = ["HETSPOT_ADDRESS", "RAY_API_SERVER_ADDRESS"]

@@ -27,11 +27,14 @@ def fleet_table(fleet: dict[str, Any], console: Console) -> None:
     budget = f", budget ${fleet['budget_per_hour']:g}/h" if fleet.get("budget_per_hour") else ""
     t = Table(title=f"Fleet: chosen for {'$ per M tokens' if fleet['objective'] == 'cost' else 'tokens/s'}{budget} "
                     f"({fleet['fleets_planned']} of {fleet['fleets_within_limits']} fleets planned)")
-    for col in ("", "instances", "$/h", "tokens/s", "$ per M tokens", "preemptions cost"):
+    floor = f", at least {fleet['min_tokens_per_s']:,.0f} tokens/s" if fleet.get("min_tokens_per_s") else ""
+    t.title += floor
+    for col in ("", "instances", "$/h", "tokens/s", "after preemptions", "$ per M tokens", "preemptions cost"):
         t.add_column(col, overflow="fold")
     for o in fleet["options"]:
         t.add_row(o["label"], " + ".join(f"{x['nodes']}x {x['type']}" for x in o["fleet"]), f"{o['price_per_hour']:.2f}",
-                  f"{o['tokens_per_s']:,.0f}", _usd(o["cost_per_mtok"]), f"{o['preemption_loss'] * 100:.1f}%")
+                  f"{o['tokens_per_s']:,.0f}", f"{o['effective_tokens_per_s']:,.0f}", _usd(o["cost_per_mtok"]),
+                  f"{o['preemption_loss'] * 100:.1f}%")
     console.print(t)
 
 

@@ -72,7 +72,7 @@ class RayAutoscaler:
     def use(self, fleet) -> None:
         """Know the node shape of each of the fleet's types (a chosen fleet's types change when it is chosen
         again; the old ones are kept for what is still up)."""
-        from orchestrator.deploy.fleet import NODE_KINDS
+        from orchestrator.cluster.node_kinds import NODE_KINDS
 
         self.gpus |= {t.gpu_type: t.gpus_per_node for t in fleet.types}
         self.resource |= {t.gpu_type: t.ray_resource or (NODE_KINDS[t.gpu_type].ray_accelerator

@@ -185,36 +185,36 @@ class FaultInjection:
         self.timers.append(t)  # cancelled when the job ends first
         self._record(f, cloud=f.cloud, deadline_s=f.deadline_s)
 
+    def _newest_s3_step(self):
+        """(the job's S3 store, its newest complete step or None), once the uploads in hand have landed."""
+        from orchestrator.state.s3_store import S3Checkpoints
+
+        self.c.store.flush()
+        ck = self.job.checkpoint
+        store = S3Checkpoints(ck.uri, ck.endpoint_url)
+        done = store.complete_steps()
+        return store, done[0] if done else None
+
     def _expire(self, f: Fault) -> None:
         """A lifecycle rule on the newest complete step: every piece goes, the manifest (written last) stays."""
-        from orchestrator.state.s3_store import S3Checkpoints
-
-        self.c.store.flush()
-        ck = self.job.checkpoint
-        store = S3Checkpoints(ck.uri, ck.endpoint_url)
-        done = store.complete_steps()
-        if not done:
+        store, step = self._newest_s3_step()
+        if step is None:
             self._record(f, expired=None)
             return
-        keys = [p["key"] for u in store.manifest(done[0])["units"].values() for p in u["pieces"]]
+        keys = [p["key"] for u in store.manifest(step)["units"].values() for p in u["pieces"]]
         store.client.delete_objects(Bucket=store.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
-        self._record(f, expired_step=done[0], objects=len(keys))
+        self._record(f, expired_step=step, objects=len(keys))
 
     def _corrupt(self, f: Fault) -> None:
-        from orchestrator.state.s3_store import S3Checkpoints
-
-        self.c.store.flush()
-        ck = self.job.checkpoint
-        store = S3Checkpoints(ck.uri, ck.endpoint_url)
-        done = store.complete_steps()
-        if not done:
+        store, step = self._newest_s3_step()
+        if step is None:
             self._record(f, damaged=None)
             return
-        units = store.manifest(done[0])["units"]
+        units = store.manifest(step)["units"]
         unit = f.unit if f.unit in units else sorted(units)[0]
         key = units[unit]["pieces"][0]["key"]
         bucket = key and store.bucket
         data = bytearray(store.client.get_object(Bucket=bucket, Key=key)["Body"].read())
         data[len(data) // 2] ^= 0x01
         store.client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-        self._record(f, damaged_step=done[0], key=key)
+        self._record(f, damaged_step=step, key=key)

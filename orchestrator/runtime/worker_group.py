@@ -27,13 +27,13 @@ from orchestrator.control.failure import FailureKind
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
 from orchestrator.runtime.detect import gather
-from orchestrator.runtime.metrics import payload_bytes
 from planner import layout
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
 from planner.specs import tokens_per_step
 from workers.state import full_state
+from workers.transfer import payload_bytes
 
 log = logging.getLogger("hetspot.runner")
 

@@ -28,12 +28,12 @@ import time
 
 from orchestrator.control.drain import replicated_off
 from orchestrator.errors import FailureKind, Refusal, WorkerFailure
-from orchestrator.runtime.metrics import payload_bytes
 from orchestrator.state.calls import RayCalls
 from orchestrator.state.holdings import keeper_holdings, process_holdings, s3_holdings
 from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
 from orchestrator.state.s3_store import CheckpointError, Identity, S3Checkpoints
 from planner import layout
+from workers.transfer import payload_bytes
 
 log = logging.getLogger("hetspot.checkpoints")
 RPC_TIMEOUT_S = 60.0
