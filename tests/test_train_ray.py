@@ -424,7 +424,8 @@ def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
         steps = store.complete_steps()  # keep: 2; step 1 may have been dropped for step 2 (a slower upload)
         assert steps[0] == 2 and len(steps) <= 2 and all(store.verify(s) == [] for s in steps)
         step2_bytes = sum(u["bytes"] for u in store.manifest(2)["units"].values())
-        second = make_controller(with_cluster(CLUSTER.nodes[1:]), steps=STEPS)  # L4 and T4 nodes only
+        second = make_controller(with_cluster(CLUSTER.nodes[1:]), steps=STEPS,  # L4 and T4 nodes only; as
+                                 checkpoint_run=first.store.meta["run_id"])  # --resume, the same run goes on
         assert second.run() == State.DONE, second.error
         assert {st.node for p in second.plan.pipelines for st in p.stages} <= {"b", "c"}
         restore = next(e for e in second.progress.events if e["kind"] == "restore")
