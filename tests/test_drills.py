@@ -337,17 +337,25 @@ def test_trace_replay_holds_the_replayed_plans_reference_bit_for_bit(shared):
     sc, events = trace_scenario(tr, k=3, time_scale=1.0, job=SMALL_TRACE_JOB)
     assert [e.kind for e in events] == ["preempt", "add-node"]
     lines: list[str] = []
-    # the trace's time, and then at least two steps after its last event (a slow machine fits fewer steps in
-    # 24 s; what is checked is the recovery and the join, not a step count)
+    # the trace's time, and then at least four steps after its last event: a join is weighed once the running
+    # plan's speed is measured (three commits into a plan, which a re-plan just before the join restarts), and a
+    # slow machine fits fewer steps in 24 s; what is checked is the recovery and the join, not a step count
     r = Drill(sc, cluster=ec, s3=s3, on_line=lines.append, reference="replayed").run(until_s=tr.end_s,
-                                                                                       commits_after_faults=2)
+                                                                                       commits_after_faults=4)
     out = r.to_json()
     assert r.error is None, r.error
     assert out["reference_kind"] == "replayed" and len(r.reference) == r.steps
     assert r.max_rel_diff == 0.0, (r.losses, r.reference)
     assert r.samples["exactly_once"], r.samples
-    assert [e["kind"] for e in r.events if e["kind"] in ("re-plan", "scale-up")] == ["re-plan", "scale-up"]
-    assert any("plan 3 of 3" in m for m in lines), lines  # start, after the loss, after the join
+    moves = [e["kind"] for e in r.events if e["kind"] in ("re-plan", "scale-up")]
+    assert moves[0] == "re-plan", r.events  # the preemption
+    (joined,) = next(f for f in r.faults if f["kind"] == "add-node")["nodes"]
+    assert joined in r.final_nodes, (joined, r.final_nodes)  # the join is used: moved onto at a scale check, or
+    # (on a machine so slow that both events land before the first commit) planned on by the re-plan itself
+    # every plan the drill trained under is replayed (three on a machine of ordinary speed: start, after the loss,
+    # after the join), and the losses above are bit for bit those of that replay
+    plans = {int(m.rsplit(" of ", 1)[1].split()[0]) for m in lines if " on plan " in m}
+    assert len(plans) == 1 and any(f"plan {n} of {n}" in m for n in plans for m in lines), lines
     assert r.oracle_holds
 
 

@@ -30,6 +30,7 @@ class DrillResult:
     error: str | None = None
     upload_lag: dict = field(default_factory=dict)  # runner.upload_summary
     reference_kind: str = "fixed"  # runner.REFERENCES
+    final_nodes: list[str] = field(default_factory=list)  # the nodes of the plan the drill ended on
 
     @property
     def goodput(self) -> float:
