@@ -80,10 +80,11 @@ class RuntimeSpec(_Section):
         default="auto", description="auto: train.precision decides (bf16 or fp16 mixed precision, fp32, fp64); "
         "float32 or float64 force one dtype everywhere (float64 for exact equivalence checks)"
     )
-    emulate_speed: bool = Field(
-        default=True,
-        description="on fake GPUs (nodes labelled hetspot/fake-gpu=true, as test clusters are), slow each worker by "
-        "the catalog TFLOPS ratio to the fastest type; real GPUs always run at their own speed",
+    emulate_speed: bool | Literal["auto"] = Field(
+        default="auto",
+        description="auto or true: on fake GPUs (nodes labelled hetspot/fake-gpu=true, as test clusters are), slow "
+        "each worker by the catalog TFLOPS ratio to the fastest type; real GPUs always run at their own speed (true "
+        "says so in a warning where the plan has real GPUs); false: no emulation",
     )
     step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
     collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")

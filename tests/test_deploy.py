@@ -420,6 +420,7 @@ def test_speed_emulation_runs_only_on_nodes_whose_gpus_say_they_are_fake():
     assert slow["a100"] == 1.0 and slow["l4"] > 2.0
     assert "ignored on a100" in warning and "l4" not in warning.split(":")[0]
     assert slowdowns(plan, True, set(), {"l4", "a100"})[1] is None
+    assert slowdowns(plan, "auto", set(), fake) == (slow, None)  # the default: the same speeds, no warning
     assert slowdowns(plan, False, set(), set()) == ({"l4": 1.0, "a100": 1.0}, None)
     for _name, config in _aws_configs():  # what a real cluster starts never says it is fake
         assert not any("hetspot/fake-gpu" in nt.get("labels", {}) for nt in config["available_node_types"].values())

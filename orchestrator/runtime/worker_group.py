@@ -50,13 +50,14 @@ class TrainResult:
     real_gpus: bool = False  # every worker computed on CUDA (else fake GPUs: no MFU)
 
 
-def slowdowns(plan: Plan, emulate: bool, declared: set[str] = frozenset(),
+def slowdowns(plan: Plan, emulate: bool | str, declared: set[str] = frozenset(),
               fake_nodes: set[str] | None = None) -> tuple[dict[str, float], str | None]:
     """Per node of the plan: how much slower its GPUs run than the fastest type of the plan or of the job's
     declared nodes (so a plan on slow GPUs runs slower than one that adds a fast node later), by catalog TFLOPS;
     and a warning, or None. Emulation runs only on nodes whose GPUs say they are fake (`fake_nodes`, labelled
     `hetspot/fake-gpu=true` by the embedded and test clusters; None: every node): a real GPU runs at its own
-    speed whatever the job file says (slowing it would make hetspot lose to every system on real hardware)."""
+    speed whatever the job file says (slowing it would make hetspot lose to every system on real hardware); the
+    warning comes only where the job asked for emulation outright (`true`, not the default `auto`)."""
     nodes = {st.node: st.gpu_type for p in plan.pipelines for st in p.stages}
     if not emulate:
         return dict.fromkeys(nodes, 1.0), None
@@ -65,7 +66,7 @@ def slowdowns(plan: Plan, emulate: bool, declared: set[str] = frozenset(),
     out = {n: 1.0 if n in real else fastest / gpu_info(t).peak_tflops for n, t in nodes.items()}
     warning = (f"runtime.emulate_speed is ignored on {', '.join(real)}: its GPUs are real (no "
                "hetspot/fake-gpu=true label), so they run at their own speed; drop emulate_speed from the job "
-               "file to silence this") if real else None
+               "file to silence this") if real and emulate is True else None
     return out, warning
 
 
