@@ -100,13 +100,17 @@ def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int,
         slot = cost.make_slot(cluster, train, node.name, tp)
         full = len(ids) // tp * tp
         for k in range(0, full, tp):
-            g_slot = slot
-            if host != "even" and node.num_gpus > tp:
-                whole = node.host_mem * cost.GIB / tp
-                g_slot = replace(slot, host_cap_bytes=whole if host == "pooled" or k == 0 else 0.0)
-            groups.append(Group(node.name, tuple(ids[k:k + tp]), g_slot))
+            groups.append(Group(node.name, tuple(ids[k:k + tp]), _host_slot(slot, node, k, host)))
         unused += [UnusedDevice(device=d, reason=f"node has {node.num_gpus} GPUs; TP degree {tp} leaves it without a group") for d in ids[full:]]
     return groups, unused
+
+
+def _host_slot(slot: cost.Slot, node, first_gpu: int, host: str) -> cost.Slot:
+    """A group's slot under a host split (HOST_SPLITS): `first_gpu` is where the group starts on its node."""
+    if host == "even" or node.num_gpus <= slot.tp:
+        return slot
+    whole = node.host_mem * cost.GIB / slot.tp
+    return replace(slot, host_cap_bytes=whole if host == "pooled" or first_gpu == 0 else 0.0)
 
 
 def _stage_order(groups: list[Group]) -> list[Group]:
@@ -613,7 +617,7 @@ def _profiles(order: list[Group], num_layers: int, edges: bool = False):
                     yield prof
 
 
-def _mixed_sets(search: _Search, degrees: list[int], bound: float):
+def _mixed_sets(search: _Search, degrees: list[int], bound: float, host: str = "even"):
     """Plans whose stages take different TP degrees (AutoHet §3 keeps one degree per layer across replicas;
     the degree may change from stage to stage): a TP2 stage then a TP1 stage on 3 GPUs of one node, a node's
     4 GPUs as one TP4 stage ahead of another node's single GPU.
@@ -624,6 +628,9 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float):
     equal replicas (each stage's copies on the template's node where it has room, else on a node of the same
     kind, else on any node with room: replicas of different GPU types), every layer at the degree one profile
     gives it in every replica. Yields (time, pipelines, profile).
+
+    `host` budgets each node's host RAM among its groups as `make_groups` does: with "pooled" or "first"
+    a group may offload into its whole node's RAM, and `share_node_host` settles the plan afterwards.
     """
     cluster, model, train = search.cluster, search.model, search.train
     num_layers, batch = model.num_layers, train.global_batch
@@ -665,7 +672,7 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float):
                 key = (nm, taken[nm], t)
                 if key not in made:
                     ids = cluster.node(nm).device_ids()
-                    made[key] = Group(nm, tuple(ids[taken[nm]:taken[nm] + t]), slots[(nm, t)])
+                    made[key] = Group(nm, tuple(ids[taken[nm]:taken[nm] + t]), _host_slot(slots[(nm, t)], cluster.node(nm), taken[nm], host))
                 groups.append(made[key])
                 taken[nm] += t
             out.append(groups)
@@ -867,7 +874,7 @@ class Planner:
             bound = min((f[0] for f in finalists), default=math.inf)
             singles = [Group(n.name, (d,), cost.make_slot(cluster, train, n.name, 1))
                        for n in cluster.nodes for d in n.device_ids()]
-            mixed = sorted(_mixed_sets(search, degrees, bound), key=lambda x: x[0])[:FINALISTS]
+            mixed = sorted(_mixed_sets(search, degrees, bound, self._host), key=lambda x: x[0])[:FINALISTS]
             # On a tie the plan of one TP degree wins (its degree sorts before inf).
             finalists += [(s, math.inf, i, pset, True, [], singles, prof) for i, (s, pset, prof) in enumerate(mixed)]
         # The surrogate ranks candidates across TP degrees; `evaluate` settles the best few.

@@ -22,9 +22,12 @@ every plan the plan contract allows on the cluster:
 The objective is `planner.evaluate`'s closed form, computed here from the cost
 model's per-stage functions; `best_plan` also returns the winning Plan so the
 test can check that `evaluate` gives it the same time. Host memory is counted
-per GPU (each GPU's offloaded state within its share of the node's RAM), the
-planner's first budget; its pooled budgets (planner/search.py HOST_SPLITS) only
-matter where host RAM binds, which it never does on these small models.
+per GPU by default (each GPU's offloaded state within its share of the node's
+RAM), the planner's first budget, which binds on none of the optimality test's
+small models. With `host="node"` it is a node total, as `evaluate` counts it:
+every assignment of offload modes to the plan's stages is tried (a stage's mode
+decides its host bytes; its recompute is then the least that fits), and an
+assignment counts only where each node's stages together fit its RAM.
 
 `bound`: the caller's time to beat; branches that cannot beat it are cut (the
 search stays exhaustive for every plan faster than `bound`). `uniform=True`
@@ -69,23 +72,24 @@ def _splits(total: int, parts: int, edges: bool):
                 yield s
 
 
-def best_plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
-              bound: float = math.inf, uniform: bool = False, edges: bool | None = None) -> tuple[float, Plan | None]:
+def best_plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, bound: float = math.inf,
+              uniform: bool = False, edges: bool | None = None, host: str = "gpu") -> tuple[float, Plan | None]:
     """(best step time, its Plan), or (inf, None) when no plan beats `bound`. `edges`: whether the first and
     last stage may hold no layer (default: where the planner searches such stages, `edge_stages_may_win`)."""
     most = max(n.num_gpus for n in cluster.nodes)
     degrees = [t for t in range(1, most + 1) if tp_problem(model, t) is None]
     best, found = bound, None
     for ds in ([[t] for t in degrees] if uniform else [degrees]):
-        t, p = _Enum(cluster, model, train, ds, edge_stages_may_win(model) if edges is None else edges).run(best)
+        t, p = _Enum(cluster, model, train, ds, edge_stages_may_win(model) if edges is None else edges, host).run(best)
         if p is not None and t < best:
             best, found = t, p
     return (best, found) if found is not None else (math.inf, None)
 
 
 class _Enum:
-    def __init__(self, cluster, model, train, degrees, edges: bool):
-        self.cluster, self.model, self.train, self.edges = cluster, model, train, edges
+    def __init__(self, cluster, model, train, degrees, edges: bool, host: str = "gpu"):
+        assert host in ("gpu", "node"), host
+        self.cluster, self.model, self.train, self.edges, self.host = cluster, model, train, edges, host
         self.nodes = list(cluster.nodes)
         # A group kind: (node index, TP degree).
         self.kinds = [(i, t) for i, n in enumerate(self.nodes) for t in degrees if t <= n.num_gpus]
@@ -103,8 +107,9 @@ class _Enum:
             return slots[0].intra_bw
         return min(s.inter_bw for s in slots)
 
-    def _stage_opts(self, seq, split, i, b, m):
-        """Per offload mode that fits stage i at micro-batch b: (knobs, slot, shape, links, in-flight)."""
+    def _stage_opts(self, seq, split, i, b, m, mode=None):
+        """Per offload mode (or only `mode`) that fits stage i at micro-batch b: (knobs, slot, shape, links,
+        in-flight)."""
         model, train = self.model, self.train
         p = len(seq)
         slot = self.slots[self.kinds[seq[i]]]
@@ -113,9 +118,12 @@ class _Enum:
         nxt = cost.link_bw(slot, self.slots[self.kinds[seq[i + 1]]]) if i + 1 < p else None
         prv = cost.link_bw(slot, self.slots[self.kinds[seq[i - 1]]]) if i > 0 else None
         out = []
-        for opt, params in MODES:
+        # Per GPU: its share of the node's RAM; as a node total, one stage may at most fill the node.
+        cap = slot.host_cap_bytes if self.host == "gpu" else \
+            self.nodes[self.kinds[seq[i]][0]].host_mem * cost.GIB / slot.tp
+        for opt, params in MODES if mode is None else (mode,):
             kn0 = cost.Knobs(0, opt, params)
-            if (opt or params) and cost.host_bytes(model, train, shape, slot.tp, kn0) > slot.host_cap_bytes:
+            if (opt or params) and cost.host_bytes(model, train, shape, slot.tp, kn0) > cap:
                 continue
             for r in range(split[i] + 1):
                 kn = cost.Knobs(r, opt, params)
@@ -124,20 +132,20 @@ class _Enum:
                     break
         return out
 
-    def choices(self, seq, split, n, b):
+    def choices(self, seq, split, n, b, modes=None):
         # What a pipeline costs depends on its stages' hardware and links, not on their nodes' names.
         sig = []
         for i, g in enumerate(seq):
             slot = self.slots[self.kinds[g]]
             nxt = cost.link_bw(slot, self.slots[self.kinds[seq[i + 1]]]) if i + 1 < len(seq) else None
-            sig.append((self.hw[g], nxt))
-        key = (tuple(sig), split, n, b)
+            sig.append((self.hw[g], nxt, self.host == "node" and self.nodes[self.kinds[g][0]].host_mem))
+        key = (tuple(sig), split, n, b, modes)
         got = self._choice_cache.get(key)
         if got is None:
-            got = self._choice_cache[key] = self._choices(seq, split, n, b)
+            got = self._choice_cache[key] = self._choices(seq, split, n, b, modes)
         return got
 
-    def _choices(self, seq, split, n, b):
+    def _choices(self, seq, split, n, b, modes=None):
         """Every per-stage offload choice at n samples in micro-batches of b, with what its time needs that
         does not depend on the gradient sync: (1F1B time, per stage (optimizer s, last backward s), knobs).
         A stage's choice that is no faster on any micro-batch, no cheaper in optimizer time and no longer
@@ -147,7 +155,7 @@ class _Enum:
         stages = []
         for i in range(len(seq)):
             opts = []
-            for kn, slot, shape, nxt, prv, k in self._stage_opts(seq, split, i, b, m):
+            for kn, slot, shape, nxt, prv, k in self._stage_opts(seq, split, i, b, m, modes and modes[i]):
                 ts = [self.stage_times(slot, shape, x, k, kn, nxt, prv) for x in sizes]
                 busy = sum(t.fwd_s + t.bwd_s for t in ts)
                 fwd = sum(t.fwd_s for t in ts)
@@ -162,12 +170,12 @@ class _Enum:
                  tuple((c[2], c[3]) for c in choice), tuple(c[0] for c in choice))
                 for choice in itertools.product(*stages)]
 
-    def _pipe_time(self, seq, split, n, syncs):
+    def _pipe_time(self, seq, split, n, syncs, modes=None):
         """(fastest finish of one pipeline on n samples, (b, m, knobs per stage)); syncs: gradient-sync seconds
-        per stage before overlap."""
+        per stage before overlap; `modes`: each stage's offload mode, or None for any."""
         best = (math.inf, None)
         for b in range(1, min(n, self.train.max_micro_batch_size) + 1):
-            for t_pipe, extras, knobs in self.choices(seq, split, n, b):
+            for t_pipe, extras, knobs in self.choices(seq, split, n, b, modes):
                 t = t_pipe + max(max(0.0, sy - bwd) + opt for sy, (opt, bwd) in zip(syncs, extras, strict=True))
                 if t < best[0]:
                     best = (t, (b, math.ceil(n / b), knobs))
@@ -243,20 +251,21 @@ class _Enum:
                     syncs.append(round(s, 15))
                     at += nl
                 per_pipe.append((seq, split, tuple(syncs)))
-            # Min-max split of the global batch, every pipeline at least one sample.
-            dp = {0: (0.0, ())}
-            for r, (seq, split, syncs) in enumerate(per_pipe):
-                left = num_r - r - 1
-                nxt = {}
-                for s, (mx, alloc) in dp.items():
-                    for n in range(1, big_b - s - left + 1):
-                        v = max(mx, self.pipe_time(seq, split, n, syncs)[0])
-                        if v < best and v < nxt.get(s + n, (math.inf,))[0]:
-                            nxt[s + n] = (v, alloc + (n,))
-                dp = nxt
-            if big_b in dp and dp[big_b][0] < best:
-                best = dp[big_b][0]
-                found = (per_pipe, dp[big_b][1])
+            for modes in self.mode_choices(per_pipe):
+                # Min-max split of the global batch, every pipeline at least one sample.
+                dp = {0: (0.0, ())}
+                for r, (seq, split, syncs) in enumerate(per_pipe):
+                    left = num_r - r - 1
+                    nxt = {}
+                    for s, (mx, alloc) in dp.items():
+                        for n in range(1, big_b - s - left + 1):
+                            v = max(mx, self.pipe_time(seq, split, n, syncs, modes[r])[0])
+                            if v < best and v < nxt.get(s + n, (math.inf,))[0]:
+                                nxt[s + n] = (v, alloc + (n,))
+                    dp = nxt
+                if big_b in dp and dp[big_b][0] < best:
+                    best = dp[big_b][0]
+                    found = (per_pipe, dp[big_b][1], modes)
 
         def rec(cands, left, chosen):
             # No plan on these GPUs beats the model's FLOPs over their summed FLOP/s.
@@ -286,11 +295,35 @@ class _Enum:
             return math.inf, None
         return best, self._plan(*found)
 
-    def _plan(self, per_pipe, alloc) -> Plan:
+    def mode_choices(self, per_pipe):
+        """Per pipeline, each stage's offload mode (None: any, host memory counted per GPU); as a node total,
+        every assignment whose stages fit each node's RAM together."""
+        if self.host == "gpu":
+            yield (None,) * len(per_pipe)
+            return
+        stages = []  # (node index, GPUs, shape) per stage
+        for seq, split, _ in per_pipe:
+            for i, g in enumerate(seq):
+                stages.append((self.kinds[g][0], self.kinds[g][1], cost.StageShape(split[i], i == 0, i == len(seq) - 1)))
+        caps = [n.host_mem * cost.GIB for n in self.nodes]
+        for assign in itertools.product(MODES, repeat=len(stages)):
+            used = [0.0] * len(self.nodes)
+            for (node, t, shape), (opt, params) in zip(stages, assign, strict=True):
+                if opt or params:
+                    used[node] += t * cost.host_bytes(self.model, self.train, shape, t, cost.Knobs(0, opt, params))
+            if any(u > c for u, c in zip(used, caps, strict=True)):
+                continue
+            out, at = [], 0
+            for seq, _, _ in per_pipe:
+                out.append(tuple(assign[at:at + len(seq)]))
+                at += len(seq)
+            yield tuple(out)
+
+    def _plan(self, per_pipe, alloc, modes) -> Plan:
         taken = [0] * len(self.nodes)
         pipes = []
-        for (seq, split, syncs), n in zip(per_pipe, alloc, strict=True):
-            _, (b, m, knobs) = self.pipe_time(seq, split, n, syncs)
+        for (seq, split, syncs), n, mode in zip(per_pipe, alloc, modes, strict=True):
+            _, (b, m, knobs) = self.pipe_time(seq, split, n, syncs, mode)
             stages, at = [], 0
             for g, nl, kn in zip(seq, split, knobs, strict=True):
                 node_i, t = self.kinds[g]

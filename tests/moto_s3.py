@@ -1,4 +1,4 @@
-"""moto's threaded S3 server on 127.0.0.1, reached by boto3 over HTTP, for the tests that need S3."""
+"""moto's threaded server on 127.0.0.1, reached by boto3 over HTTP, for the tests that need S3, EC2 or IAM."""
 
 import contextlib
 import os
@@ -19,17 +19,25 @@ def use_test_credentials() -> None:
 
 
 @contextlib.contextmanager
-def moto_s3(*buckets: str):
-    """Start the server, create `buckets`, yield its endpoint URL, stop it."""
+def moto_server():
+    """moto's server for every AWS service it fakes (S3, EC2, IAM), on a free port: yield its endpoint URL,
+    stop it."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
-        url = f"http://{host}:{port}"
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def moto_s3(*buckets: str):
+    """Start the server, create `buckets`, yield its endpoint URL, stop it."""
+    with moto_server() as url:
         for b in buckets:
             boto3.client("s3", endpoint_url=url, **CREDS).create_bucket(Bucket=b)
         yield url
-    finally:
-        server.stop()
+

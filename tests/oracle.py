@@ -6,10 +6,9 @@ the losses of the 1-device plan of a job's model, training settings, data and dt
 
 from __future__ import annotations
 
-import socket
-
 from orchestrator.job_spec import JobSpec
 from planner import Pipeline, Plan, Stage
+from tests.net import free_port
 
 
 def one_device_losses(job: JobSpec, steps: int) -> list[float]:
@@ -25,9 +24,7 @@ def one_device_losses(job: JobSpec, steps: int) -> list[float]:
     data = make_dataset(d.kind, m.seq_len, m.vocab_size, t.seed, d.path, d.dtype)
     dtype = DTYPES[job.runtime.dtype if job.runtime.dtype != "auto" else "float32"]
     e = Engine(plan, 0, m, t, data, dtype)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     e.connect(f"tcp://127.0.0.1:{port}", 30)
     try:
         return [e.step(s).loss for s in range(steps)]

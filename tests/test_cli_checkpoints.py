@@ -1,7 +1,6 @@
 """`checkpoint:` bad input exits 2 before anything starts; `hetspot checkpoints list|verify|rm` on moto's S3 server."""
 
 import json
-import socket
 import time
 
 import boto3
@@ -13,6 +12,7 @@ from typer.testing import CliRunner
 from orchestrator.cli.main import app
 from orchestrator.state.s3_store import S3Checkpoints
 from tests.moto_s3 import TEST_ENV, moto_s3
+from tests.net import free_port
 
 pytestmark = pytest.mark.unit
 runner = CliRunner()
@@ -37,19 +37,13 @@ def _job(tmp_path, checkpoint: dict):
     return f
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_bad_checkpoint_sections_exit_2_before_anything_starts(tmp_path, endpoint, monkeypatch):
     import ray
 
     cases = [
         ({"uri": "s3:/jobs"}, CREDS, "field 'checkpoint.uri'", "s3://BUCKET/PREFIX"),
         ({"uri": "s3://jobs/x", "endpoint_url": "localhost:9"}, CREDS, "field 'checkpoint.endpoint_url'", "http://"),
-        ({"uri": "s3://jobs/x", "endpoint_url": f"http://127.0.0.1:{_closed_port()}"}, CREDS,
+        ({"uri": "s3://jobs/x", "endpoint_url": f"http://127.0.0.1:{free_port()}"}, CREDS,
          "checkpoint.endpoint_url: cannot reach the S3 endpoint", "check the URL"),
         ({"uri": "s3://no-such-bucket/x", "endpoint_url": endpoint}, CREDS, "bucket 'no-such-bucket' does not exist",
          "aws s3 mb s3://no-such-bucket"),

@@ -98,6 +98,20 @@ def test_mixed_cluster_plan_is_never_cut_when_piped_or_narrow(columns):
     assert "opt→host" in r.stdout or "rc " in r.stdout or "none" in r.stdout
     if "[1]" in r.stdout:  # a reason cited in a cell is printed once below the table
         assert "\n[1] " in r.stdout
+    if columns == "80":  # issue 46: the tables fit and no name is broken mid-word
+        assert max(len(line) for line in r.stdout.splitlines()) <= 80
+        assert "A100-80GB" in r.stdout and "a100-0" in r.stdout
+
+
+def test_the_fleet_table_fits_80_columns_without_breaking_an_instance_type():
+    """Issue 46: at 80 columns the fleet choice's table wraps cells between words, so an instance type such as
+    g4dn.12xlarge is printed whole."""
+    res = runner.invoke(app, ["plan", str(ROOT / "examples/risk-cost.yaml"), "--fleet", "auto", "--catalog",
+                              str(ROOT / "examples/catalog-aws.yaml")], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80
+    for name in ("g6.xlarge", "g6e.12xlarge", "g4dn.12xlarge"):
+        assert name in res.stdout, res.stdout
 
 
 def test_one_name_per_knob_the_old_spelling_is_read_with_a_warning(tmp_path):

@@ -184,6 +184,23 @@ def test_a_pre_staged_switch_does_not_wait_past_its_deadline_for_workers_that_ar
     assert c.progress.losses == {s: 10.0 - s for s in range(12)}
 
 
+def test_a_staged_drain_the_job_finishes_before_its_switch_closes_its_event():
+    """Issue 44: a notice whose switch is staged but not yet made when the last step commits leaves an event
+    with the whole timeline's end (first_step_s None: no step ran on its plan), and says why it ended."""
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
+
+    notice = Notice(node="a", deadline_s=120.0, source="aws")
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=5, group_kw={"in_place": True, "ready_after": 99},
+                          interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
+    assert c.run() == State.DONE
+    drain = c.progress.events[0]
+    assert drain["kind"] == "drain" and "switch_s" not in drain and len(groups) == 1  # never switched
+    assert drain["first_step_s"] is None and drain["met_deadline"] is True
+    assert drain["ended"] == "the job ended before the switch"
+    assert c.progress.losses == {s: 10.0 - s for s in range(5)}
+
+
 def test_notice_too_close_to_the_deadline_falls_back_to_recovery():
     from orchestrator.control.fakes import FakeClock, FakeInterruptions
     from orchestrator.control.protocols import Notice

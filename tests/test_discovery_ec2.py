@@ -2,7 +2,6 @@
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from orchestrator.cluster.discovery import (
     DiscoveredNode,
@@ -11,6 +10,7 @@ from orchestrator.cluster.discovery import (
     to_cluster_spec,
 )
 from orchestrator.cluster.ec2 import EC2Facts, FixedPrices
+from tests.moto_s3 import moto_server
 
 pytestmark = pytest.mark.unit
 
@@ -25,13 +25,9 @@ EXPECT = {"p4d.24xlarge": ("A100-40GB", 8, 40.0), "g5.12xlarge": ("A10G", 4, 22.
 
 @pytest.fixture(scope="module")
 def ec2():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    client = boto3.client("ec2", region_name="us-east-1", endpoint_url=f"http://{host}:{port}",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
-    yield client
-    server.stop()
+    with moto_server() as url:
+        yield boto3.client("ec2", region_name="us-east-1", endpoint_url=url,
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
 def test_mixed_fleet_maps_to_gpu_types_counts_memory(ec2):

@@ -3,12 +3,12 @@ launched before the backward of layer k-1 has finished. Two ranks (two processes
 """
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
 
 from planner import ModelSpec, Pipeline, Plan, Stage, TrainSpec
+from tests.net import free_port
 
 pytestmark = pytest.mark.unit
 MODEL = ModelSpec.preset("tiny")  # 4 layers
@@ -42,17 +42,11 @@ def _rank(rank: int, ports: tuple[int, int], out) -> None:
             e.close()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run() -> dict[bool, list]:
     """Per mode (overlapped or not): per rank, (rank, losses, parameters, sync trace)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = (_port(), _port())  # both ranks rendezvous on these, one per mode
+    ports = (free_port(), free_port())  # both ranks rendezvous on these, one per mode
     procs = [ctx.Process(target=_rank, args=(r, ports, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -6,12 +6,12 @@ tests/test_train_ray.py). `transformers` is a test extra, imported lazily (it is
 """
 
 import json
-import socket
 
 import pytest
 import torch
 
 from planner import ModelSpec, Pipeline, Plan, Stage, TrainSpec
+from tests.net import free_port
 from workers import hf_format
 from workers.data import make_dataset
 from workers.engine import Engine
@@ -23,19 +23,13 @@ GPT = ModelSpec.preset("tiny")
 LLAMA = ModelSpec.preset("llama-tiny")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trained(model: ModelSpec, steps: int = 3) -> tuple[Engine, dict[str, torch.Tensor]]:
     """A hetspot engine (one stage, float32) after `steps` optimizer steps, and its parameters."""
     st = Stage(layer_start=0, layer_end=model.num_layers, gpu_type="A100-80GB", node="a", devices=["a/0"])
     plan = Plan(model_name=model.name, num_layers=model.num_layers, global_batch=4,
                 pipelines=[Pipeline(num_samples=4, micro_batch_size=4, num_micro_batches=1, stages=[st])])
     e = Engine(plan, 0, model, TRAIN, make_dataset("synthetic", model.seq_len, model.vocab_size, 0), torch.float32)
-    e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
     start = {n: p.detach().clone() for n, p in e.module.params.items()}
     try:
         for s in range(steps):

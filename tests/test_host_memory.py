@@ -105,3 +105,67 @@ def test_the_planner_finds_a_plan_wherever_one_fits_the_nodes_host_memory(shape)
                 missed.append(point)
     assert not missed, f"no plan, though one fits, at host RAM {missed}"
     assert witnessed >= len(points) * 3 // 4  # the sweep spans tight and roomy nodes
+
+
+def _four_gpu_case(rng):
+    """A cluster of 4 GPUs (one to three nodes, 12-120 GiB of host RAM each) and a 2.6-8.2B model of a few
+    layers whose optimizer state is most of that RAM: where host memory binds and TP degrees may mix."""
+    shapes = [[("L4", 4)], [("A10G", 2), ("L4", 2)], [("L4", 2), ("A10G", 1), ("T4", 1)], [("L4", 3), ("T4", 1)],
+              [("A10G", 4)]]
+    nodes = [NodeSpec(name=f"n{i}", gpu_type=g, num_gpus=c, host_mem_gib=rng.choice(range(12, 121, 8)))
+             for i, (g, c) in enumerate(rng.choice(shapes))]
+    h = rng.choice([6144, 8192, 10240])
+    model = ModelSpec(name="m", num_layers=rng.choice([2, 3, 4]), hidden_size=h, num_heads=h // 128,
+                      vocab_size=32000, seq_len=rng.choice([1024, 2048]))
+    return ClusterSpec(nodes=nodes), model, TrainSpec(global_batch=rng.choice([2, 4, 8]), max_micro_batch_size=4)
+
+
+@pytest.mark.parametrize("node", [("A10G", 100.0), ("L4", 84.0)])
+def test_a_plan_whose_stages_mix_tp_degrees_may_pool_the_nodes_host_memory(node):
+    """Issue 46: the search over stages of different TP degrees budgeted host RAM per GPU, so on one node of
+    4 GPUs it found nothing where a TP1 stage, a TP2 stage and a TP1 stage fit the node's RAM together."""
+    from planner import plan
+    from tests.enumerator import best_plan
+
+    cluster = ClusterSpec(nodes=[NodeSpec(name="n0", gpu_type=node[0], num_gpus=4, host_mem_gib=node[1])])
+    model = ModelSpec(name="m", num_layers=6, hidden_size=10240, num_heads=80, vocab_size=32000, seq_len=2048)
+    train = TrainSpec(global_batch=8, max_micro_batch_size=4)
+    opt, _ = best_plan(cluster, model, train, host="node")
+    assert opt < float("inf")  # a plan exists with host memory as a node total
+    got = plan(cluster, model, train)  # raised PlanningError before
+    est = evaluate(got, cluster, model, train)  # raises if the node's RAM is overflowed
+    assert est.host_gib["n0"] <= node[1]
+
+
+@pytest.mark.sweep
+def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
+    """Issue 46, acceptance 2 in part: 100 clusters of 4 GPUs, host RAM of 12-120 GiB per node, against the
+    exhaustive enumerator counting host memory per node (tests/enumerator.py, host="node"): the planner
+    plans wherever a plan exists, never overflows a node, and is at the optimum on at least 95 of them
+    (what is still short is listed in the message)."""
+    import random
+
+    from planner import PlanningError, plan
+    from tests.enumerator import best_plan
+
+    rng = random.Random(1)
+    missed, short, exists = [], [], 0
+    for k in range(100):
+        cluster, model, train = _four_gpu_case(rng)
+        opt, ref = best_plan(cluster, model, train, host="node")
+        try:
+            got = plan(cluster, model, train)
+        except PlanningError:
+            got = None
+        if got is not None:
+            evaluate(got, cluster, model, train)  # raises if a node's RAM is overflowed
+        if ref is None:
+            continue
+        exists += 1
+        if got is None:
+            missed.append(k)
+        elif opt / got.estimate.step_time_s < 0.99:
+            short.append((k, round(opt / got.estimate.step_time_s, 3)))
+    assert exists >= 90
+    assert not missed, f"no plan where one exists: cases {missed}"
+    assert len(short) <= 5, f"below 0.99 of the optimum: {short}"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
+
+from tests.moto_s3 import moto_server
 
 pytestmark = pytest.mark.unit
 IAM = Path(__file__).resolve().parents[1] / "deploy" / "aws" / "iam"
@@ -23,31 +24,27 @@ def policy(role: str) -> dict:
 @pytest.fixture(scope="module")
 def aws():
     """moto's server; an IAM user per role holding exactly that role's policy; a subnet and an image to launch."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    admin = {"endpoint_url": url, "region_name": "us-east-1", "aws_access_key_id": "testing",
-             "aws_secret_access_key": "testing"}
-    iam, ec2 = boto3.client("iam", **admin), boto3.client("ec2", **admin)
-    keys = {}
-    for role in ("head", "node"):
-        iam.create_user(UserName=role)
-        iam.put_user_policy(UserName=role, PolicyName="hetspot", PolicyDocument=json.dumps(policy(role)))
-        k = iam.create_access_key(UserName=role)["AccessKey"]
-        keys[role] = {"aws_access_key_id": k["AccessKeyId"], "aws_secret_access_key": k["SecretAccessKey"]}
-    iam.create_role(RoleName="hetspot-node", AssumeRolePolicyDocument=(IAM / "ec2-trust.json").read_text())
-    iam.create_instance_profile(InstanceProfileName="hetspot-node")
-    iam.add_role_to_instance_profile(InstanceProfileName="hetspot-node", RoleName="hetspot-node")
-    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24")["Subnet"]["SubnetId"]
-    boto3.client("s3", **admin).create_bucket(Bucket=BUCKET)
-    boto3.client("s3", **admin).create_bucket(Bucket="someone-elses")
-    node_config = {"InstanceType": "g4dn.12xlarge", "ImageId": ec2.describe_images()["Images"][0]["ImageId"],
-                   "SubnetIds": [subnet], "InstanceMarketOptions": {"MarketType": "spot"},
-                   "IamInstanceProfile": {"Name": "hetspot-node"}}  # what the rendered t4-spot type asks for
-    yield url, keys, node_config
-    server.stop()
+    with moto_server() as url:
+        admin = {"endpoint_url": url, "region_name": "us-east-1", "aws_access_key_id": "testing",
+                 "aws_secret_access_key": "testing"}
+        iam, ec2 = boto3.client("iam", **admin), boto3.client("ec2", **admin)
+        keys = {}
+        for role in ("head", "node"):
+            iam.create_user(UserName=role)
+            iam.put_user_policy(UserName=role, PolicyName="hetspot", PolicyDocument=json.dumps(policy(role)))
+            k = iam.create_access_key(UserName=role)["AccessKey"]
+            keys[role] = {"aws_access_key_id": k["AccessKeyId"], "aws_secret_access_key": k["SecretAccessKey"]}
+        iam.create_role(RoleName="hetspot-node", AssumeRolePolicyDocument=(IAM / "ec2-trust.json").read_text())
+        iam.create_instance_profile(InstanceProfileName="hetspot-node")
+        iam.add_role_to_instance_profile(InstanceProfileName="hetspot-node", RoleName="hetspot-node")
+        vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24")["Subnet"]["SubnetId"]
+        boto3.client("s3", **admin).create_bucket(Bucket=BUCKET)
+        boto3.client("s3", **admin).create_bucket(Bucket="someone-elses")
+        node_config = {"InstanceType": "g4dn.12xlarge", "ImageId": ec2.describe_images()["Images"][0]["ImageId"],
+                       "SubnetIds": [subnet], "InstanceMarketOptions": {"MarketType": "spot"},
+                       "IamInstanceProfile": {"Name": "hetspot-node"}}  # what the rendered t4-spot type asks for
+        yield url, keys, node_config
 
 
 def provider(url: str, creds: dict, monkeypatch):

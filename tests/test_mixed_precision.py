@@ -11,12 +11,12 @@ lost in the master copy, a missing cast back, an update on the 16-bit copy) show
 error of the size of the update itself.
 """
 
-import socket
 
 import pytest
 import torch
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost
+from tests.net import free_port
 from workers.actor import compute_dtype
 from workers.data import make_dataset
 from workers.engine import Engine
@@ -24,12 +24,6 @@ from workers.engine import Engine
 pytestmark = pytest.mark.unit
 B, MB = 8, 4
 MODEL = ModelSpec.preset("small")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plan(offload: dict) -> Plan:
@@ -44,7 +38,7 @@ def run(precision: str, dtype: torch.dtype, steps: int, offload: dict | None = N
     train = TrainSpec(global_batch=B, lr=0.003, precision=precision)
     e = Engine(_plan(offload or {}), 0, MODEL, train, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0),
                dtype, meter_memory=meter)
-    e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
     try:
         if setup:
             setup(e)
@@ -128,7 +122,7 @@ def test_policy_counts_the_state_bytes_a_restore_moves(precision, dtype):
 
     train = TrainSpec(global_batch=B, lr=0.003, precision=precision)
     e = Engine(_plan({}), 0, MODEL, train, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
-    e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
     try:
         asked = sum(n["nbytes"] for n in needs(e))
     finally:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.net import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -35,12 +36,6 @@ steps: 4
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RealHead:
     def __init__(self, tmp: Path, auth: bool, bin_dir: Path = BIN):
         self.ray = str(bin_dir / "ray")  # the nodes' interpreter: the one this `ray` runs on
@@ -49,7 +44,7 @@ class RealHead:
         self.token = secrets.token_hex(32) if auth else None
         if auth:
             (self.home / ".ray" / "auth_token").write_text(self.token)
-        self.gcs, self.dash, self.metrics = _free_port(), _free_port(), _free_port()
+        self.gcs, self.dash, self.metrics = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.dash}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
         self.env |= {"HOME": str(self.home), "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
@@ -68,7 +63,7 @@ class RealHead:
                   f"--metrics-export-port={self.metrics}", '--system-config={"metrics_report_interval_ms": 500}')
         for name, gpu in nodes:  # all nodes share this host: each dashboard agent needs a port of its own
             self._ray("start", f"--address=127.0.0.1:{self.gcs}", "--num-cpus=2", "--num-gpus=2",
-                      f"--dashboard-agent-listen-port={_free_port()}", f'--resources={{"accelerator_type:{gpu}": 1}}',
+                      f"--dashboard-agent-listen-port={free_port()}", f'--resources={{"accelerator_type:{gpu}": 1}}',
                       f"--labels=hetspot/gpu-type={gpu},hetspot/node={name},hetspot/market=spot")
 
     def stop(self) -> None:

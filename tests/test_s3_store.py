@@ -5,20 +5,17 @@ import logging
 import boto3
 import pytest
 import torch
-from moto.server import ThreadedMotoServer
 
 from orchestrator.state.s3_store import CheckpointError, S3Checkpoints, parse_uri
+from tests.moto_s3 import moto_server
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture

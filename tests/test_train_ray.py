@@ -395,17 +395,13 @@ def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
     """A job stopped after step 2 and resumed from S3 on different nodes (and another plan) continues at
     step 3 with the losses and final parameters of an uninterrupted run (issue 11, whole-job restart)."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
     from orchestrator.control.controller import State
     from orchestrator.runtime.controller_actor import make_controller
     from orchestrator.state.s3_store import S3Checkpoints
+    from tests.moto_s3 import moto_server
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
+    with moto_server() as endpoint:
         for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                      "AWS_DEFAULT_REGION": "us-east-1"}.items():
             monkeypatch.setenv(k, v)
@@ -438,8 +434,6 @@ def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
         final, _, _ = store.load(STEPS - 1)
         for name, want in ref_params.items():
             torch.testing.assert_close(final[name]["param"], want, msg=name)
-    finally:
-        server.stop()
 
 
 NOTICE_DEADLINE_S = 20.0

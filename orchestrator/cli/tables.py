@@ -22,6 +22,23 @@ def _layers(st: dict[str, Any], i: int, num_stages: int) -> str:
     return "none: embedding only" if i == 0 else "none: LM head only" if i == num_stages - 1 else "none"
 
 
+def _whole_words(t: Table, console: Console) -> Table:
+    """A table wider than the terminal (80 columns, say) gets column widths of its own: each column at least as
+    wide as its longest word (header included), the room left shared in proportion to what each column would
+    take more, so cells wrap between words and a name (an instance type, a GPU type, a node) is never broken
+    in the middle. Only where the words alone do not fit does rich fold them."""
+    cells = [[c for c in [col.header, *col.cells] if isinstance(c, str)] for col in t.columns]
+    least = [max((len(w) for c in cs for w in c.split()), default=1) for cs in cells]
+    most = [max((len(line) for c in cs for line in c.splitlines()), default=1) for cs in cells]
+    room = console.width - 3 * len(t.columns) - 1  # each column's padding and rule, and the last rule
+    if sum(most) <= room or sum(least) > room:
+        return t
+    extra, want = room - sum(least), [m - n for m, n in zip(most, least, strict=True)]
+    for col, n, w in zip(t.columns, least, want, strict=True):
+        col.width = n + extra * w // sum(want)
+    return t
+
+
 def fleet_table(fleet: dict[str, Any], console: Console) -> None:
     """`plan --fleet auto`: the chosen fleet beside the next best two and the best single-type fleet."""
     budget = f", budget ${fleet['budget_per_hour']:g}/h" if fleet.get("budget_per_hour") else ""
@@ -29,13 +46,14 @@ def fleet_table(fleet: dict[str, Any], console: Console) -> None:
                     f"({fleet['fleets_planned']} of {fleet['fleets_within_limits']} fleets planned)")
     floor = f", at least {fleet['min_tokens_per_s']:,.0f} tokens/s" if fleet.get("min_tokens_per_s") else ""
     t.title += floor
-    for col in ("", "instances", "$/h", "tokens/s", "after preemptions", "$ per M tokens", "preemptions cost"):
+    for col in ("", "instances", "$/h", "tokens/s", "delivered", "$ per M tokens", "time lost"):
         t.add_column(col, overflow="fold")
     for o in fleet["options"]:
         t.add_row(o["label"], " + ".join(f"{x['nodes']}x {x['type']}" for x in o["fleet"]), f"{o['price_per_hour']:.2f}",
                   f"{o['tokens_per_s']:,.0f}", f"{o['effective_tokens_per_s']:,.0f}", _usd(o["cost_per_mtok"]),
                   f"{o['preemption_loss'] * 100:.1f}%")
-    console.print(t)
+    console.print(_whole_words(t, console))
+    console.print("delivered: tokens/s after the expected preemptions; time lost: the share of time they cost")
 
 
 def plan_tables(result: dict[str, Any], console: Console) -> None:
@@ -64,7 +82,7 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
                 f"{mem[st['devices'][0]]:.1f} / {cap:.0f}",
                 _offload(st["offload"], st["layer_end"] - st["layer_start"], reasons),
             )
-    console.print(t)
+    console.print(_whole_words(t, console))
     for k, why in enumerate(reasons, 1):
         console.print(f"[{k}] {why}", highlight=False)
     if plan["unused"]:
@@ -93,7 +111,7 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
                 e, ratio = bl["estimate"], bl.get("cost_ratio")
                 b.add_row(name, _usd(e.get("cost_per_mtok")), f"{e['tokens_per_s']:,.0f}",
                           f"{ratio:.2f}x" if ratio is not None else "-")
-        console.print(b)
+        console.print(_whole_words(b, console))
         return
     for col in ("plan", "tokens/s", "step", "hetspot speedup"):
         b.add_column(col, overflow="fold")
@@ -104,7 +122,7 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
         else:
             e = bl["estimate"]
             b.add_row(name, f"{e['tokens_per_s']:,.0f}", _fmt_time(e["step_time_s"]), f"{bl['speedup']:.2f}x")
-    console.print(b)
+    console.print(_whole_words(b, console))
 
 
 def _usd(v: float | None) -> str:

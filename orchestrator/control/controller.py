@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -219,6 +220,7 @@ class Controller:
             self.group.shutdown()
             self._close_interruptions()
             self._withdraw()
+            self._end_drain("the job ended before the switch")
             self._phase("done")
             return State.DONE
         drain = self._heed(self.interruptions.poll())  # None: no notice for the plan's nodes
@@ -426,9 +428,20 @@ class Controller:
             except Exception as e:  # the job's outcome stands; an idle node costs money, so say so
                 log.warning("could not withdraw the demand for GPU nodes (%s): scale them down by hand", e)
 
+    def _end_drain(self, why: str) -> None:
+        """A drain still open when the job ends (a staged switch the job finished before) keeps every key of its
+        timeline's end: no step ran on its plan (`first_step_s` None), and `ended` says why."""
+        if self._draining is not None:
+            self._draining.setdefault("first_step_s", None)
+            self._draining.setdefault("met_deadline", "switch_s" not in self._draining
+                                      or self._draining.get("snapshot_s", math.inf) <= self._draining["deadline_s"])
+            self._draining["ended"] = why
+            self._draining = None
+
     def _fail(self, reason: str, exit_code: int = 1) -> State:
         self._close_interruptions()
         self._withdraw()
+        self._end_drain(f"the job failed: {reason}")
         self.error, self.exit_code = reason, exit_code
         self._phase("failed")
         log.error("job failed: %s", reason)

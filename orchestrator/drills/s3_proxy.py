@@ -72,6 +72,9 @@ class S3FaultProxy:
         self.target = (target.hostname, target.port or 80)
         self.delay_s = 0.0
         self.slowdown_until = 0.0
+        self.gate: threading.Event | None = None  # when set to an Event, requests wait until it is set
+        self.in_flight = 0  # requests received and not yet answered
+        self.most_in_flight = 0
         self.counts = {"received": 0, "forwarded": 0, "throttled": 0, "dropped": 0, "faulted": 0}
         self.faults: list[ProxyFault] = []
         self._client = None
@@ -97,8 +100,21 @@ class S3FaultProxy:
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
             def _handle(self) -> None:
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
+                try:
+                    self._handle_one()
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _handle_one(self) -> None:
                 body = self._body()
                 proxy._count("received")
+                gate = proxy.gate
+                if gate is not None:
+                    gate.wait(60)
                 if proxy.delay_s:
                     time.sleep(proxy.delay_s)
                 if time.monotonic() < proxy.slowdown_until:
