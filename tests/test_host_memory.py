@@ -79,12 +79,23 @@ SWEEPS = {
 }
 
 
+def _checked_plan(cluster, model, train):
+    """The planner's plan, None where it raises PlanningError; `evaluate` raises if it overflows a node's RAM."""
+    from planner import PlanningError, plan
+
+    try:
+        got = plan(cluster, model, train)
+    except PlanningError:
+        return None
+    evaluate(got, cluster, model, train)
+    return got
+
+
 @pytest.mark.parametrize("shape", sorted(SWEEPS))
 def test_the_planner_finds_a_plan_wherever_one_fits_the_nodes_host_memory(shape):
     """Host memory is a node total (issue 33): wherever the brute-force witness finder finds a plan that
     evaluate accepts, the planner plans too (before, it gave up on 25 of the 49 pairs of the second sweep
     and 3 of the first's 48 triples, costing each GPU against an even share of its node's RAM)."""
-    from planner import PlanningError, plan
     from tests.host_enum import some_valid_plan
 
     make, points = SWEEPS[shape]
@@ -93,12 +104,7 @@ def test_the_planner_finds_a_plan_wherever_one_fits_the_nodes_host_memory(shape)
     for point in points:
         cluster = ClusterSpec(nodes=make(*point))
         witness = some_valid_plan(cluster, SIX_B, train)
-        try:
-            got = plan(cluster, SIX_B, train)
-        except PlanningError:
-            got = None
-        if got is not None:
-            evaluate(got, cluster, SIX_B, train)  # raises if any node's RAM is overflowed
+        got = _checked_plan(cluster, SIX_B, train)
         if witness is not None:
             witnessed += 1
             if got is None:
@@ -145,7 +151,6 @@ def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
     (what is still short is listed in the message)."""
     import random
 
-    from planner import PlanningError, plan
     from tests.enumerator import best_plan
 
     rng = random.Random(1)
@@ -153,12 +158,7 @@ def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
     for k in range(100):
         cluster, model, train = _four_gpu_case(rng)
         opt, ref = best_plan(cluster, model, train, host="node")
-        try:
-            got = plan(cluster, model, train)
-        except PlanningError:
-            got = None
-        if got is not None:
-            evaluate(got, cluster, model, train)  # raises if a node's RAM is overflowed
+        got = _checked_plan(cluster, model, train)
         if ref is None:
             continue
         exists += 1
