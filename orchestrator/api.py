@@ -26,6 +26,7 @@ def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput",
     cluster = job.cluster or fleet_cluster(job) or require_cluster(job, source)
     model, train = job.model_spec, job.train
     planner = Planner(model, train)  # the baselines reuse its cost caches
+    planner.explain = True  # a refusal names the least host RAM that plans
     try:
         best = best or planner.plan(cluster, objective)
     except PlanningError as e:

@@ -745,6 +745,9 @@ class Planner:
         self._warm: dict[int, dict] = {}  # per TP degree, where the large-cluster search settled last time
         self._last: tuple[frozenset, dict[int, float]] | None = None  # GPU types and best score per degree
         self._host = "even"  # how the search budgets each node's host RAM among its groups (make_groups)
+        # A refusal for host memory searches for the least RAM that plans (`_least_host`, a few searches more):
+        # for a person reading it (`hetspot plan` sets it), not for a re-plan, a fleet search or a sweep.
+        self.explain = False
 
     def sharing_caches(self) -> Planner:
         """A planner for the same job with these cost caches but no memory of earlier plans (no warm start,
@@ -796,10 +799,38 @@ class Planner:
                     continue
                 found += [p for p in more if all(q.pipelines != p.pipelines for q in found)]
         if not found:
-            raise PlanningError(_no_fit_message(cluster, self.model, self.train))
+            least = self._least_host(cluster, objective) if _kinds and self.explain else None
+            raise PlanningError(_no_fit_message(cluster, self.model, self.train, least))
         key = (lambda p: (p.estimate.cost_per_mtok, p.estimate.step_time_s)) if objective == "cost" else \
             (lambda p: p.estimate.step_time_s)
         return sorted(found, key=key)[:k]
+
+    def _least_host(self, cluster: ClusterSpec, objective: str) -> float | None:
+        """Where host memory is what a node lacks (the node `_host_short` names), the least RAM on that node with
+        which this search finds a plan, to 2% (a bisection of whole searches, on clusters of at most
+        LEAST_HOST_GPUS GPUs); None where more RAM there would not make a plan either."""
+        short = _host_short(cluster, self.model, self.train)
+        if short is None or cluster.num_gpus > LEAST_HOST_GPUS:
+            return None
+        node, need = short
+
+        def plans(gib: float) -> bool:
+            more = cluster.model_copy(update={"nodes": [
+                n.model_copy(update={"host_mem_gib": gib}) if n.name == node.name else n for n in cluster.nodes]})
+            other = self.sharing_caches()  # explain stays off: no bisection inside the bisection
+            try:
+                other._ranked(more, objective, 1, True)
+            except PlanningError:
+                return False
+            return True
+
+        lo, hi = node.host_mem, max(need, node.host_mem) * 1.05
+        if not plans(hi):
+            return None
+        while hi - lo > max(1.0, 0.02 * hi):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if plans(mid) else (mid, hi)
+        return hi
 
     def _candidates(self, cluster: ClusterSpec, objective: str, k: int, _kinds: bool) -> list[Plan]:
         model, train = self.model, self.train
@@ -952,22 +983,35 @@ def plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, objective: st
     return Planner(model, train).plan(cluster, objective)
 
 
-def _no_fit_message(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> str:
-    mem = sum(cluster.node(n.name).num_gpus * (cost.make_slot(cluster, train, n.name, 1).mem_cap_bytes / cost.GIB) for n in cluster.nodes)
-    # Offloaded state spread over every GPU: the node whose host memory falls shortest names the limit.
+LEAST_HOST_GPUS = 16  # up to here a refusal for host memory names the least RAM the search plans with
+
+
+def _host_short(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec):
+    """(node, GiB) of the node whose host memory falls shortest of its share of the model's state offloaded
+    over every GPU, or None where every node holds its share."""
     per_param = cost.host_bytes(model, train, cost.StageShape(1, False, False), 1, cost.Knobs(0, True, True)) / \
         max(1.0, model.layer_params)
     short = []
     for n in cluster.nodes:
         need = model.num_params * per_param * n.num_gpus / cluster.num_gpus / cost.GIB
         if need > n.host_mem:
-            short.append((need / n.host_mem, n, need))
+            short.append((need / n.host_mem, n.name, n, need))
+    return max(short)[2:] if short else None
+
+
+def _no_fit_message(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, least: float | None = None) -> str:
+    """Why no plan: the node whose host memory falls shortest, with the least RAM a search planned with where
+    one was run (`least`), or else its share of the whole state offloaded; otherwise GPU memory."""
+    mem = sum(cluster.node(n.name).num_gpus * (cost.make_slot(cluster, train, n.name, 1).mem_cap_bytes / cost.GIB) for n in cluster.nodes)
+    short = _host_short(cluster, model, train)
     if short:
-        _, n, need = max(short, key=lambda x: x[0])
+        n, need = short
         given = "as given" if n.host_mem_gib is not None else f"the {n.gpu_type} default of {n.host_mem / n.num_gpus:.0f} GiB per GPU"
+        wants = (f"needs at least about {least:,.0f} GiB of host memory (the least with which the search finds a plan)"
+                 if least is not None else f"would need about {need:,.0f} GiB of host memory for its share")
         return (f"model {model.name!r} ({model.num_params / 1e9:.2f}B params) does not fit: the GPUs cannot hold it "
-                f"even with recompute, and offloading its state needs host memory: node {n.name!r} would need about "
-                f"{need:,.0f} GiB of host memory for its share and has {n.host_mem:,.0f} GiB (host_mem_gib, {given}). "
+                f"even with recompute, and offloading its state needs host memory: node {n.name!r} {wants} and "
+                f"has {n.host_mem:,.0f} GiB (host_mem_gib, {given}). "
                 "Fix: set host_mem_gib on the node if it has more RAM, add GPUs or nodes, or use a smaller model.")
     return (
         f"model {model.name!r} ({model.num_params / 1e9:.2f}B params, seq_len {model.seq_len}) does not fit on "

@@ -169,3 +169,31 @@ def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
     assert exists >= 90
     assert not missed, f"no plan where one exists: cases {missed}"
     assert len(short) <= 5, f"below 0.99 of the optimum: {short}"
+
+
+def test_a_refusal_for_host_memory_names_the_least_ram_that_plans():
+    """Issue 46: the refusal named the node's share of all the state offloaded (85 GiB here), where a plan
+    exists with half of that. `hetspot plan` now names the least RAM with which the search plans (a bisection):
+    the planner plans with it, and the exhaustive enumerator finds no plan with 5% less."""
+    import re
+
+    from planner import PlanningError, plan
+    from planner.search import Planner
+    from tests.enumerator import best_plan
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=10240, num_heads=80, vocab_size=32000, seq_len=2048)
+    train = TrainSpec(global_batch=2, max_micro_batch_size=4)
+
+    def on(gib):
+        return ClusterSpec(nodes=[NodeSpec(name="n0", gpu_type="A10G", num_gpus=4, host_mem_gib=gib)])
+
+    planner = Planner(model, train)
+    planner.explain = True  # as `hetspot plan` asks
+    with pytest.raises(PlanningError) as e:
+        planner.plan(on(20))
+    msg = str(e.value)
+    least = float(re.search(r"node 'n0' needs at least about ([\d,.]+) GiB", msg).group(1).replace(",", ""))
+    assert "has 20 GiB" in msg and "host_mem_gib" in msg
+    assert least < 60  # not the 85 GiB of everything offloaded
+    evaluate(plan(on(least), model, train), on(least), model, train)
+    assert best_plan(on(0.95 * least), model, train, host="node")[1] is None
