@@ -491,7 +491,8 @@ def torchft_trials(ec: EmbeddedCluster, setup: Setup, kills: int, work: Path, st
     torchft_run(setup, ref_log, stay_ids + [ec.nodes[extra.name].node_id])
     ec.remove(extra.name)
     ref = torchft_losses(_records(ref_log), setup.global_batch)
-    print(f"torchft's uninterrupted run: samples lost, trained twice: {sample_audit(_records(ref_log), setup.global_batch, setup.steps)}")
+    print(f"torchft's uninterrupted run: samples lost, trained twice: "
+          f"{sample_audit(_records(ref_log), setup.global_batch, setup.steps)}", file=sys.stderr)  # progress
     if os.environ.get("PEERS_VERBOSE"):
         print("torchft reference:", [(r["step"], r["group"], r["participants"]) for r in _records(ref_log)])
     trials = []
