@@ -10,7 +10,8 @@ import torch
 
 from orchestrator.control.migration import WEIGHTS_SHARE
 from planner import TrainSpec
-from tests.test_mixed_precision import MODEL, B, _plan, _port
+from tests.net import free_port
+from tests.test_mixed_precision import MODEL, B, _plan
 from workers.data import make_dataset
 from workers.engine import Engine, StepError
 from workers.state import (
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.unit
 def engine(precision: str, dtype: torch.dtype, offload: dict) -> Engine:
     e = Engine(_plan(offload), 0, MODEL, TrainSpec(global_batch=B, lr=0.01, precision=precision),
                make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
-    e.connect(f"tcp://127.0.0.1:{_port()}", 30)
+    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
     return e
 
 
