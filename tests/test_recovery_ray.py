@@ -209,6 +209,7 @@ def test_a_worker_failing_in_the_middle_of_its_update_is_replaced_not_reused(clu
     c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
     try:
         run_until(c, 1)
+        c.store.wait_snapshots()  # step 1 is in the keepers before the fault (a loaded machine lags them)
         before = list(c.group.pids)
         ray.get(c.group.run.workers[1].inject_fault.remote(2, kind))
         assert c.run() == State.DONE, c.error

@@ -202,6 +202,14 @@ class TieredState:
         self._placed = (group, (avoid, tuple(candidates)), targets, self._keepers_on(targets, ids))
         return self._placed[3]
 
+    def wait_snapshots(self, timeout_s: float = RPC_TIMEOUT_S) -> None:
+        """Wait until the peer snapshots already asked for have landed or failed. Training never waits for them
+        (a failure before one lands rolls back to an earlier step); a drill or test whose fault needs the newest
+        committed step in the keepers waits for it here instead of for a while."""
+        refs = [r for _, rs in self._receipts for r in rs]
+        if refs:
+            self.calls.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
     def _check_receipts(self, step: int, refs: list) -> None:
         """Hold the newest snapshot's receipts; say so when an earlier snapshot did not complete."""
         done = [r for s, rs in self._receipts for r in rs]
