@@ -74,7 +74,6 @@ class S3FaultProxy:
         self.slowdown_until = 0.0
         self.gate: threading.Event | None = None  # when set to an Event, requests wait until it is set
         self.in_flight = 0  # requests received and not yet answered
-        self.most_in_flight = 0
         self.counts = {"received": 0, "forwarded": 0, "throttled": 0, "dropped": 0, "faulted": 0}
         self.faults: list[ProxyFault] = []
         self._client = None
@@ -102,7 +101,6 @@ class S3FaultProxy:
             def _handle(self) -> None:
                 with proxy._lock:
                     proxy.in_flight += 1
-                    proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
                 try:
                     self._handle_one()
                 finally:
