@@ -67,6 +67,13 @@ class DataSpec(_Section):
     dtype: Literal["uint16", "uint32"] = Field(default="uint16", description="token file element type")
     endpoint_url: str | None = Field(default=None, description="S3 endpoint for an s3:// path; default "
                                      "AWS_ENDPOINT_URL, else AWS")
+    cache_gb: float = Field(default=4.0, ge=0, description="s3:// data: the node's block cache on local disk, in GiB "
+                            "(shared by its workers; least recently used blocks go); 0: no cache, one GET per sample")
+    block_mib: float = Field(default=1.0, gt=0, le=1024, description="s3:// data: the size of a cached block in MiB "
+                             "(one GET each); lower it for a corpus much larger than the cache, where each sample that "
+                             "misses brings its whole block")
+    cache_dir: str | None = Field(default=None, description="s3:// data: the cache folder on each node; default "
+                                  "$HETSPOT_DATA_CACHE, else hetspot-data-cache in the system's temporary folder")
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataSpec:

@@ -282,6 +282,7 @@ def test_the_operator_rules_catch_each_defect_of_the_old_manifests(tmp_path):
 
 
 def test_rayjob_runs_the_driver_as_its_entrypoint():
+    from orchestrator.deploy.render import example_job
     from orchestrator.job_spec import parse_job
     from orchestrator.runtime.progress_lines import ENV_JOB
 
@@ -292,6 +293,8 @@ def test_rayjob_runs_the_driver_as_its_entrypoint():
     assert docs["RayCluster"]["spec"]["authOptions"]["mode"] == "token"  # the submitter gets the token
     env = yaml.safe_load(job["runtimeEnvYAML"])["env_vars"]
     spec = parse_job(json.loads(env[ENV_JOB]), "the RayJob's job")  # a valid job
+    assert spec == parse_job(example_job("gke"), "x")  # the renderer's job, carried whole
+    assert "emulate_speed" not in env[ENV_JOB] and "cache_gb" not in env[ENV_JOB]  # defaults are the image's
     assert spec.fleet is not None and spec.fleet.types  # it asks for its own GPUs: no worker runs until it does
     # GKE: the job heeds the node's notice with the deadline the pods get (15 s), within their grace period
     pods = [g["template"]["spec"] for g in docs["RayCluster"]["spec"]["workerGroupSpecs"]]

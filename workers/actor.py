@@ -22,6 +22,7 @@ from workers.data import make_dataset
 from workers.engine import Engine, StepResult
 from workers.faults import FaultInjector
 from workers.logs import structured_logger
+from workers.s3_data import CacheConfig
 from workers.state import (
     KEYS,
     MOMENTS,
@@ -78,7 +79,7 @@ class TrainWorker:
         self.model, self.train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
         self.dataset = make_dataset(data.get("kind", "synthetic"), self.model.seq_len, self.model.vocab_size,
                                     self.train.seed, data.get("path"), data.get("dtype", "uint16"),
-                                    data.get("endpoint_url"))
+                                    data.get("endpoint_url"), CacheConfig.from_data(data))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.options = {"dtype": dtype, "meter_memory": meter_memory, "overlap_sync": overlap_sync}
         self.log_every = log_every

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from workers.data_validation import DataError, check_data, check_window, min_tokens
-from workers.s3_data import S3Array, is_s3
+from workers.s3_data import CacheConfig, S3Array, is_s3
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -65,8 +65,9 @@ class _Windowed:
         self.source = source
 
     def batch(self, indices: range, pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
-        """The samples' windows; with `pool`, read side by side (one ranged GET each on S3: they cannot be merged
-        into one request, the windows lie anywhere in the file)."""
+        """The samples' windows; with `pool`, read side by side (on S3 without a cache, one ranged GET each: S3
+        serves one range a request and the windows lie anywhere in the file; with the node's block cache, windows
+        in one block share its GET)."""
         span = len(self.tokens) - self.seq_len - 1
         offsets = [(((i + 1) * _MIX) ^ self.seed) % (1 << 61) % span for i in indices]
         rows = list(pool.map(self._window, offsets)) if pool is not None else [self._window(o) for o in offsets]
@@ -116,9 +117,10 @@ class TextFile(_Windowed):
     """Byte-level text: token ids are the bytes, so the model's vocabulary must cover them (256 for any text).
     A local file is read whole; an s3:// one window by window (workers/s3_data.py)."""
 
-    def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256, endpoint_url: str | None = None):
+    def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256, endpoint_url: str | None = None,
+                 cache: CacheConfig | None = None):
         if is_s3(path):
-            tokens = S3Array(path, "uint8", endpoint_url)
+            tokens = S3Array(path, "uint8", endpoint_url, cache=cache)
         else:
             tokens = np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
         super().__init__(tokens, vocab_size, seq_len, seed, path)
@@ -128,21 +130,24 @@ class TokenFile(_Windowed):
     """A flat token file (nanoGPT's .bin): uint16 or uint32, memory-mapped, or in S3 read by ranged GETs."""
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0,
-                 endpoint_url: str | None = None):
-        tokens = S3Array(path, dtype, endpoint_url) if is_s3(path) else np.memmap(path, dtype=np.dtype(dtype), mode="r")
+                 endpoint_url: str | None = None, cache: CacheConfig | None = None):
+        tokens = (S3Array(path, dtype, endpoint_url, cache=cache) if is_s3(path)
+                  else np.memmap(path, dtype=np.dtype(dtype), mode="r"))
         super().__init__(tokens, vocab_size, seq_len, seed, path)
 
 
 def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None,
-                 dtype: str = "uint16", endpoint_url: str | None = None) -> Dataset:
+                 dtype: str = "uint16", endpoint_url: str | None = None, cache: CacheConfig | None = None) -> Dataset:
+    """`cache`: the node's block cache for S3 data (CacheConfig.from_data(job's data section)); None reads each
+    window with its own GET."""
     if kind == "synthetic":
         return SyntheticCorpus(vocab_size, seq_len, seed)
     if kind == "text":
         if not is_s3(path):  # a local file is read whole here anyway; S3 windows are checked as they are read
             check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
             return TextFile(path, seq_len, seed, vocab_size, endpoint_url)
-        return ReadAhead(TextFile(path, seq_len, seed, vocab_size, endpoint_url))
+        return ReadAhead(TextFile(path, seq_len, seed, vocab_size, endpoint_url, cache))
     if kind == "tokens":
-        tokens = TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url)
+        tokens = TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url, cache)
         return ReadAhead(tokens) if is_s3(path) else tokens
     raise ValueError(f"unknown data kind {kind!r}; use synthetic, text or tokens")

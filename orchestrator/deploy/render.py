@@ -263,7 +263,10 @@ def kuberay_job(cluster_name: str = "hetspot-spot", job: dict | None = None, pla
     from orchestrator.runtime.progress_lines import ENV_ID, ENV_JOB
 
     spec = parse_job(job or example_job(platform, grace_s), "the RayJob's job")
-    runtime_env = {"env_vars": {ENV_JOB: spec.model_dump_json(), ENV_ID: spec.name, "RAY_DEDUP_LOGS": "0"}}
+    # Only what the job sets: the defaults are those of the hetspot the image runs (a sample rendered before a
+    # default changed still means what it says, and reads as the job file it came from).
+    runtime_env = {"env_vars": {ENV_JOB: spec.model_dump_json(exclude_defaults=True), ENV_ID: spec.name,
+                                "RAY_DEDUP_LOGS": "0"}}
     return [
         {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": spec.name},
          "spec": {"clusterSelector": {"ray.io/cluster": cluster_name},
