@@ -220,12 +220,24 @@ def stage_times(
         # Weights stream in per micro-batch, once for forward and once for backward.
         h2d = shape.params_per_device(model, tp) * pb / slot.host_link
         fwd, bwd = max(fwd, h2d), max(bwd, h2d)
+    mem = stage_memory(slot, model, train, shape, b, inflight, policy)
+    return with_links(StageTimes(fwd, bwd, mem), model, train, b, p2p_next_bw, p2p_prev_bw)
+
+
+def with_links(t: StageTimes, model: ModelSpec, train: TrainSpec, b: int, p2p_next_bw: float | None,
+               p2p_prev_bw: float | None) -> StageTimes:
+    """A stage's times without its links (`stage_times` with both None) plus the p2p sends of one micro-batch's
+    activations: to the next stage after forward, to the previous one after backward. The search costs a stage
+    once and adds each position's links here."""
+    if not (p2p_next_bw or p2p_prev_bw):
+        return t
+    act_bytes = model.seq_len * b * model.hidden_size * train.param_bytes
+    fwd, bwd = t.fwd_s, t.bwd_s
     if p2p_next_bw:
         fwd += act_bytes / p2p_next_bw
     if p2p_prev_bw:
         bwd += act_bytes / p2p_prev_bw
-    mem = stage_memory(slot, model, train, shape, b, inflight, policy)
-    return StageTimes(fwd, bwd, mem)
+    return StageTimes(fwd, bwd, t.mem_bytes)
 
 
 def stage_memory(

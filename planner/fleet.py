@@ -34,7 +34,7 @@ from pydantic import Field, field_validator, model_validator
 from planner.catalog import canonical_gpu_type
 from planner.errors import PlanningError
 from planner.plan_types import Plan
-from planner.search import Planner
+from planner.search import Planner, collector_paused
 from planner.specs import ClusterSpec, ModelSpec, NodeSpec, StrictModel, TrainSpec, plain_name
 
 Fleet = tuple[tuple[str, int], ...]  # ((instance type name, nodes), ...), sorted by name, counts > 0
@@ -311,4 +311,5 @@ def choose_fleet(catalog: Catalog, model: ModelSpec, train: TrainSpec, objective
         if budget_per_hour < cheapest:
             raise PlanningError(f"budget {budget_per_hour:g} $/h (--budget) is below the cheapest fleet (one instance, "
                                 f"${cheapest:g}/h); raise the budget")
-    return FleetSearch(catalog, model, train, objective, budget_per_hour, progress, min_tokens_per_s).run()
+    with collector_paused():  # once for every fleet's search (each pausing it again would collect in between)
+        return FleetSearch(catalog, model, train, objective, budget_per_hour, progress, min_tokens_per_s).run()

@@ -73,30 +73,44 @@ class PipelineModel:
         key = (self._hw[i], n, first, last, k, self.p2p[i], b)
         got = self._stage_cache.get(key)
         if got is None:
-            got = self._stage_cache[key] = fitting_policies(self.slots[i], self.model, self.train,
-                                                            _shape(n, first, last), b, k, *self.p2p[i])
+            # What fits and its compute do not depend on the links: costed once, each position's sends added.
+            base_key = ("unlinked", self._hw[i], n, first, last, k, b)
+            base = self._stage_cache.get(base_key)
+            if base is None:
+                base = self._stage_cache[base_key] = fitting_policies(self.slots[i], self.model, self.train,
+                                                                      _shape(n, first, last), b, k, None, None)
+            nxt, prev = self.p2p[i]
+            got = self._stage_cache[key] = [(kn, cost.with_links(t, self.model, self.train, b, nxt, prev))
+                                            for kn, t in base]
         return got
 
     def _stage_vector(self, i: int, hi: int, b: int, m: int):
-        """Stage i's cheapest choice and its per-step cost for 1..hi layers (shared by every pipeline of the
-        search with the same hardware and links at a position of the same kind)."""
+        """Stage i's cheapest choice and its per-step cost for 1..hi layers (inf past hi; shared by every
+        pipeline of the search with the same hardware and links at a position of the same kind). One vector per
+        position kind, grown as callers ask for more layers: pipelines of different depths ask for different
+        `hi` of the same stage."""
         p = len(self.slots)
         k = cost.inflight(i, p, m, self.schedule)
-        key = ("vector", self._hw[i], i == 0, i == p - 1, k, self.p2p[i], b, m, hi)
+        key = ("vector", self._hw[i], i == 0, i == p - 1, k, self.p2p[i], b, m)
         got = self._stage_cache.get(key)
         if got is None:
             num_layers = self.model.num_layers
-            choices: list[StageChoice | None] = [None] * (num_layers + 1)
-            c_val = np.full(num_layers + 1, np.inf)
-            c_t = np.zeros(num_layers + 1)
-            for n in range(1, hi + 1):
+            got = self._stage_cache[key] = [[None] * (num_layers + 1), np.full(num_layers + 1, np.inf),
+                                            np.zeros(num_layers + 1), 0, False]  # ..., layers done, none fits past
+        choices, c_val, c_t, done, full = got
+        if done < hi and not full:
+            for n in range(done + 1, hi + 1):
                 best = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train, self._shape(i, n), m)
                 if best is None:
-                    break  # a layer more only needs more device and host memory: no larger stage fits either
+                    got[4] = True  # a layer more only needs more device and host memory: no larger stage fits either
+                    break
                 choices[n] = StageChoice(n, best[0], best[1])
                 c_val[n], c_t[n] = best[2], best[1].fwd_s + best[1].bwd_s
-            got = self._stage_cache[key] = (choices, c_val, c_t)
-        return got
+                got[3] = n
+        if got[3] > hi:  # asked for fewer layers than computed: the same vector, cut at hi
+            c_val = c_val.copy()
+            c_val[hi + 1:] = np.inf
+        return choices, c_val, c_t
 
     def split(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
         """Best contiguous layer split for micro-batches of b, m per step (None if nothing fits)."""
@@ -141,10 +155,7 @@ class PipelineModel:
         # Stage i can only start at layers i..i+w-1 and end at i+1..i+w (every stage takes at least one layer),
         # so each DP step is a w x w band, w = L - p + 1: narrow for deep pipelines.
         w = num_layers - p + 1
-        off = np.arange(w)
-        n_mat = off[None, :] + 1 - off[:, None]  # [start i+a, end i+1+j] -> layers in the stage
-        valid = n_mat >= 1
-        n_clip = np.where(valid, n_mat, 0)
+        off, n_clip = _band(w)
         prim = np.full(num_layers + 1, big)
         prim[0] = 0.0
         sec = np.zeros(num_layers + 1)
@@ -154,8 +165,10 @@ class PipelineModel:
             if self.homogeneous and not self.exact:
                 most = min(most, 2 * math.ceil(num_layers / p) + 1)  # a balanced split never goes past 2x
             choices, c_val, c_t = self._stage_vector(lo + i, most, b, m)
-            cand_p = np.where(valid, np.maximum(prim[i:i + w, None], c_val[n_clip]), big)
-            cand_s = np.where(valid, sec[i:i + w, None] + c_t[n_clip], big)
+            # An impossible (start, end) reads layer count 0, whose cost is inf: no mask needed. Its sum of times
+            # is finite but never chosen (a tie needs a finite cost, or a column no split reaches).
+            cand_p = np.maximum(prim[i:i + w, None], c_val[n_clip])
+            cand_s = sec[i:i + w, None] + c_t[n_clip]
             if i == p - 1:  # the last stage must end at the last layer
                 cand_p[:, :w - 1] = big
             best_p = cand_p.min(axis=0)
@@ -406,6 +419,15 @@ class PipelineModel:
 
 
 EDGE_RATIO = 0.5
+
+
+@functools.cache
+def _band(w: int) -> tuple[np.ndarray, np.ndarray]:
+    """The DP's band of width w: offsets 0..w-1, and [start i+a, end i+1+j] -> layers in the stage (0 where
+    the end is not after the start)."""
+    off = np.arange(w)
+    n_mat = off[None, :] + 1 - off[:, None]
+    return off, np.where(n_mat >= 1, n_mat, 0)
 
 
 def edge_ranges(num_stages: int, edges: bool) -> list[tuple[int, int]]:

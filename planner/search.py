@@ -105,6 +105,20 @@ def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int,
     return groups, unused
 
 
+def _host_never_binds(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> bool:
+    """Whether every group's even share of its node's host RAM holds the offloaded state of a stage of the whole
+    model (every layer, the embedding and the head), at every TP degree the search tries. Then host memory
+    never excludes a policy (offload_policy.fitting_policies is the only place it binds), so the other host
+    splits, which only give some groups more and others less, cannot find a better plan: the search skips them."""
+    whole = cost.StageShape(model.num_layers, True, True)
+    for tp in tp_candidates(cluster, model):
+        need = cost.host_bytes(model, train, whole, tp, cost.Knobs(0, True, False))
+        groups, _ = make_groups(cluster, train, tp)
+        if any(need > g.slot.host_cap_bytes for g in groups):
+            return False
+    return True
+
+
 def _host_slot(slot: cost.Slot, node, first_gpu: int, host: str) -> cost.Slot:
     """A group's slot under a host split (HOST_SPLITS): `first_gpu` is where the group starts on its node."""
     if host == "even" or node.num_gpus <= slot.tp:
@@ -789,7 +803,8 @@ class Planner:
         tight = not found or (cluster.num_gpus <= POOLED_GPUS and any(
             st.offload.offload_optimizer or st.offload.offload_params or st.offload.recompute_layers
             for pipe in found[0].pipelines for st in pipe.stages))
-        if _kinds and tight and any(n.num_gpus > 1 for n in cluster.nodes):
+        if _kinds and tight and any(n.num_gpus > 1 for n in cluster.nodes) and \
+                not _host_never_binds(cluster, self.model, self.train):
             for host in HOST_SPLITS[1:]:
                 other = self.sharing_caches()
                 other._host = host
