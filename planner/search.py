@@ -758,6 +758,7 @@ class Planner:
         self._stage_cache: dict = {}
         self._warm: dict[int, dict] = {}  # per TP degree, where the large-cluster search settled last time
         self._last: tuple[frozenset, dict[int, float]] | None = None  # GPU types and best score per degree
+        self._last_plan: Plan | None = None  # the last throughput plan: a re-plan may keep its intact pipelines
         self._host = "even"  # how the search budgets each node's host RAM among its groups (make_groups)
         # A refusal for host memory searches for the least RAM that plans (`_least_host`, a few searches more):
         # for a person reading it (`hetspot plan` sets it), not for a re-plan, a fleet search or a sweep.
@@ -813,12 +814,19 @@ class Planner:
                 except PlanningError:
                     continue
                 found += [p for p in more if all(q.pipelines != p.pipelines for q in found)]
+        if objective == "throughput" and _kinds and self._last_plan is not None:
+            kept = kept_pipelines(self._last_plan, cluster, self.model, self.train)
+            if kept is not None and all(q.pipelines != kept.pipelines for q in found):
+                found.append(kept)
         if not found:
             least = self._least_host(cluster, objective) if _kinds and self.explain else None
             raise PlanningError(_no_fit_message(cluster, self.model, self.train, least))
         key = (lambda p: (p.estimate.cost_per_mtok, p.estimate.step_time_s)) if objective == "cost" else \
             (lambda p: p.estimate.step_time_s)
-        return sorted(found, key=key)[:k]
+        ranked = sorted(found, key=key)[:k]
+        if objective == "throughput" and _kinds:
+            self._last_plan = ranked[0]
+        return ranked
 
     def _least_host(self, cluster: ClusterSpec, objective: str) -> float | None:
         """Where host memory is what a node lacks (the node `_host_short` names), the least RAM on that node with
@@ -975,6 +983,55 @@ class Planner:
             raise PlanningError(_no_fit_message(cluster, self.model, self.train))
         ranked.sort(key=lambda p: (p.estimate.cost_per_mtok, p.estimate.step_time_s))
         return ranked[:k]
+
+
+def kept_pipelines(last: Plan, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Plan | None:
+    """The obvious re-plan after a loss: `last` with every pipeline that lost a GPU dropped and the global batch
+    shared among the rest in proportion to what each trained (each was balanced to finish with the others, so
+    they still do), micro-batch sizes and splits unchanged. None where no pipeline lost anything (not a loss),
+    none is left, or the result does not fit (more micro-batches in flight where a pipeline had fewer than its
+    stages). The search can miss it: a re-plan searches the survivors afresh, and on a large cluster its
+    heuristic sets need not include the old pipelines (issue 46: 94.2% of the throughput kept where dropping
+    the broken pipeline keeps 96.3%), so `Planner` adds it to the re-plan's candidates, and a re-plan is never
+    worse than it. It also moves no state."""
+    known = {d: n.gpu_type for n in cluster.nodes for d in n.device_ids()}
+    kept = [p for p in last.pipelines if all(known.get(d) == st.gpu_type for st in p.stages for d in st.devices)]
+    if not kept or len(kept) == len(last.pipelines) or len(kept) > train.global_batch:
+        return None
+    total, batch = sum(p.num_samples for p in kept), train.global_batch
+    exact = [batch * p.num_samples / total for p in kept]
+    counts = [max(1, math.floor(x)) for x in exact]
+    by_remainder = sorted(range(len(kept)), key=lambda i: (counts[i] - exact[i], i))
+    i = 0
+    while sum(counts) < batch:
+        counts[by_remainder[i % len(kept)]] += 1
+        i += 1
+    while sum(counts) > batch:  # the floor of 1 sample each can overshoot
+        r = max((j for j in range(len(kept)) if counts[j] > 1), key=lambda j: counts[j] - exact[j])
+        counts[r] -= 1
+    ids = {id(p) for p in kept}
+    lost = [d for p in last.pipelines if id(p) not in ids for st in p.stages for d in st.devices if d in known]
+    why = "its pipeline lost a GPU; the rest of the last plan kept (faster than the re-planned search's best)"
+    unused = sorted([u for u in last.unused if u.device in known] + [UnusedDevice(device=d, reason=why) for d in lost],
+                    key=lambda u: u.device)
+
+    def shaped(p: Pipeline, n: int, same_m: bool) -> Pipeline:
+        # Either as many micro-batches as before, each a little larger (a last micro-batch of one sample would
+        # leave the gradient sync nothing to hide behind), or the same micro-batches, a few more of them.
+        b = -(-n // min(p.num_micro_batches, n)) if same_m else min(p.micro_batch_size, n)
+        return p.model_copy(update={"num_samples": n, "micro_batch_size": b, "num_micro_batches": -(-n // b)})
+
+    best = None
+    for same_m in (True, False):
+        plan = last.model_copy(update={"pipelines": [shaped(p, n, same_m) for p, n in zip(kept, counts, strict=True)],
+                                       "unused": unused, "estimate": None})
+        try:
+            plan = plan.model_copy(update={"estimate": evaluate(plan, cluster, model, train)})
+        except ValueError:  # PlanContractError: it does not fit, or the cluster's nodes changed under it
+            continue
+        if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
+            best = plan
+    return best
 
 
 @contextlib.contextmanager

@@ -113,6 +113,34 @@ def test_warm_replan_matches_a_fresh_search_on_the_survivors():
     assert shared.pipelines == fresh.pipelines
 
 
+@pytest.mark.parametrize("lost", [{"n01"}, {"n03"}, {"n00", "n07"}, {"n02", "n06", "n09"}])
+def test_a_replan_is_never_worse_than_dropping_the_broken_pipelines(lost):
+    """Issue 46: the obvious re-plan after a loss, the last plan less the pipelines that lost a GPU with the batch
+    shared among the rest, is a valid plan on the survivors and a candidate of every re-plan: the re-plan's
+    throughput is at least its throughput, and a loss that leaves every pipeline whole is not one."""
+    from planner.contract import plan_problems
+    from planner.search import Planner, kept_pipelines
+
+    types = ["A100-80GB", "L4", "T4"]
+    cluster = ClusterSpec(nodes=[NodeSpec(name=f"n{i:02d}", gpu_type=types[i % 3], num_gpus=2) for i in range(12)])
+    model, train = ModelSpec.preset("gpt-1.3b"), TrainSpec(global_batch=96)
+    planner = Planner(model, train)
+    first = planner.plan(cluster)
+    survivors = cluster.without_nodes(lost)
+    kept = kept_pipelines(first, survivors, model, train)
+    again = planner.plan(survivors)
+    broken = [p for p in first.pipelines if any(st.node in lost for st in p.stages)]
+    if not broken:
+        assert kept is None
+        return
+    if kept is not None:
+        assert not plan_problems(kept, model, train, survivors)
+        assert sum(p.num_samples for p in kept.pipelines) == train.global_batch
+        assert [p.stages for p in kept.pipelines] == [p.stages for p in first.pipelines if p not in broken]
+        assert again.estimate.tokens_per_s >= kept.estimate.tokens_per_s * (1 - 1e-12)
+    assert kept_pipelines(first, cluster, model, train) is None  # nothing lost
+
+
 def test_more_nodes_never_plan_slower_than_a_subset():
     """Adding nodes can only help: the planner may leave them idle. The coordinate descent over per-type
     pipeline depths once could not: on 29 nodes of 8 each of H100 (50 GB/s NICs), A100 (25), L4 and A10G
