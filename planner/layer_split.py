@@ -31,6 +31,18 @@ class StageChoice:
     times: cost.StageTimes
 
 
+class _Vector:
+    """A stage kind's cheapest choice (`choices`), per-step cost (`val`, inf where not computed or nothing fits)
+    and fwd + bwd time (`t`) by layer count, computed for 1..`done` layers; `full`: nothing fits past `done`."""
+
+    __slots__ = ("choices", "val", "t", "done", "full")
+
+    def __init__(self, num_layers: int):
+        self.choices: list[StageChoice | None] = [None] * (num_layers + 1)
+        self.val, self.t = np.full(num_layers + 1, np.inf), np.zeros(num_layers + 1)
+        self.done, self.full = 0, False
+
+
 @dataclass(frozen=True)
 class Finish:
     time_s: float
@@ -92,25 +104,23 @@ class PipelineModel:
         p = len(self.slots)
         k = cost.inflight(i, p, m, self.schedule)
         key = ("vector", self._hw[i], i == 0, i == p - 1, k, self.p2p[i], b, m)
-        got = self._stage_cache.get(key)
-        if got is None:
-            num_layers = self.model.num_layers
-            got = self._stage_cache[key] = [[None] * (num_layers + 1), np.full(num_layers + 1, np.inf),
-                                            np.zeros(num_layers + 1), 0, False]  # ..., layers done, none fits past
-        choices, c_val, c_t, done, full = got
-        if done < hi and not full:
-            for n in range(done + 1, hi + 1):
+        v = self._stage_cache.get(key)
+        if v is None:
+            v = self._stage_cache[key] = _Vector(self.model.num_layers)
+        if v.done < hi and not v.full:
+            for n in range(v.done + 1, hi + 1):
                 best = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train, self._shape(i, n), m)
                 if best is None:
-                    got[4] = True  # a layer more only needs more device and host memory: no larger stage fits either
+                    v.full = True  # a layer more only needs more device and host memory: no larger stage fits either
                     break
-                choices[n] = StageChoice(n, best[0], best[1])
-                c_val[n], c_t[n] = best[2], best[1].fwd_s + best[1].bwd_s
-                got[3] = n
-        if got[3] > hi:  # asked for fewer layers than computed: the same vector, cut at hi
+                v.choices[n] = StageChoice(n, best[0], best[1])
+                v.val[n], v.t[n] = best[2], best[1].fwd_s + best[1].bwd_s
+                v.done = n
+        c_val = v.val
+        if v.done > hi:  # asked for fewer layers than computed: the same vector, cut at hi
             c_val = c_val.copy()
             c_val[hi + 1:] = np.inf
-        return choices, c_val, c_t
+        return v.choices, c_val, v.t
 
     def split(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
         """Best contiguous layer split for micro-batches of b, m per step (None if nothing fits)."""

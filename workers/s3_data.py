@@ -199,9 +199,12 @@ class BlockCache:
         finally:
             with self._lock:
                 self._fetching.pop(b, None)
-        self._written_since_check += len(body)
-        if self._written_since_check >= max(self.block, self.config.max_bytes // 64):
-            self._written_since_check = 0
+        with self._lock:
+            self._written_since_check += len(body)
+            check = self._written_since_check >= max(self.block, self.config.max_bytes // 64)
+            if check:
+                self._written_since_check = 0
+        if check:
             evict(self.config.root, self.config.max_bytes)
         return body
 
