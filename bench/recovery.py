@@ -166,10 +166,10 @@ def tier_restore(ec: EmbeddedCluster, endpoint: str, hidden: int | None, repeats
             r = c.store.restore(c.group)
             t = time.perf_counter()
             c.group.settle_restore()  # the overlapped moments: in this long after the restore returned
-            times[way].append(r["restore_s"])
+            times[way].append(r.restore_s)
             if overlap:
-                times["moments-in"].append(r["restore_s"] + time.perf_counter() - t)
-            by_tier[way] = r["bytes_by_tier"]
+                times["moments-in"].append(r.restore_s + time.perf_counter() - t)
+            by_tier[way] = r.bytes_by_tier
     c.group.shutdown()
     return {"first": first, "by_tier": by_tier, "model": model.get("name", "small")} | {
         f"{k}_s": statistics.median(v) for k, v in times.items()}

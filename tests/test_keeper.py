@@ -9,6 +9,7 @@ import pytest
 from orchestrator.state.keeper import KeeperStore
 from orchestrator.state.s3_store import S3Checkpoints
 from tests.moto_s3 import moto_s3, use_test_credentials
+from workers.transfer import CheckpointLocation, HeldRow, Refused, S3Request, ShardRequest, Tier
 
 pytestmark = pytest.mark.unit
 
@@ -32,45 +33,45 @@ def test_peer_copies_keep_the_newest_steps_and_pinned_ones_until_unpinned():
     k.put("peer", 0, 0, shards(0, 0), pin=True)  # an S3 upload of step 0 is coming
     for step in (1, 2, 3):
         k.put("peer", step, 0, shards(0, step))
-    assert sorted({r["step"] for r in k.inventory()}) == [0, 2, 3]
+    assert sorted({r.step for r in k.inventory()}) == [0, 2, 3]
     k.unpin(0)
-    assert sorted({r["step"] for r in k.inventory()}) == [2, 3]
+    assert sorted({r.step for r in k.inventory()}) == [2, 3]
     k.put("live", 3, 1, shards(1, 3))
-    assert k.clear("live") == 1 and {r["tier"] for r in k.inventory()} == {"peer"}
+    assert k.clear("live") == 1 and {r.tier for r in k.inventory()} == {"peer"}
 
 
 def test_inventory_is_metadata_and_get_many_cuts_the_region_deferring_the_moments():
     k = KeeperStore("n1")
     k.put("peer", 5, 1, shards(1, 5))
     (row,) = k.inventory()
-    assert row | {"nbytes": 0} == {"tier": "peer", "step": 5, "rank": 1, "unit": "w", "region": [[2, 4], [0, 2]],
-                                   "shape": [4, 2], "nbytes": 0, "optimizer_steps": 6.0, "node": "n1"}
-    (a,) = k.get_many([("peer", 1, "w", ((3, 4), (0, 2)))], 5, keys=("param",))
-    assert a["tier"] == "peer" and a["tensors"]["param"].tolist() == [[6.0, 6.0]]
-    assert a["bytes"] == 16 and a["deferred"] == 32  # the two moments of that row come later
-    (m,) = k.get_many([("peer", 1, "w", ((3, 4), (0, 2)))], 5, keys=("exp_avg", "exp_avg_sq"))
-    assert m["tensors"]["exp_avg"].tolist() == [[6.5, 6.5]] and m["deferred"] == 16  # the weights, brought before
+    assert row == HeldRow("w", ((2, 4), (0, 2)), 5, (4, 2), 6.0, Tier.PEER, 1, 96)
+    (a,) = k.get_many([ShardRequest(Tier.PEER, 1, "w", ((3, 4), (0, 2)))], 5, keys=("param",))
+    assert a.tier == Tier.PEER and a.tensors["param"].tolist() == [[6.0, 6.0]]
+    assert a.bytes == 16 and a.deferred == 32  # the two moments of that row come later
+    (m,) = k.get_many([ShardRequest(Tier.PEER, 1, "w", ((3, 4), (0, 2)))], 5, keys=("exp_avg", "exp_avg_sq"))
+    assert m.tensors["exp_avg"].tolist() == [[6.5, 6.5]] and m.deferred == 16  # the weights, brought before
 
 
 def test_upload_then_a_restore_reads_s3_pieces_once_and_refuses_a_corrupt_one(s3):
     k = KeeperStore("n1")
     for rank in (0, 1):
         k.put("peer", 7, rank, shards(rank, 7), pin=True)
-    entries = k.upload(7, [("peer", 0, "w", ((0, 2), (0, 2))), ("peer", 1, "w", ((2, 4), (0, 2)))],
-                       "s3://keep/job", s3)
-    assert [e["unit"] for e in entries] == ["w", "w"] and all(e["bytes"] > 0 for e in entries)
+    at = CheckpointLocation("s3://keep/job", s3)
+    entries = k.upload(7, [ShardRequest(Tier.PEER, 0, "w", ((0, 2), (0, 2))),
+                           ShardRequest(Tier.PEER, 1, "w", ((2, 4), (0, 2)))], at)
+    assert [e.unit for e in entries] == ["w", "w"] and all(e.piece.bytes > 0 for e in entries)
     assert k.inventory() and 7 in k.pinned  # the state plane releases the pin when the whole upload ends
-    piece = {kk: v for kk, v in entries[1].items() if kk != "unit"}
+    piece = entries[1].piece
     fresh = KeeperStore("n2")
-    (got,) = fresh.get_many([("s3", piece, ((3, 4), (0, 2)))], 7, s3=("s3://keep/job", s3))
-    assert got["tier"] == "s3" and got["tensors"]["param"].tolist() == [[8.0, 8.0]] and got["bytes"] == piece["bytes"]
+    (got,) = fresh.get_many([S3Request(piece, ((3, 4), (0, 2)))], 7, s3=at)
+    assert got.tier == Tier.S3 and got.tensors["param"].tolist() == [[8.0, 8.0]] and got.bytes == piece.bytes
     store = S3Checkpoints("s3://keep/job", s3)
-    store.client.put_object(Bucket="keep", Key=piece["key"], Body=b"not the bytes the manifest names")
-    (bad,) = KeeperStore("n3").get_many([("s3", piece, ((2, 4), (0, 2)))], 7, s3=("s3://keep/job", s3))
-    assert "does not match its SHA256" in bad["error"]
+    store.client.put_object(Bucket="keep", Key=piece.key, Body=b"not the bytes the manifest names")
+    (bad,) = KeeperStore("n3").get_many([S3Request(piece, ((2, 4), (0, 2)))], 7, s3=at)
+    assert isinstance(bad, Refused) and "does not match its SHA256" in bad.error and bad.refusal == "corrupt"
 
 
 def test_the_write_check_answers_with_this_nodes_access(s3):
-    assert KeeperStore("n1").check_write("s3://keep/job", s3) is None
-    err = KeeperStore("n1").check_write("s3://no-such-bucket/job", s3)
+    assert KeeperStore("n1").check_write(CheckpointLocation("s3://keep/job", s3)) is None
+    err = KeeperStore("n1").check_write(CheckpointLocation("s3://no-such-bucket/job", s3))
     assert err is not None and "NoSuchBucket" in err

@@ -124,7 +124,7 @@ def test_policy_counts_the_state_bytes_a_restore_moves(precision, dtype):
     e = Engine(_plan({}), 0, MODEL, train, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
     e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
     try:
-        asked = sum(n["nbytes"] for n in needs(e))
+        asked = sum(n.nbytes for n in needs(e))
     finally:
         e.close()
     assert asked == sum(layer_bytes(MODEL, train, x) for x in range(-1, MODEL.num_layers + 1))

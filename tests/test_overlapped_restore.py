@@ -55,7 +55,7 @@ def test_moments_that_arrive_during_the_first_step_resume_the_same_training(prec
     pool = ThreadPoolExecutor(1)
     try:
         weights = sum(s["param"].nbytes for s in shards.values())
-        assert weights == pytest.approx(WEIGHTS_SHARE * sum(n["nbytes"] for n in needs(b)))  # the policy's share
+        assert weights == pytest.approx(WEIGHTS_SHARE * sum(n.nbytes for n in needs(b)))  # the policy's share
         import_pieces(b, pieces(shards, b, ("param",)), opt)
         assert all(not st for st in b.optimizer_states())  # no moments yet
 

@@ -23,6 +23,7 @@ from orchestrator.state.s3_store import S3Checkpoints
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage
 from tests.moto_s3 import moto_s3, use_test_credentials
 from workers.state import assemble
+from workers.transfer import NeedRow
 
 pytestmark = pytest.mark.ray
 STEPS = 5
@@ -225,12 +226,12 @@ def test_a_worker_failing_in_the_middle_of_its_update_is_replaced_not_reused(clu
                 cluster.remove(n)
 
 
-def overlap_bytes(old: dict, new: dict) -> int:
-    """Bytes of `new`'s need ({"unit", "region", "nbytes"}) that `old` (the same unit) already covers."""
+def overlap_bytes(old: NeedRow, new: NeedRow) -> int:
+    """Bytes of `new`'s need that `old` (the same unit) already covers."""
     numel = inter = 1
-    for (a, b), (c, d) in zip(old["region"], new["region"], strict=True):
+    for (a, b), (c, d) in zip(old.region, new.region, strict=True):
         numel, inter = numel * (d - c), inter * max(0, min(b, d) - max(a, c))
-    return new["nbytes"] * inter // numel
+    return new.nbytes * inter // numel
 
 
 def test_a_loss_that_changes_the_layout_reshards_survivors_in_memory(cluster, endpoint):
@@ -259,10 +260,10 @@ def test_a_loss_that_changes_the_layout_reshards_survivors_in_memory(cluster, en
         assert [(s.layer_start, s.layer_end, s.tp) for s in new_plan.pipelines[0].stages] != [(0, 2, 2), (2, 3, 1)] \
             or len(new_plan.pipelines) > 1  # the layout changed
         assert {pid for pid, _ in new} <= set(old) - {lost}  # every rank is a survivor's process, none started
-        held = {pid: {n["unit"]: n for n in needs} for pid, needs in old.items()}
-        in_place = sum(overlap_bytes(held[pid][n["unit"]], n) for pid, needs in new for n in needs
-                       if n["unit"] in held.get(pid, {}))
-        total = sum(n["nbytes"] for _, needs in new for n in needs)
+        held = {pid: {n.unit: n for n in needs} for pid, needs in old.items()}
+        in_place = sum(overlap_bytes(held[pid][n.unit], n) for pid, needs in new for n in needs
+                       if n.unit in held.get(pid, {}))
+        total = sum(n.nbytes for _, needs in new for n in needs)
         (r,) = restore_events(c)
         assert r["step"] == 1 and r["in_place_bytes"] == in_place > 0
         assert r["bytes"] == total - in_place and r["bytes_by_tier"]["s3"] == 0
@@ -359,11 +360,11 @@ def first_stage_and_its_peer(c, step: int) -> tuple[set[str], list[str]]:
     holders: dict[str, set[str]] = {}
     for rank_needs, node in zip(c.group.needs(), nodes_, strict=True):
         for n in rank_needs:
-            holders.setdefault(n["unit"], set()).add(node)
+            holders.setdefault(n.unit, set()).add(node)
     for node, k in c.store.keepers.items():
         for row in ray.get(k.inventory.remote()):
-            if row["tier"] == "peer" and row["step"] == step:
-                holders[row["unit"]].add(node)
+            if row.tier == "peer" and row.step == step:
+                holders[row.unit].add(node)
     peer_of_first = {n for u, h in holders.items() if unit_layer(u) == -1 for n in h} - {nodes_[0]}
     doomed = {nodes_[0], *peer_of_first}
     assert len(doomed) == 2
@@ -415,8 +416,8 @@ def test_node_killed_during_an_s3_upload_uses_the_previous_complete_step(cluster
     assert c.run() == State.DONE, c.error
     r = restore_events(c)[0]
     assert r["step"] == 1 and r["tier"] == "s3" and r["bytes_by_tier"]["live"] == r["bytes_by_tier"]["peer"] == 0
-    first_try = next(u for u in c.store.uploads if u["step"] == 2)
-    assert first_try["error"]  # the half-written step 2 was never completed...
+    first_try = next(u for u in c.store.uploads if u.step == 2)
+    assert first_try.error  # the half-written step 2 was never completed...
     assert_matches_reference(j, c.progress.losses, final_state(j))  # ...and step 2 was redone, once
 
 
@@ -475,8 +476,8 @@ def test_corrupt_newest_step_is_refused_and_the_previous_one_resumes(cluster, en
     losses = {s: first.progress.losses[s] for s in (0, 1)} | second.progress.losses
     assert sorted(second.progress.losses) == [2, 3, 4]
     assert_matches_reference(j1, losses, final_state(j2))
-    redo = next(u for u in second.store.uploads if u["step"] == 2)  # the redone step 2 replaced the refused one
-    assert redo["status"] == "written", second.store.uploads
+    redo = next(u for u in second.store.uploads if u.step == 2)  # the redone step 2 replaced the refused one
+    assert redo.status == "written", second.store.uploads
     assert all(store.verify(s) == [] for s in store.complete_steps())
 
 
@@ -581,13 +582,13 @@ def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cl
         kill(cluster, *doomed)
         proxy.delay_s = 0.0
         assert c.run() == State.DONE, c.error
-        first_try = next(u for u in c.store.uploads if u["step"] == 2 and u["status"] != "dropped")  # the held one
+        first_try = next(u for u in c.store.uploads if u.step == 2 and u.status != "dropped")  # the held one
         # (the redone step 2 may be dropped for step 3 before the held upload ends)
-        assert first_try["status"] == "failed" and "not written" in first_try["error"], c.store.uploads
+        assert first_try.status == "failed" and "not written" in first_try.error, c.store.uploads
         # Why depends on when the held request returns: before the restore, the keepers left hold less than the
         # whole model (the error names a lost unit); after it, step 2 is being redone (rolled back to step 1)
-        assert any(u in first_try["error"] for u in lost) or "rolled back to step 1" in first_try["error"], \
-            first_try["error"]
+        assert any(u in first_try.error for u in lost) or "rolled back to step 1" in first_try.error, \
+            first_try.error
         steps = every_step_is_whole(j)
         assert steps[0] == STEPS - 1 and len(steps) == 2  # keep: 2, both whole (an older one may have been dropped)
         assert_matches_reference(j, c.progress.losses, final_state(j))
@@ -644,8 +645,8 @@ def test_a_503_slowdown_period_loses_no_step_and_no_upload(cluster, endpoint):
         proxy.slowdown(1.5)  # shorter than boto3's 8 jittered retries can run out in (4 s did once)
         assert c.run() == State.DONE, c.error
         assert proxy.counts["throttled"] > 0
-        assert not [u for u in c.store.uploads if u["status"] == "failed"], c.store.uploads
-        assert max(u["step"] for u in c.store.uploads if u["status"] == "written") == STEPS - 1
+        assert not [u for u in c.store.uploads if u.status == "failed"], c.store.uploads
+        assert max(u.step for u in c.store.uploads if u.status == "written") == STEPS - 1
         assert every_step_is_whole(j)[0] == STEPS - 1
         assert_matches_reference(j, c.progress.losses, final_state(j))
     finally:

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.state.restore_plan import Holding, Need, plan_restore
+from workers.transfer import KeeperSource, ProcessSource, S3Piece, S3Source, Tier
 
 pytestmark = pytest.mark.unit
 ROWS, COLS = 64, 16  # a unit of 64 x 16 elements, 4 bytes each, 3 tensors (param and two AdamW moments)
@@ -20,15 +21,16 @@ def need(rank, node, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
 
 
 def live(rank, node, step, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
-    return Holding("live", f"rank:{rank}", node, unit, region(r0, r1), step, rank)
+    return Holding(Tier.LIVE, ProcessSource(node, rank, rank), node, unit, region(r0, r1), step, rank)
 
 
 def peer(node, step, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
-    return Holding("peer", f"keeper:{node}", node, unit, region(r0, r1), step)
+    return Holding(Tier.PEER, KeeperSource(node, Tier.PEER, 0), node, unit, region(r0, r1), step)
 
 
 def s3(step, unit="h.0.mlp.fc.weight", r0=0, r1=ROWS):
-    return Holding("s3", "s3", None, unit, region(r0, r1), step)
+    piece = S3Piece(f"{unit}-{step}-{r0}", region(r0, r1), 0, "")
+    return Holding(Tier.S3, S3Source(piece), None, unit, piece.region, step)
 
 
 def test_a_surviving_dp_peer_restores_everything_with_no_s3_bytes():
@@ -36,14 +38,14 @@ def test_a_surviving_dp_peer_restores_everything_with_no_s3_bytes():
     plan = plan_restore(needs, [live(5, "b", 9), s3(8)])
     assert plan.step == 9
     assert plan.bytes_by_tier() == {"live": 2 * UNIT_BYTES, "peer": 0, "s3": 0}
-    assert [t.source.holder for t in plan.transfers] == ["rank:5", "rank:5"]
+    assert [t.source.origin for t in plan.transfers] == [ProcessSource("b", 5, 5)] * 2
 
 
 def test_the_same_worker_beats_the_same_node_beats_another_node():
     n = need(0, "b")
     holdings = [peer("c", 9), live(7, "b", 9), live(0, "b", 9), s3(9)]
-    assert plan_restore([n], holdings).transfers[0].source.holder == "rank:0"
-    assert plan_restore([n], holdings[:2] + holdings[3:]).transfers[0].source.holder == "rank:7"
+    assert plan_restore([n], holdings).transfers[0].source.origin.index == 0
+    assert plan_restore([n], holdings[:2] + holdings[3:]).transfers[0].source.origin.index == 7
     assert plan_restore([n], [peer("c", 9), s3(9)]).transfers[0].source.tier == "peer"
 
 
@@ -62,8 +64,8 @@ def test_tp_shards_of_one_plan_feed_another_tp_layout():
     needs = [need(0, "b", r0=0, r1=ROWS // 2), need(1, "c", r0=ROWS // 2, r1=ROWS)]
     plan = plan_restore(needs, holdings)
     assert plan.step == 5
-    assert {(t.need.rank, t.source.holder, t.region[0]) for t in plan.transfers} == {
-        (0, "rank:10", (0, q)), (0, "rank:11", (q, 2 * q)), (1, "rank:12", (2 * q, 3 * q)), (1, "rank:13", (3 * q, ROWS))}
+    assert {(t.need.rank, t.source.origin.index, t.region[0]) for t in plan.transfers} == {
+        (0, 10, (0, q)), (0, 11, (q, 2 * q)), (1, 12, (2 * q, 3 * q)), (1, 13, (3 * q, ROWS))}
     assert plan.bytes_by_tier()["live"] == UNIT_BYTES
 
 
@@ -121,7 +123,7 @@ def test_a_unit_sharded_on_its_second_dimension_is_cut_along_that_dimension(new_
     def cols(c0, c1):
         return ((0, shape[0]), (c0, c1))
 
-    held = [Holding("live", f"rank:{k}", "a", unit, cols(32 * k, 32 * (k + 1)), 5, k) for k in range(2)]
+    held = [Holding(Tier.LIVE, ProcessSource("a", k, k), "a", unit, cols(32 * k, 32 * (k + 1)), 5, k) for k in range(2)]
     w = shape[1] // new_tp
     needs = [Need(k, "a", unit, cols(w * k, w * (k + 1)), shape[0] * w * 12) for k in range(new_tp)]
     plan = plan_restore(needs, held)

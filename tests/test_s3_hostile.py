@@ -178,12 +178,12 @@ def test_the_tier_restore_refuses_a_step_with_a_missing_piece_whether_listed_or_
     store.calls = new.calls
     store.keepers.clear()
     r = store.restore(new)
-    assert r["step"] == 2 and r["refused_steps"] == [3] and key in r["refused"]["3"]
+    assert r.step == 2 and r.refused_steps == [3] and key in r.refused["3"]
     assert 3 in store.bad_steps  # broken: its redo may replace it
     assert_holds(new, 2)
     # gone between the listing and the read (a lifecycle rule at that moment): refused when read, the same way
     r, store = restore_with_a_read_refused(proxy, "restore-404", "layer2", "NoSuchKey")
-    assert r["step"] == 2 and r["refused_steps"] == [3] and "not in the bucket" in r["refused"]["3"]
+    assert r.step == 2 and r.refused_steps == [3] and "not in the bucket" in r.refused["3"]
     assert 3 in store.bad_steps
 
 
@@ -202,7 +202,7 @@ def restore_with_a_read_refused(proxy, prefix: str, unit: str, code: str):
 
 def test_a_read_denied_refuses_the_step_for_this_restore_but_never_marks_it_for_deletion(s3, proxy):
     r, store = restore_with_a_read_refused(proxy, "restore-denied", "layer1", "AccessDenied")
-    assert r["step"] == 2 and "AccessDenied" in r["refused"]["3"]
+    assert r.step == 2 and "AccessDenied" in r.refused["3"]
     assert 3 not in store.bad_steps  # S3 refused a read: the step may be fine, it is never deleted for it
 
 
@@ -210,6 +210,7 @@ def test_a_workers_own_error_is_not_blamed_on_s3_and_does_not_loop(s3):
     """Defect 12: a restore source answering an error of its own (not an S3 refusal) is a re-plan, once, and no
     S3 step is refused or marked bad for it."""
     from orchestrator.errors import FailureKind, WorkerFailure
+    from workers.transfer import LoadReport, Refused
 
     url, _ = s3
     _, _, store, _ = trained(url, "own-error")
@@ -219,7 +220,7 @@ def test_a_workers_own_error_is_not_blamed_on_s3_and_does_not_loop(s3):
 
     def load(per_rank, step, opt, s3cfg, overlap=True):
         calls.append(step)
-        return [{"error": "worker process 7 keeps step 2, not step 3"}]
+        return [LoadReport(refused=Refused("worker process 7 keeps step 2, not step 3"))]
 
     new.load = load
     with pytest.raises(WorkerFailure) as e:
@@ -249,7 +250,7 @@ def test_pruning_never_deletes_a_readable_step_for_an_expired_one(s3, keep):
     assert s3t.complete_steps() == [2]  # keep 2 had pruned step 1 already
     new = LocalGroup(NEW, LocalCalls(["a"]))
     tiers.calls, _ = new.calls, tiers.keepers.clear()
-    assert tiers.restore(new)["step"] == 2
+    assert tiers.restore(new).step == 2
     assert_holds(new, 2)
 
 
@@ -384,7 +385,7 @@ def test_a_resumed_run_keeps_its_lineage_and_a_new_run_id_is_another_run(s3):
     again = TieredState(1, s3a, s3_every=1, keep=3, meta={"job": "lineage", "run_id": "lin-1"},
                         model_units=model_units(LAYERS), calls=LocalCalls(["a"]), restore_from="s3")
     new = LocalGroup(NEW, again.calls)
-    assert again.restore(new)["step"] == 3  # the same lineage: its steps are its own
+    assert again.restore(new).step == 3  # the same lineage: its steps are its own
     stranger = TieredState(1, s3a, s3_every=1, keep=3, meta={"job": "lineage", "run_id": "lin-2"},
                            model_units=model_units(LAYERS), calls=LocalCalls(["a"]), restore_from="s3")
     assert stranger.restore(LocalGroup(NEW, stranger.calls)) is None  # another run's steps are never loaded
@@ -414,12 +415,12 @@ def test_a_malformed_manifest_is_refused_by_name_and_uploads_and_pruning_go_on(s
             group.commit(step)
             store.after_step(group, step)
             store.flush()
-    assert [u["status"] for u in store.uploads[-2:]] == ["written", "written"]
+    assert [u.status for u in store.uploads[-2:]] == ["written", "written"]
     assert s3a.complete_steps() == [5, 4, 2]  # pruned to 2 good steps; the malformed one is not attributed: kept
     assert any("not pruning checkpoint step 2" in msg for msg in caplog.messages)
     new = LocalGroup(NEW, LocalCalls(["a"]))
     store.calls, _ = new.calls, store.keepers.clear()
-    assert store.restore(new)["step"] == 5
+    assert store.restore(new).step == 5
     assert store.upload_lag(5)["newest_step"] == 5
 
 
@@ -429,7 +430,7 @@ def test_a_manifest_put_that_commits_and_answers_500_is_recorded_written(s3, pro
     proxy.fail_after_commit("PUT", key=r"manifest\.json$", times=1)
     _, s3a, store, _ = trained(proxy.url, "ambiguous", steps=2)
     assert proxy.counts["faulted"] == before + 1
-    assert [u["status"] for u in store.uploads] == ["written", "written"], store.uploads
+    assert [u.status for u in store.uploads] == ["written", "written"], store.uploads
     assert store.upload_lag(1) == {"newest_step": 1, "lag_steps": 0, "backlog": 0, "dropped": 0, "failed": 0,
                                    "no_access": []}  # what `status` prints
     assert s3a.verify(0) == [] and s3a.verify(1) == []

@@ -2,14 +2,16 @@
 as plain objects reached through `LocalCalls`, workers as `LocalGroup` over numpy shards, S3 on moto's server.
 Snapshots and the uploader write whole steps; after three of four nodes die, a restore takes each unit from the cheapest
 source left (survivors' live state, a peer snapshot on a survivor, else S3) and brings back exactly the
-committed step; a corrupt S3 piece makes it refuse that step and go back to the previous one."""
+committed step; a corrupt S3 piece makes it refuse that step and go back to the previous one. In place, survivors
+keep their state in their own processes (`LocalPool`): a DP survivor restores with no byte moved, and a loss that
+changes the TP layout re-shards from survivors' memory, with peer copies only for the lost layers."""
 
 
 import numpy as np
 import pytest
 
 from orchestrator.state.calls import LocalCalls
-from orchestrator.state.fakes import LocalGroup, model_units, unit_name, values
+from orchestrator.state.fakes import LocalGroup, LocalPool, model_units, unit_name, values
 from orchestrator.state.s3_store import S3Checkpoints
 from orchestrator.state.tiers import TieredState
 from planner import Pipeline, Plan, Stage
@@ -19,10 +21,11 @@ pytestmark = pytest.mark.unit
 LAYERS = 4
 
 
-def plan(*stages: tuple[int, int, str]) -> Plan:
+def plan(*stages: tuple[int, int, str], tp: int = 1) -> Plan:
     return Plan(model_name="m", num_layers=LAYERS, global_batch=8, pipelines=[Pipeline(
         num_samples=8, micro_batch_size=1, num_micro_batches=8, stages=[
-            Stage(layer_start=a, layer_end=b, gpu_type="L4", node=n, devices=[f"{n}/0"]) for a, b, n in stages])])
+            Stage(layer_start=a, layer_end=b, gpu_type="L4", node=n, devices=[f"{n}/{k}" for k in range(tp)])
+            for a, b, n in stages])])
 
 
 OLD = plan((0, 1, "a"), (1, 2, "b"), (2, 3, "c"), (3, 4, "d"))
@@ -56,22 +59,24 @@ def expected_sources(calls: LocalCalls, step: int) -> dict[str, str]:
         if node in calls.dead:
             continue
         for row in k.inventory():
-            if row["step"] == step and (row["tier"] == "live" or best.get(row["unit"]) != "live"):
-                best[row["unit"]] = row["tier"]
+            if row.step == step and (row.tier == "live" or best.get(row.unit) != "live"):
+                best[row.unit] = row.tier
     return {unit_name(x): best.get(unit_name(x), "s3") for x in range(-1, LAYERS + 1)}
 
 
 def assert_holds(group: LocalGroup, step: int) -> None:
-    for shards in group.shards:
+    """Every rank holds its own region of every unit of its stage, at `step`."""
+    for units, shards, reg in zip(group.units, group.shards, group.regions, strict=True):
+        assert sorted(shards) == sorted(units)
         for unit, s in shards.items():
             for k, v in values(step, unit).items():
-                assert np.array_equal(s[k], v), (unit, k, step)
+                assert np.array_equal(s[k], v[tuple(slice(a, b) for a, b in reg)]), (unit, k, step)
 
 
 def test_snapshots_and_uploads_write_whole_steps_and_keep_the_newest(endpoint):
     _, s3, store, _ = trained(endpoint, "whole")
     assert sorted(s3.complete_steps()) == [1, 2, 3]
-    assert [u["status"] for u in store.uploads] == ["written"] * 4
+    assert [u.status for u in store.uploads] == ["written"] * 4
     assert store.upload_lag(3) == {"newest_step": 3, "lag_steps": 0, "backlog": 0, "dropped": 0, "failed": 0,
                                    "no_access": []}
 
@@ -85,9 +90,9 @@ def test_a_restore_mixes_live_peer_and_s3_sources_and_brings_back_the_committed_
     assert set(want.values()) == {"live", "peer", "s3"}, want  # the case this test is for
     new = LocalGroup(NEW, calls)
     r = store.restore(new)
-    assert r["step"] == 3 and r["refused_steps"] == []
-    assert r["s3_units"] == sorted(u for u, t in want.items() if t == "s3")
-    assert {t for t, n in r["bytes_by_tier"].items() if n} == {"live", "peer", "s3"}
+    assert r.step == 3 and r.refused_steps == []
+    assert r.s3_units == sorted(u for u, t in want.items() if t == "s3")
+    assert {t for t, n in r.bytes_by_tier.items() if n} == {"live", "peer", "s3"}
     assert_holds(new, 3)
 
 
@@ -103,7 +108,7 @@ def test_a_corrupt_s3_piece_is_refused_and_the_previous_step_restores(endpoint, 
     s3.client.put_object(Bucket="tiers", Key=key, Body=b"bytes that are not the piece")
     new = LocalGroup(NEW, calls)
     r = store.restore(new)
-    assert r["refused_steps"] == [3] and r["step"] == 2 and 3 in store.bad_steps
+    assert r.refused_steps == [3] and r.step == 2 and 3 in store.bad_steps
     assert any("refusing checkpoint step 3" in m for m in caplog.messages)
     assert_holds(new, 2)
 
@@ -135,15 +140,15 @@ def test_an_upload_a_restore_went_back_from_is_not_written_and_the_redo_is(endpo
         time.sleep(0.01)
     time.sleep(0.3)  # its keepers are reading their copies (slowly)
     new = LocalGroup(NEW, calls)
-    assert store.restore(new)["step"] == 1  # from S3 only: step 2 is not there yet
+    assert store.restore(new).step == 1  # from S3 only: step 2 is not there yet
     for step in (2, 3, 4):  # the redo: each step's upload waits behind the one in flight
         new.commit(step)
         store.after_step(new, step)
     store.flush()
-    assert [(u["step"], u["status"]) for u in store.uploads[2:]] == [
+    assert [(u.step, u.status) for u in store.uploads[2:]] == [
         (2, "dropped"), (3, "dropped"), (2, "failed"), (4, "written")], store.uploads  # the redo's 2 and 3, then
     first = store.uploads[4]  # the first try of step 2 ends
-    assert "rolled back to step 1" in first["error"] and "not written" in first["error"], first["error"]
+    assert "rolled back to step 1" in first.error and "not written" in first.error, first.error
     assert sorted(s3.complete_steps()) == [0, 1, 4]
     s3.whole_manifest(4)
     assert all(not k.pinned for k in calls.keepers.values())
@@ -179,7 +184,7 @@ def test_a_staged_drain_starts_its_keepers_off_the_doomed_node_ahead_and_none_on
     assert ahead and "d" not in ahead and store.drain_ready()
     store.drain(group, 0, {"d"})
     assert "d" not in calls.keepers  # no keeper was started on the doomed node, for a salvage or otherwise
-    assert any(row["tier"] == "peer" for n in ahead for row in calls.keepers[n].inventory())
+    assert any(row.tier == "peer" for n in ahead for row in calls.keepers[n].inventory())
     replicated = TieredState(100, None, model_units=model_units(LAYERS), calls=LocalCalls(["a", "b"]))
     both = LocalGroup(Plan(model_name="m", num_layers=LAYERS, global_batch=8, pipelines=[Pipeline(
         num_samples=4, micro_batch_size=1, num_micro_batches=4, stages=[
@@ -187,3 +192,69 @@ def test_a_staged_drain_starts_its_keepers_off_the_doomed_node_ahead_and_none_on
         replicated.calls)
     replicated.prepare_drain(both, {"b"})
     assert replicated.calls.keepers == {}  # a's replica holds every layer b holds: nothing to copy, nothing started
+
+
+# -- in place (runtime.recovery: in-place), without Ray: survivors keep their state in their own processes --------
+def test_in_place_a_dp_survivor_restores_from_its_own_memory_and_moves_no_byte():
+    """Two replicas on a and b; b dies. a's process keeps step 3 (salvage), takes the new plan's rank, and reads
+    every unit in place: no keeper, no S3, nothing moved."""
+    calls, pool = LocalCalls(["a", "b"]), LocalPool()
+    store = TieredState(100, None, model_units=model_units(LAYERS), calls=calls)  # no snapshot before the loss
+    old = LocalGroup(Plan(model_name="m", num_layers=LAYERS, global_batch=8, pipelines=[
+        plan((0, LAYERS, n)).pipelines[0].model_copy(update={"num_samples": 4, "num_micro_batches": 4})
+        for n in "ab"]), calls, pool)
+    for step in range(4):
+        old.commit(step)
+        store.after_step(old, step)
+    calls.kill("b")
+    store.salvage(old)
+    assert [k is not None for k in old.retained] == [True, False]  # the dead node's process is not kept
+    old.release()
+    new = LocalGroup(plan((0, LAYERS, "a")), calls, pool)
+    assert new.pids == [old.pids[0]]  # the survivor's process is the new rank
+    r = store.restore(new)
+    assert r.step == 3 and r.bytes == 0 and r.tier == "in place"
+    assert r.in_place_bytes == sum(n.nbytes for n in new.needs()[0]) and not calls.keepers
+    assert_holds(new, 3)
+    store.after_step(new, 4)  # a step committed: the kept copies go
+    assert all(p.retained is None for p in new.procs) and not pool.idle
+
+
+def test_in_place_a_reshard_reads_survivors_memory_across_tp_layouts_and_peers_only_for_the_lost_layers():
+    """Old: two stages of TP 2, layers [0, 2) on a and [2, 4) on b, peer copies every step (b's on a's keeper).
+    b dies; the new plan is one stage of TP 4 on a. Each new rank reads its quarter of a's units from its own
+    process where it held it (in place), from the other kept process on a (live), and b's units from the peer
+    copy on a's keeper: exactly the committed step, nothing from S3."""
+    calls, pool = LocalCalls(["a", "b"]), LocalPool()
+    store = TieredState(1, None, model_units=model_units(LAYERS), calls=calls)
+    old = LocalGroup(plan((0, 2, "a"), (2, LAYERS, "b"), tp=2), calls, pool)
+    for step in range(3):
+        old.commit(step)
+        store.after_step(old, step)
+    calls.kill("b")
+    store.salvage(old)
+    assert [k is not None for k in old.retained] == [True, True, False, False]
+    old.release()
+    new = LocalGroup(plan((0, LAYERS, "a"), tp=4), calls, pool)
+    assert sum(new.kept) == 2 and set(new.pids) >= set(old.pids[:2])  # a's two processes are two of the new ranks
+    r = store.restore(new)
+    assert r.step == 2 and r.bytes_by_tier["s3"] == 0
+    assert r.in_place_bytes > 0 and r.bytes_by_tier["live"] > 0 and r.bytes_by_tier["peer"] > 0, r
+    assert r.bytes + r.in_place_bytes == sum(n.nbytes for rank in new.needs() for n in rank)
+    assert_holds(new, 2)
+
+
+def test_in_place_a_process_that_cannot_prove_its_step_is_not_kept_and_a_rank_after_it_restores_anyway():
+    """A rank asked to keep a step it does not hold is replaced (None); what it held does not serve the restore."""
+    calls, pool = LocalCalls(["a"]), LocalPool()
+    store = TieredState(1, None, model_units=model_units(LAYERS), calls=calls)
+    old = LocalGroup(plan((0, LAYERS, "a")), calls, pool)
+    old.commit(0)
+    store.after_step(old, 0)
+    assert old.retain(5) == [None]  # step 5 was never committed here
+    old.retain(None)
+    old.release()
+    new = LocalGroup(plan((0, LAYERS, "a")), calls, pool)
+    r = store.restore(new)
+    assert r.step == 0 and r.in_place_bytes > 0
+    assert_holds(new, 0)

@@ -35,8 +35,22 @@ from workers.state import (
     shard_nbytes,
     to_numpy,
 )
+from workers.transfer import (
+    CheckpointLocation,
+    Fetch,
+    HeldRow,
+    KeptRequest,
+    KeptState,
+    LoadReport,
+    NeedRow,
+    Piece,
+    PieceRequest,
+    Receipt,
+    Refused,
+    S3Request,
+    Tier,
+)
 
-BYTE_TIERS = ("in_place", "live", "peer", "s3")  # where a restore's bytes came from; in place: this process
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -202,24 +216,23 @@ class TrainWorker:
             self.puts_ready.notify_all()
 
     @ray.method(concurrency_group="snapshot")
-    def receipt(self, step_index: int, timeout_s: float = 120.0) -> dict | None:
+    def receipt(self, step_index: int, timeout_s: float = 120.0) -> Receipt | None:
         """The keeper's receipt for the copy of `step_index` (metadata), once it is there; None if never started."""
         with self.puts_ready:
             if not self.puts_ready.wait_for(lambda: step_index in self.puts, timeout=timeout_s):
                 return None
             shards, pin = self.puts.pop(step_index)
-        return ray.get(self.keeper.put.remote("peer", step_index, self.engine.rank, shards, pin), timeout=timeout_s)
+        return ray.get(self.keeper.put.remote(Tier.PEER, step_index, self.engine.rank, shards, pin), timeout=timeout_s)
 
     @ray.method(concurrency_group="control")
-    def hand_over(self, keeper) -> dict | None:
+    def hand_over(self, keeper) -> Receipt | None:
         """After a failure: give the committed state to this node's keeper (tier "live"), and wait until it is there."""
         with self.state_lock:
             step = self.engine.committed_step
             if step < 0:
                 return None
             shards = to_numpy(export_shards(self.engine))
-        ray.get(keeper.put.remote("live", step, self.engine.rank, shards), timeout=60)
-        return {"rank": self.engine.rank, "step": step}
+        return ray.get(keeper.put.remote(Tier.LIVE, step, self.engine.rank, shards), timeout=60)
 
     @ray.method(concurrency_group="control")
     def abort(self) -> None:
@@ -229,7 +242,7 @@ class TrainWorker:
         if e is not None:
             e.abort_groups()
 
-    def retain(self, step: int | None) -> dict | None:
+    def retain(self, step: int | None) -> KeptState | None:
         """After a failure (in-place recovery): keep committed step `step` (None: whatever step is committed) in
         this process for the next plan, and let go of this plan's stage and groups. Only a rank that proves it
         holds exactly that step is kept: its stage's committed step is `step`, no update was under way and no
@@ -251,95 +264,101 @@ class TrainWorker:
         self.retained = kept
         if kept is None:
             return None
-        return {"step": kept[0], "pid": os.getpid(), "bytes": sum(shard_nbytes(sh) for sh in kept[1].values())}
+        return KeptState(kept[0], os.getpid(), sum(shard_nbytes(sh) for sh in kept[1].values()))
 
-    def held(self) -> list[dict]:
+    def held(self) -> list[HeldRow]:
         """What `retain` kept, as a keeper's inventory rows (a source for the restore planner)."""
         if self.retained is None:
             return []
         step, shards = self.retained
-        return [{"unit": unit, "region": sh["slice"], "step": step, "shape": sh["shape"],
-                 "optimizer_steps": sh["optimizer_steps"]} for unit, sh in shards.items()]
+        return [HeldRow(unit, tuple(tuple(r) for r in sh["slice"]), step, tuple(sh["shape"]), sh["optimizer_steps"])
+                for unit, sh in shards.items()]
 
     @ray.method(concurrency_group="serve")
-    def get_many(self, requests: list[tuple], step: int, s3: tuple | None = None,
-                 keys: tuple[str, ...] | None = None) -> list[dict]:
-        """The kept state's regions, as a keeper answers them (tier "live": another worker's memory); served on
+    def get_many(self, requests: list[PieceRequest], step: int, s3: CheckpointLocation | None = None,
+                 keys: tuple[str, ...] | None = None) -> list[Piece | Refused]:
+        """The kept state's regions, as a keeper answers them (tier live: another worker's memory); served on
         a thread of its own, so ranks restoring at once read each other's kept state."""
-        return self._serve(requests, step, keys, "live")
+        return self._serve(requests, step, keys, Tier.LIVE)
 
-    def _serve(self, requests: list[tuple], step: int, keys: tuple[str, ...] | None, tier: str) -> list[dict]:
+    def _serve(self, requests: list[PieceRequest], step: int, keys: tuple[str, ...] | None,
+               tier: Tier) -> list[Piece | Refused]:
         keys = KEYS if keys is None else tuple(keys)
         held = self.retained
         if held is None or held[0] != step:
             # (an idle kept process has no stage, hence its process id)
-            return [{"error": f"worker process {os.getpid()} keeps step {held and held[0]}, not step {step}"}]
-        return [answer(held[1][unit], region, keys, tier) for _, unit, region in requests]
+            return [Refused(f"worker process {os.getpid()} keeps step {held and held[0]}, not step {step}")]
+        bad = [type(r).__name__ for r in requests if not isinstance(r, KeptRequest)]
+        if bad:
+            raise TypeError(f"a kept process answers KeptRequest, not {bad[0]}")
+        return [answer(held[1][r.unit], r.region, keys, tier) for r in requests]
 
     def drop_retained(self) -> None:
         """The state kept for a restore is no longer needed (every rank committed a step since)."""
         self.retained = None
 
-    def needs(self) -> list[dict]:
+    def needs(self) -> list[NeedRow]:
         return needs(self.engine)
 
-    def load_state(self, step: int, optimizer_steps: float, transfers: list[tuple], s3: tuple | None,
-                   overlap: bool = True) -> dict:
+    def load_state(self, step: int, optimizer_steps: float, transfers: list[Fetch], s3: CheckpointLocation | None,
+                   overlap: bool = True) -> LoadReport:
         """Pull this rank's state of `step` from keepers and load it (the restore planner's transfers).
 
-        `transfers`: [(unit, region, keeper, request)], the request as `Keeper.get_many` takes it
-        (a shard it holds, or an S3 piece it reads for this node). With `overlap`, keepers send the
+        `transfers`: each a `Fetch` whose request its source's `get_many` takes (a shard a keeper holds, an S3
+        piece it reads for this node, or a kept process's state). With `overlap`, keepers send the
         master weights now and AdamW's moments (two thirds of the bytes) on a thread beside the first
         step's forward and backward, which do not read them; the step waits for them before its
         update (priority by when each tensor is needed, after AutoHete's scheduled offload). S3 pieces
         come whole. Returns the bytes per tier, those still coming included (the thread checks them),
-        or {"error": ...} when an S3 object fails its checksum.
+        or what refused it (an S3 object that fails its checksum).
         """
         t0 = time.perf_counter()
         self.engine.await_restore(raise_error=False)  # a half-done earlier restore is superseded by this one
         self.engine.incomplete = None
         split = overlap and optimizer_steps > 0  # no moments before the first update
         got, nbytes, deferred = self._pull(transfers, step, s3, ("param",) if split else None)
-        if "error" in got:  # "refusal": S3 refused the piece (the step is refused, not this worker)
-            return {"error": got["error"], "refusal": got.get("refusal"), "bytes": nbytes}
+        if isinstance(got, Refused):  # with a refusal: S3 refused the piece (the step is refused, not this worker)
+            return LoadReport(nbytes, refused=got)
         t1 = time.perf_counter()
         import_pieces(self.engine, self._pieces(transfers, got), optimizer_steps)
         self.engine.committed_step = step
-        rest = [t for t in transfers if t[3][0] != "s3"] if any(deferred.values()) else []
+        rest = [t for t in transfers if not isinstance(t.request, S3Request)] if any(deferred.values()) else []
         if rest:
             self.engine.restoring = self._pool().submit(self._load_moments, step, optimizer_steps, rest, deferred)
-        return {"bytes": {t: nbytes[t] + deferred[t] for t in nbytes}, "pull_s": t1 - t0,
-                "import_s": time.perf_counter() - t1, "deferred_bytes": sum(deferred.values())}
+        return LoadReport({t: nbytes[t] + deferred[t] for t in nbytes}, t1 - t0, time.perf_counter() - t1,
+                          sum(deferred.values()))
 
-    def _pull(self, transfers: list[tuple], step: int, s3: tuple | None, keys: tuple[str, ...] | None):
-        """({transfer index: tensors} or {"error"}, bytes read per tier, bytes of the other keys per tier)."""
-        by_keeper: dict = {}
-        for i, (_, _, keeper, request) in enumerate(transfers):
-            by_keeper.setdefault(keeper, []).append((i, request))
-        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3, keys)) for k, reqs in by_keeper.items()
+    def _pull(self, transfers: list[Fetch], step: int, s3: CheckpointLocation | None,
+              keys: tuple[str, ...] | None) -> tuple[dict[int, dict] | Refused, dict[Tier, int], dict[Tier, int]]:
+        """({transfer index: tensors} or what refused it, bytes read per tier, bytes of the other keys per tier)."""
+        by_source: dict = {}
+        for i, t in enumerate(transfers):
+            by_source.setdefault(t.source, []).append((i, t.request))
+        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3, keys)) for k, reqs in by_source.items()
                    if k is not None]
-        if None in by_keeper:  # what this process kept itself: nothing moves ("in_place")
-            futures.append((by_keeper[None], self._serve([r for _, r in by_keeper[None]], step, keys, "in_place")))
-        nbytes, deferred = dict.fromkeys(BYTE_TIERS, 0), dict.fromkeys(BYTE_TIERS, 0)
-        got: dict = {}
+        if None in by_source:  # what this process kept itself: nothing moves (tier in place)
+            futures.append((by_source[None], self._serve([r for _, r in by_source[None]], step, keys, Tier.IN_PLACE)))
+        nbytes, deferred = dict.fromkeys(Tier, 0), dict.fromkeys(Tier, 0)
+        got: dict[int, dict] = {}
         for reqs, fut in futures:
             answers = fut if isinstance(fut, list) else ray.get(fut, timeout=300)
-            if answers and "error" in answers[0]:
-                return {"error": answers[0]["error"], "refusal": answers[0].get("refusal")}, nbytes, deferred
+            if answers and isinstance(answers[0], Refused):
+                return answers[0], nbytes, deferred
             for (i, _), a in zip(reqs, answers, strict=True):
-                got[i] = a["tensors"]
-                nbytes[a["tier"]] += a["bytes"]
-                deferred[a["tier"]] += a.get("deferred", 0)
+                got[i] = a.tensors
+                nbytes[a.tier] += a.bytes
+                deferred[a.tier] += a.deferred
         return got, nbytes, deferred
 
     @staticmethod
-    def _pieces(transfers: list[tuple], got: dict) -> dict[str, list]:
+    def _pieces(transfers: list[Fetch], got: dict[int, dict]) -> dict[str, list]:
         pieces: dict[str, list] = {}
-        for i, (unit, region, _, _) in enumerate(transfers):
-            pieces.setdefault(unit, []).append((region, got[i]))
+        for i, t in enumerate(transfers):
+            pieces.setdefault(t.unit, []).append((t.region, got[i]))
         return pieces
 
-    def _load_moments(self, step: int, optimizer_steps: float, transfers: list[tuple], expect: dict) -> float:
+    def _load_moments(self, step: int, optimizer_steps: float, transfers: list[Fetch],
+                      expect: dict[Tier, int]) -> float:
         """The overlapped half of `load_state` (on its thread): the moments, checked against what the keepers
         said they would send."""
         t0 = time.perf_counter()

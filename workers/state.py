@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.transfer import NeedRow, Piece, Region, Tier
+
 if TYPE_CHECKING:
     from workers.engine import Engine
 
@@ -55,7 +57,7 @@ def local_region(engine: Engine, name: str) -> tuple[tuple[int, int], ...]:
     return tuple((s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl))
 
 
-def needs(engine: Engine) -> list[dict]:
+def needs(engine: Engine) -> list[NeedRow]:
     """What this rank must be given to resume: per unit, its region and bytes (param and both AdamW moments)."""
     out = []
     for name in engine.module.params:
@@ -63,7 +65,7 @@ def needs(engine: Engine) -> list[dict]:
         numel = 1
         for a, b in region:
             numel *= b - a
-        out.append({"unit": name, "region": region, "nbytes": 3 * numel * engine.opt_params[name].element_size()})
+        out.append(NeedRow(name, region, 3 * numel * engine.opt_params[name].element_size()))
     return out
 
 
@@ -96,12 +98,12 @@ def region_nbytes(shard: dict, region, keys: tuple[str, ...]) -> int:
     return sum(numel * shard[k].itemsize for k in keys if shard.get(k) is not None)
 
 
-def answer(shard: dict, region, keys: tuple[str, ...], tier: str) -> dict:
+def answer(shard: dict, region: Region, keys: tuple[str, ...], tier: Tier) -> Piece:
     """A holder's answer for one region of a shard (a keeper's, or a kept worker process's): the tensors `keys`
     cut to it, their bytes, and the bytes of the keys left out (an overlapped restore asks for them later)."""
     tensors = cut(shard, region, keys)
-    return {"tier": tier, "tensors": tensors, "bytes": shard_nbytes(tensors),
-            "deferred": region_nbytes(shard, region, tuple(k for k in KEYS if k not in keys))}
+    return Piece(Tier(tier), tensors, shard_nbytes(tensors),
+                 region_nbytes(shard, region, tuple(k for k in KEYS if k not in keys)))
 
 
 def to_numpy(shards: dict[str, dict]) -> dict[str, dict]:

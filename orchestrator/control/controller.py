@@ -198,12 +198,12 @@ class Controller:
             self._launch_s = self.clock.now() - t0
             self._phase("restoring state")
             restored = self.store.restore(self.group, self.doomed)
-            step = restored["step"] if restored else -1
+            step = restored.step if restored else -1
             if step != self.progress.committed:  # back to the restored step after a failure, on after a resume
                 self._roll_to(step)
             if restored:
                 self.progress.snapshot_step = step
-                self._event("restore", f"step {step} from {restored['tier']}", **restored)
+                self._event("restore", f"step {step} from {restored.tier}", **restored.as_dict())
         except WorkerFailure as e:
             return self._decide(e)
         except CheckpointError as e:  # no state to go on from: any plan would fail the same way

@@ -4,8 +4,8 @@
 - `WorkerGroup`: the workers of one Plan (Ray: worker_group.RayWorkerGroup).
 - `StatePlane`: snapshots after steps, salvage after a failure, restore into a new
   group (Ray: state/tiers.TieredState; whole-state copies: control/snapshots.MemorySnapshots).
-- `StateGroup` and `StateCalls`: every call TieredState makes of a worker group and of the keepers, with
-  in-process fakes (state/fakes.LocalGroup, state/calls.LocalCalls) for its unit tests.
+  The calls TieredState makes of a worker group and of the keepers are state/protocols.py's (`StateGroup`,
+  `StateCalls`), typed with the records of workers/transfer.py.
 - `InterruptionSource`: spot notices and drains announced ahead of a node's loss.
 - `Clock`: time, so tests step through deadlines without sleeping.
 Pure: no Ray, no boto3, no torch.
@@ -38,36 +38,13 @@ class WorkerGroup(Protocol):
     def warm_spares(self, cluster: ClusterSpec) -> int: ...  # standing warm workers on idle GPUs; how many started
 
 
-class StateGroup(WorkerGroup, Protocol):
-    """Every call the tiered state plane (state/tiers.py) makes of a worker group, beyond `WorkerGroup`'s
-    (Ray: runtime/worker_group.RayWorkerGroup; in one process: state/fakes.LocalGroup). Calls that go to
-    keepers return answers to wait on (`StateCalls.get`)."""
+class RestoreResult(Protocol):
+    """What a state plane's restore reports (state/tiers: workers.transfer.RestoreReport; snapshots.MemoryRestore)."""
 
-    plan: Any  # the Plan the workers run
-    holds_state: bool  # the workers hold the committed state (set by the state plane around restores)
-    in_place: bool  # survivors keep their processes and state across plans (runtime.recovery: in-place)
+    step: int  # the committed step restored
+    tier: str  # the costliest tier it read
 
-    def snapshot(self, step: int, keepers: list, pin: bool = False) -> list: ...  # per rank: its peer copy's answer
-    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]: ...  # live copies, per rank
-    def needs(self) -> list[list[dict]]: ...  # per rank: {"unit", "region", "nbytes"} it must hold
-    def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None,
-             overlap: bool = True) -> list[dict]: ...  # per rank: {"bytes": {tier: n}, ...} or {"error": ...}
-    def settle_restore(self, timeout_s: float = 60.0) -> None: ...  # an overlapped restore's moments are in
-    # in place only:
-    def retain(self, step: int | None, avoid: set[str]) -> list[dict | None]: ...  # per rank: kept, or None
-    def held(self) -> list[dict]: ...  # per kept process: {"rank", "node", "handle", "rows"}
-    def drop_retained(self) -> None: ...  # the kept copies are no longer needed
-
-
-class StateCalls(Protocol):
-    """How the state plane reaches keepers (Ray: state/calls.RayCalls; in one process: state/calls.LocalCalls)."""
-
-    lost: tuple  # exception types meaning a keeper or its node is gone
-
-    def start_keeper(self, node: str, node_id: str) -> Any: ...  # a handle: handle.method.remote(...) -> answer
-    def get(self, answers, timeout: float | None = None) -> Any: ...
-    def wait(self, answers: list, num_returns: int, timeout: float | None) -> tuple[list, list]: ...
-    def alive_nodes(self) -> dict[str, str]: ...  # node name -> its Ray node id
+    def as_dict(self) -> dict: ...  # for the run's events
 
 
 class StatePlane(Protocol):
@@ -77,7 +54,7 @@ class StatePlane(Protocol):
     def drain_ready(self) -> bool: ...  # what prepare_drain started runs
     def salvage(self, group: WorkerGroup, avoid: set[str], step: int | None) -> None: ...  # survivors off `avoid`
     # keep committed step `step`
-    def restore(self, group: WorkerGroup, avoid: set[str]) -> dict | None: ...  # {"step", "tier", "bytes", ...};
+    def restore(self, group: WorkerGroup, avoid: set[str]) -> RestoreResult | None: ...
     # None: a fresh start; no source on the `avoid` nodes
     def flush(self) -> None: ...  # uploads in flight complete
     def upload_lag(self, committed: int) -> dict | None: ...  # where the S3 tier stands; None: there is none

@@ -8,7 +8,21 @@ controller uses `state.tiers.TieredState` instead, which moves metadata only.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+@dataclass
+class MemoryRestore:
+    """A restore from the snapshot in this process (the StatePlane's report: `step`, `tier`, `as_dict`)."""
+
+    step: int
+    tier: str = "memory"
+    bytes: int = 0
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 class MemorySnapshots:
@@ -39,12 +53,12 @@ class MemorySnapshots:
     def salvage(self, group, avoid: set[str] = frozenset(), step: int | None = None) -> None:
         """Nothing to keep from a failed group: the snapshot is already here."""
 
-    def restore(self, group, avoid: set[str] = frozenset()) -> dict | None:
+    def restore(self, group, avoid: set[str] = frozenset()) -> MemoryRestore | None:
         if self._latest is None:
             return None
         step, state, optimizer_steps = self._latest
         group.import_state(state, optimizer_steps)
-        return {"step": step, "tier": "memory", "bytes": 0, "bytes_by_tier": {}}
+        return MemoryRestore(step)
 
     def flush(self) -> None:
         """Nothing is in flight."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.transfer import UploadRecord
+
 REL_TOL = 1e-4  # losses of the drill against the reference run
 
 
@@ -25,7 +27,7 @@ class DrillResult:
     samples: dict
     wall_s: float
     useful_s: float
-    uploads: list[dict]
+    uploads: list[UploadRecord]
     expect_failures: list[str] = field(default_factory=list)
     error: str | None = None
     upload_lag: dict = field(default_factory=dict)  # runner.upload_summary
@@ -49,7 +51,7 @@ class DrillResult:
                 "events": self.events, "bytes_by_tier": self.bytes_by_tier, "lost_steps": self.lost_steps,
                 "samples": self.samples, "goodput": round(self.goodput, 4), "wall_s": round(self.wall_s, 3),
                 "useful_s": round(self.useful_s, 3), "expect_failures": self.expect_failures,
-                "failed_uploads": sum(1 for u in self.uploads if u["error"]), "upload_lag": self.upload_lag,
+                "failed_uploads": sum(1 for u in self.uploads if u.error), "upload_lag": self.upload_lag,
                 "tokens_per_s": [{"t_s": round(t, 3), "step": s, "tokens_per_s": round(self.tokens_per_step / dt, 1)}
                                  for s, t, dt in self.commits if dt > 0]}
 

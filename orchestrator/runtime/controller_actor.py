@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import asdict
 
 import ray
 
@@ -178,7 +179,7 @@ class ControllerActor:
                 "first_step": steps[0] if steps else c.progress.committed + 1,
                 "losses": [c.progress.losses[s] for s in steps],
                 "step_time_s": [c.progress.step_time_s[s] for s in steps],
-                "uploads": getattr(c.store, "uploads", []),
+                "uploads": [asdict(u) for u in getattr(c.store, "uploads", [])],
                 "upload_lag": c.store.upload_lag(c.progress.committed),
                 "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
                 "events": c.progress.events, "history": c.progress.history, "run_record": self.record.location}

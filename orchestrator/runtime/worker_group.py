@@ -33,7 +33,16 @@ from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
 from planner.specs import tokens_per_step
 from workers.state import full_state
-from workers.transfer import payload_bytes
+from workers.transfer import (
+    CheckpointLocation,
+    Fetch,
+    KeptState,
+    LoadReport,
+    NeedRow,
+    ProcessHolding,
+    Receipt,
+    payload_bytes,
+)
 
 log = logging.getLogger("hetspot.runner")
 
@@ -309,14 +318,14 @@ class PlanRun:
         st = self.plan.pipelines[r.pipeline].stages[r.stage]
         return f"rank {rank} (pipeline {r.pipeline}, stage {r.stage}, {st.gpu_type} on {r.node})"
 
-    def shutdown(self, keep: list[dict | None] | None = None, pool: WorkerPool | None = None) -> None:
+    def shutdown(self, keep: list[KeptState | None] | None = None, pool: WorkerPool | None = None) -> None:
         """End the run: every worker, or, with `keep` (per rank: what `retain` kept, None: not kept), all but the
         kept ones, which go to `pool` for the next plan."""
         spans = layout.rank_spans(self.plan)
         for i, (w, pg) in enumerate(zip(self.workers, self.pgs, strict=False)):
             got = keep[i] if keep is not None and i < len(keep) else None
             if got is not None and pool is not None:
-                pool.idle.append(Kept(w, pg, self.ranks[i].node, spans[i][1:], got["pid"], got["step"]))
+                pool.idle.append(Kept(w, pg, self.ranks[i].node, spans[i][1:], got.pid, got.step))
             else:
                 _end(w, pg)
         self.workers, self.pgs, self.kept = [], [], []
@@ -339,7 +348,7 @@ class RayWorkerGroup:
         self.real_gpus = False
         self.holds_state = False  # the workers hold the job's state (restored, or trained from step 0)
         self.keepers: list = []  # each rank's peer keeper, as last set
-        self.retained: list[dict | None] | None = None  # per rank, what `retain` kept
+        self.retained: list[KeptState | None] | None = None  # per rank, what `retain` kept
         self.step_times: list[float] = []  # seconds per step trained by this group
 
     def start(self) -> None:
@@ -374,7 +383,7 @@ class RayWorkerGroup:
         self.run._gather([w.snapshot.remote(step, pin) for w in self.run.workers], f"snapshot of step {step}", 60.0)
         return [w.receipt.remote(step) for w in self.run.workers]
 
-    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]:
+    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[Receipt | None]:
         """Survivors give their committed state to their node's keeper; None for ranks that cannot."""
         refs = [w.hand_over.remote(k) if k is not None else None for w, k in zip(self.run.workers, keepers, strict=True)]
         live = [r for r in refs if r is not None]
@@ -388,11 +397,11 @@ class RayWorkerGroup:
                 out.append(None)
         return out
 
-    def needs(self) -> list[list[dict]]:
+    def needs(self) -> list[list[NeedRow]]:
         return self.run._gather([w.needs.remote() for w in self.run.workers], "restore planning", 60.0)
 
-    def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None,
-             overlap: bool = True) -> list[dict]:
+    def load(self, per_rank: list[list[Fetch]], step: int, optimizer_steps: float, s3: CheckpointLocation | None,
+             overlap: bool = True) -> list[LoadReport]:
         return self.run._gather([w.load_state.remote(step, optimizer_steps, t, s3, overlap)
                                  for w, t in zip(self.run.workers, per_rank, strict=True)], f"restore of step {step}",
                                 300.0)
@@ -410,7 +419,8 @@ class RayWorkerGroup:
     def import_state(self, state: dict, optimizer_steps: float) -> None:
         self.run.import_state(state, optimizer_steps)
 
-    def retain(self, step: int | None, avoid: set[str] = frozenset(), grace_s: float | None = None) -> list[dict | None]:
+    def retain(self, step: int | None, avoid: set[str] = frozenset(),
+               grace_s: float | None = None) -> list[KeptState | None]:
         """After a failure or before a move: each survivor off `avoid` keeps committed step `step` in its own
         memory (TrainWorker.retain); per rank what it kept, None for a rank that did not prove it holds exactly
         that step within `grace_s` (dead, still blocked, or mid-update): it is replaced. A failed rank lets go of
@@ -436,14 +446,14 @@ class RayWorkerGroup:
         self.retained = out
         return out
 
-    def held(self) -> list[dict]:
-        """The state kept in worker processes, per process: {"rank" (in this plan, None for an idle kept process),
-        "node", "handle", "rows" (inventory rows as a keeper's)}."""
+    def held(self) -> list[ProcessHolding]:
+        """The state kept in worker processes, per process: its rank in this plan (None for an idle kept process),
+        node, handle and rows (inventory rows as a keeper's)."""
         procs = [(i, w, r.node) for i, (w, r) in enumerate(zip(self.run.workers, self.run.ranks, strict=True))
                  if self.run.kept and self.run.kept[i] is not None and self.run.kept[i].step >= 0]
         procs += [(None, k.actor, k.node) for k in (self.pool.idle if self.pool else []) if k.step >= 0]
         rows = self.run._gather([w.held.remote() for _, w, _ in procs], "listing kept state", 60.0) if procs else []
-        return [{"rank": i, "node": n, "handle": w, "rows": r} for (i, w, n), r in zip(procs, rows, strict=True)]
+        return [ProcessHolding(i, n, w, tuple(r)) for (i, w, n), r in zip(procs, rows, strict=True)]
 
     def drop_retained(self) -> None:
         """Every rank has committed a step since the restore: the kept copies go, and so do idle kept processes."""

@@ -1,18 +1,41 @@
 """`LocalGroup`: the worker side of the state plane's calls, in one process over numpy shards (the shipped fake).
 
 Beside `calls.LocalCalls` it lets `TieredState` (tiers.py) snapshot, upload, salvage and restore in unit tests
-without a Ray cluster. Each rank of the plan holds every unit of its stage whole (TP 1): one unit per extended
-layer (`unit_name`), whose values are a function of the committed step (`values`), so a test checks that a
-restore brought back exactly the step it says, from whichever sources it chose.
+without a Ray cluster, on both recovery paths: handing survivors' state to keepers (restart), or keeping it in the
+worker processes themselves (in place: `LocalGroup(..., pool=LocalPool())`, whose `retain`, `held`,
+`drop_retained` and `release` stand for runtime/worker_group.RayWorkerGroup's). Each rank of the plan holds its
+slice of every unit of its stage: one unit per extended layer (`unit_name`), split along its first dimension among
+a stage's TP ranks, whose values are a function of the committed step (`values`), so a test checks that a restore
+brought back exactly the step it says, from whichever sources it chose, under any TP layout.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from planner import layout
+from workers.state import KEYS, answer, shard_nbytes
+from workers.transfer import (
+    CheckpointLocation,
+    Fetch,
+    HeldRow,
+    KeptRequest,
+    KeptState,
+    LoadReport,
+    NeedRow,
+    Piece,
+    PieceRequest,
+    ProcessHolding,
+    Receipt,
+    Refused,
+    Region,
+    Tier,
+)
 
-SHAPE = (2, 3)
+SHAPE = (4, 3)  # every unit's full shape; TP ranks split the first dimension (TP 1, 2 or 4)
+_pids = itertools.count(1000)
 
 
 def unit_name(layer: int) -> str:
@@ -20,9 +43,9 @@ def unit_name(layer: int) -> str:
 
 
 def values(step: int, unit: str) -> dict[str, np.ndarray]:
-    """A unit's committed tensors at `step`: distinct per step and unit."""
+    """A unit's committed tensors at `step`: distinct per step, unit and element."""
     base = float(step * 100 + sum(map(ord, unit)))
-    p = np.full(SHAPE, base)
+    p = base + np.arange(np.prod(SHAPE), dtype=np.float64).reshape(SHAPE) / 100
     return {"param": p, "exp_avg": p + 0.5, "exp_avg_sq": p + 0.25}
 
 
@@ -30,67 +53,186 @@ def model_units(num_layers: int) -> dict[str, list[int]]:
     return {unit_name(x): list(SHAPE) for x in range(-1, num_layers + 1)}
 
 
+def tp_region(tp_rank: int, tp: int) -> Region:
+    """The slice of a unit a TP rank holds: its share of the first dimension, all of the others."""
+    if SHAPE[0] % tp:
+        raise ValueError(f"LocalGroup splits units of {SHAPE} among TP ranks: TP {tp} does not divide {SHAPE[0]}")
+    n = SHAPE[0] // tp
+    return ((tp_rank * n, (tp_rank + 1) * n),) + tuple((0, d) for d in SHAPE[1:])
+
+
+def _cut(full: dict[str, np.ndarray], region: Region) -> dict[str, np.ndarray]:
+    idx = tuple(slice(a, b) for a, b in region)
+    return {k: v[idx].copy() for k, v in full.items()}
+
+
+def _shard(tensors: dict, region: Region, step: int) -> dict:
+    return tensors | {"slice": region, "shape": SHAPE, "optimizer_steps": float(step + 1)}
+
+
+class LocalProcess:
+    """One worker process of a `LocalGroup`. In place it outlives its group and keeps a committed step's shards
+    (`retain`), which it serves as a kept TrainWorker does (`get_many`)."""
+
+    def __init__(self, node: str):
+        self.node, self.pid = node, next(_pids)
+        self.span: tuple[int, int] = (0, 0)  # the extended layers its last stage held
+        self.retained: tuple[int, dict] | None = None  # (step, shards) kept for the next plan
+
+    def get_many(self, requests: list[PieceRequest], step: int, s3: CheckpointLocation | None = None,
+                 keys: tuple[str, ...] | None = None) -> list[Piece | Refused]:
+        return self.serve(requests, step, keys, Tier.LIVE)
+
+    def serve(self, requests: list[PieceRequest], step: int, keys: tuple[str, ...] | None,
+              tier: Tier) -> list[Piece | Refused]:
+        if self.retained is None or self.retained[0] != step:
+            return [Refused(f"worker process {self.pid} keeps step {self.retained and self.retained[0]}, "
+                            f"not step {step}")]
+        assert all(isinstance(r, KeptRequest) for r in requests), requests
+        return [answer(self.retained[1][r.unit], r.region, KEYS if keys is None else tuple(keys), tier)
+                for r in requests]
+
+    def held(self) -> list[HeldRow]:
+        if self.retained is None:
+            return []
+        step, shards = self.retained
+        return [HeldRow(u, sh["slice"], step, SHAPE, sh["optimizer_steps"]) for u, sh in shards.items()]
+
+
+class LocalPool:
+    """Processes kept between a `LocalGroup` and the next (runtime/worker_group.WorkerPool's part that holds no
+    Ray): a new group's rank takes the kept process on its node that held the most of its layers."""
+
+    def __init__(self) -> None:
+        self.idle: list[LocalProcess] = []
+
+    def take(self, node: str, span: tuple[int, int]) -> LocalProcess | None:
+        here = [p for p in self.idle if p.node == node]
+        if not here:
+            return None
+        best = max(here, key=lambda p: (min(p.span[1], span[1]) - max(p.span[0], span[0]), -p.pid))
+        self.idle.remove(best)
+        return best
+
+
 class LocalGroup:
     """A plan's workers: `commit(step)` gives every rank its units' values at `step`; the state plane's calls
-    (`snapshot`, `hand_over`, `needs`, `load`, `settle_restore`) go to keepers through `calls`."""
+    (`snapshot`, `hand_over`, `needs`, `load`, `settle_restore`; in place `retain`, `held`, `drop_retained`) go to
+    keepers and kept processes through `calls`. With a `pool`, the group recovers in place: its ranks take the
+    pool's kept processes on their nodes, and `release` leaves the ones `retain` kept there."""
 
-    def __init__(self, plan, calls):
-        self.plan, self.calls = plan, calls
+    def __init__(self, plan, calls, pool: LocalPool | None = None):
+        self.plan, self.calls, self.pool = plan, calls, pool
         self.ranks = layout.ranks(plan)
-        assert all(st.tp == 1 for p in plan.pipelines for st in p.stages), "LocalGroup holds whole units (TP 1)"
-        self.units = [[unit_name(x) for x in range(a, b)] for _, a, b in layout.rank_spans(plan)]
+        spans = layout.rank_spans(plan)
+        self.units = [[unit_name(x) for x in range(a, b)] for _, a, b in spans]
+        tps = [plan.pipelines[r.pipeline].stages[r.stage].tp for r in self.ranks]
+        self.regions = [tp_region(r.tp_rank, tp) for r, tp in zip(self.ranks, tps, strict=True)]
+        self.procs: list[LocalProcess] = []
+        self.kept: list[bool] = []  # per rank: its process was kept from an earlier group
+        for r, (_, a, b) in zip(self.ranks, spans, strict=True):
+            p = pool.take(r.node, (a, b)) if pool is not None else None
+            self.kept.append(p is not None)
+            self.procs.append(p or LocalProcess(r.node))
+            self.procs[-1].span = (a, b)
         self.step: int | None = None
         self.shards: list[dict] = [{} for _ in self.ranks]
         self.holds_state = False
-        self.in_place = False  # its ranks hand their state to keepers (the restart path's salvage)
+        self.in_place = pool is not None
+        self.retained: list[KeptState | None] | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def commit(self, step: int) -> None:
         self.step, self.holds_state = step, True
-        self.shards = [{u: self._shard(values(step, u), step) for u in units} for units in self.units]
-
-    @staticmethod
-    def _shard(tensors: dict, step: int) -> dict:
-        return tensors | {"slice": tuple((0, n) for n in SHAPE), "shape": SHAPE, "optimizer_steps": float(step + 1)}
+        self.shards = [{u: _shard(_cut(values(step, u), reg), reg, step) for u in units}
+                       for units, reg in zip(self.units, self.regions, strict=True)]
 
     def _alive(self, rank: int) -> bool:
         return self.ranks[rank].node not in self.calls.dead
 
     def snapshot(self, step: int, keepers: list, pin: bool = False) -> list:
         assert step == self.step
-        return [k.put.remote("peer", step, i, self.shards[i], pin) if self._alive(i) else
-                self.calls.handle(self, self.ranks[i].node).step.remote() for i, k in enumerate(keepers)]
+        return [k.put.remote(Tier.PEER, step, i, self.shards[i], pin) if self._alive(i) else
+                self.calls.handle(self, self.ranks[i].node).gone.remote() for i, k in enumerate(keepers)]
 
-    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[dict | None]:
-        return [self.calls.get(k.put.remote("live", self.step, i, self.shards[i])) if k is not None else None
+    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[Receipt | None]:
+        return [self.calls.get(k.put.remote(Tier.LIVE, self.step, i, self.shards[i])) if k is not None else None
                 for i, k in enumerate(keepers)]
 
-    def needs(self) -> list[list[dict]]:
-        nbytes = sum(v.nbytes for v in values(0, "x").values())
-        return [[{"unit": u, "region": [[0, n] for n in SHAPE], "nbytes": nbytes} for u in units] for units in self.units]
+    def needs(self) -> list[list[NeedRow]]:
+        out = []
+        for units, reg in zip(self.units, self.regions, strict=True):
+            nbytes = shard_nbytes(_cut(values(0, "x"), reg))
+            out.append([NeedRow(u, reg, nbytes) for u in units])
+        return out
 
-    def load(self, per_rank: list[list], step: int, optimizer_steps: float, s3: tuple | None,
-             overlap: bool = True) -> list[dict]:
+    def load(self, per_rank: list[list[Fetch]], step: int, optimizer_steps: float, s3: CheckpointLocation | None,
+             overlap: bool = True) -> list[LoadReport]:
         out, shards = [], []
-        for transfers in per_rank:
+        for i, fetches in enumerate(per_rank):
+            mine = self.regions[i]
             got: dict[str, dict] = {}
-            by_tier: dict[str, int] = {}
-            for unit, region, keeper, request in transfers:
-                (answer,) = self.calls.get(keeper.get_many.remote([request], step, s3))
-                if answer.get("error"):
-                    return [{"error": answer["error"], "refusal": answer.get("refusal")}]
-                full = got.setdefault(unit, {k: np.zeros(SHAPE) for k in ("param", "exp_avg", "exp_avg_sq")})
-                idx = tuple(slice(a, b) for a, b in region)
-                for k, v in answer["tensors"].items():
+            by_tier: dict[Tier, int] = {}
+            for f in fetches:
+                if f.source is None:  # this rank's own process kept it: read in place
+                    (a,) = self.procs[i].serve([f.request], step, None, Tier.IN_PLACE)
+                else:
+                    (a,) = self.calls.get(f.source.get_many.remote([f.request], step, s3))
+                if isinstance(a, Refused):
+                    return [LoadReport(refused=a)]
+                local = got.setdefault(f.unit, {k: np.zeros([b - c for c, b in mine]) for k in KEYS})
+                idx = tuple(slice(a0 - m0, b0 - m0) for (a0, b0), (m0, _) in zip(f.region, mine, strict=True))
+                for k, v in a.tensors.items():
                     if v is not None:
-                        full[k][idx] = v
-                by_tier[answer["tier"]] = by_tier.get(answer["tier"], 0) + answer["bytes"]
-            shards.append({u: self._shard(t, step) for u, t in got.items()})
-            out.append({"bytes": by_tier, "pull_s": 0.0, "import_s": 0.0})
+                        local[k][idx] = v
+                by_tier[a.tier] = by_tier.get(a.tier, 0) + a.bytes
+            shards.append({u: _shard(t, mine, step) for u, t in got.items()})
+            out.append(LoadReport(by_tier))
         self.shards, self.step, self.holds_state = shards, step, True
         return out
 
     def settle_restore(self, timeout_s: float = 60.0) -> None:
         return None
 
-    def step(self) -> None:  # a call to a rank whose node is gone (LocalHandle raises NodeGone first)
+    # -- in place --
+    def retain(self, step: int | None, avoid: set[str] = frozenset()) -> list[KeptState | None]:
+        """Each rank alive and off `avoid` whose committed step is `step` (None: any) keeps it in its process."""
+        out: list[KeptState | None] = []
+        for i, p in enumerate(self.procs):
+            if not self._alive(i) or p.node in avoid:
+                p.retained = None
+            elif self.holds_state and self.step is not None and step in (None, self.step):
+                p.retained = (self.step, self.shards[i])
+            elif not (p.retained is not None and step in (None, p.retained[0])):  # kept from before its restore
+                p.retained = None
+            out.append(None if p.retained is None else KeptState(p.retained[0], p.pid, sum(
+                shard_nbytes(sh) for sh in p.retained[1].values())))
+        self.retained = out
+        return out
+
+    def held(self) -> list[ProcessHolding]:
+        """The kept processes' state: this group's ranks that took one (their rank), then the pool's idle ones."""
+        procs = [(i, p) for i, p in enumerate(self.procs) if self.kept[i] and p.retained is not None]
+        procs += [(None, p) for p in (self.pool.idle if self.pool else []) if p.retained is not None]
+        return [ProcessHolding(i, p.node, self.calls.handle(p, p.node), tuple(p.held())) for i, p in procs]
+
+    def drop_retained(self) -> None:
+        for p, kept in zip(self.procs, self.kept, strict=True):
+            if kept:
+                p.retained = None
+        if self.pool is not None:
+            self.pool.idle = []
+
+    def release(self) -> None:
+        """End this group; in place, the processes that `retain` kept go to the pool for the next group."""
+        if self.pool is not None and self.retained is not None:
+            self.pool.idle += [p for p, k in zip(self.procs, self.retained, strict=True) if k is not None]
+
+    def shutdown(self) -> None:
+        return None
+
+    def gone(self) -> None:  # a call to a rank whose node is gone (LocalHandle raises NodeGone first)
         return None

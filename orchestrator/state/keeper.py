@@ -24,6 +24,20 @@ import time
 
 import ray
 
+from workers.transfer import (
+    CheckpointLocation,
+    HeldRow,
+    Piece,
+    PieceRequest,
+    Receipt,
+    Refused,
+    S3Piece,
+    S3Request,
+    ShardRequest,
+    Tier,
+    UploadedPiece,
+)
+
 log = logging.getLogger("hetspot.keeper")
 
 
@@ -35,36 +49,35 @@ class KeeperStore:
 
         self.node, self.keep_peer_steps = node, keep_peer_steps
         self.lock = threading.Lock()
-        self.held: dict[tuple[str, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
+        self.held: dict[tuple[Tier, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
         self.upload_delay_s = 0.0
         self.moments_go = threading.Event()  # tests: an overlapped restore's moments wait for it (hold_moments)
         self.moments_go.set()
         self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
         self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
         self.s3_lock = threading.Lock()
-        self.s3_store: tuple | None = None  # ((uri, endpoint), S3Checkpoints) of the last S3 read
+        self.s3_store: tuple[CheckpointLocation, object] | None = None  # the last S3 read's location and store
 
     def ping(self) -> str:
         return self.node
 
-    def put(self, tier: str, step: int, rank: int, shards: dict, pin: bool = False) -> dict:
+    def put(self, tier: Tier, step: int, rank: int, shards: dict, pin: bool = False) -> Receipt:
         """Keep a worker's shards; for "peer", only the newest `keep_peer_steps` steps stay, and
         pinned ones (an S3 upload of them is coming) until `unpin`."""
         from workers.state import shard_nbytes
 
         opt = max((s["optimizer_steps"] for s in shards.values()), default=0.0)
         with self.lock:
-            self.held[(tier, step, rank)] = (shards, opt)
+            self.held[(Tier(tier), step, rank)] = (shards, opt)
             if pin:
                 self.pinned.add(step)
-            if tier == "peer":
+            if tier == Tier.PEER:
                 self._prune()
-        return {"node": self.node, "tier": tier, "step": step, "rank": rank,
-                "nbytes": sum(shard_nbytes(s) for s in shards.values())}
+        return Receipt(self.node, Tier(tier), step, rank, sum(shard_nbytes(s) for s in shards.values()))
 
     def _prune(self) -> None:
-        steps = sorted({s for t, s, _ in self.held if t == "peer"}, reverse=True)[:self.keep_peer_steps]
-        for key in [k for k in self.held if k[0] == "peer" and k[1] not in steps and k[1] not in self.pinned]:
+        steps = sorted({s for t, s, _ in self.held if t == Tier.PEER}, reverse=True)[:self.keep_peer_steps]
+        for key in [k for k in self.held if k[0] == Tier.PEER and k[1] not in steps and k[1] not in self.pinned]:
             del self.held[key]
 
     def unpin(self, step: int) -> None:
@@ -72,7 +85,7 @@ class KeeperStore:
             self.pinned.discard(step)
             self._prune()
 
-    def clear(self, tier: str) -> int:
+    def clear(self, tier: Tier) -> int:
         """Drop a tier (and the S3 pieces read for the last restore)."""
         self.s3_read = {}
         with self.lock:
@@ -81,56 +94,66 @@ class KeeperStore:
                 del self.held[k]
         return len(doomed)
 
-    def inventory(self) -> list[dict]:
+    def inventory(self) -> list[HeldRow]:
         """What this keeper holds, as metadata: one row per (tier, step, rank, unit)."""
         from workers.state import shard_nbytes
 
         with self.lock:
             items = list(self.held.items())
-        return [{"tier": tier, "step": step, "rank": rank, "unit": unit, "region": [list(r) for r in s["slice"]],
-                 "shape": list(s["shape"]), "nbytes": shard_nbytes(s), "optimizer_steps": opt, "node": self.node}
+        return [HeldRow(unit, tuple(tuple(r) for r in s["slice"]), step, tuple(s["shape"]), opt, tier, rank,
+                        shard_nbytes(s))
                 for (tier, step, rank), (shards, opt) in items for unit, s in shards.items()]
 
-    def get_many(self, requests: list[tuple], step: int, s3: tuple | None = None,
-                 keys: tuple[str, ...] | None = None) -> list[dict]:
+    def get_many(self, requests: list[PieceRequest], step: int, s3: CheckpointLocation | None = None,
+                 keys: tuple[str, ...] | None = None) -> list[Piece | Refused]:
         """The tensors of each requested region of `step`, cut here so only those bytes move.
 
-        A request is ("live" | "peer", rank, unit, region): a shard this keeper holds, only its
-        tensors `keys` (None: all; an overlapped restore asks for the moments later, and
-        "deferred" says how many bytes the keys left out hold); or ("s3", entry, region): a piece of the S3
-        checkpoint (s3 = (uri, endpoint)), whole, read once per keeper and verified against the
-        manifest's SHA256. Each answer is {"tier", "tensors", "bytes", "deferred"}; a piece S3 refuses
-        (missing, unreadable, corrupt) answers {"error", "refusal"} instead: the step is refused, not the worker.
+        A `ShardRequest` reads a shard this keeper holds, only its tensors `keys` (None: all; an overlapped
+        restore asks for the moments later, and `Piece.deferred` says how many bytes the keys left out hold); an
+        `S3Request` a piece of the S3 checkpoint at `s3`, whole, read once per keeper and verified against the
+        manifest's SHA256. A piece S3 refuses (missing, unreadable, corrupt) answers one `Refused` instead: the
+        step is refused, not the worker.
         """
-        from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
-        from workers.state import KEYS, MOMENTS, answer, cut
+        from workers.state import KEYS, MOMENTS, answer
 
         keys = KEYS if keys is None else tuple(keys)
         if keys == MOMENTS and not self.moments_go.wait(timeout=120):
             raise TimeoutError("moments held for 120 s (hold_moments without release_moments)")
-        out = []
+        out: list[Piece | Refused] = []
         for req in requests:
-            if req[0] == "s3":
-                entry, region = req[1], req[2]
-                read = 0
-                with self.s3_lock:  # one read per object per node, however many workers need it
-                    if entry["key"] not in self.s3_read:
-                        try:
-                            if self.s3_store is None or self.s3_store[0] != s3:  # a boto3 client: ~0.2 s to make
-                                self.s3_store = (s3, S3Checkpoints(*s3))
-                            self.s3_read[entry["key"]], read = self.s3_store[1].read_piece(step, entry)
-                        except CheckpointError as e:
-                            log.error("restore of step %d: %s", step, e)
-                            return [{"error": str(e), "refusal": str(e.refusal or "corrupt")}]
-                tensors = cut({k: v.numpy() for k, v in self.s3_read[entry["key"]].items()} | {"slice": entry["region"]},
-                              region)
-                out.append({"tier": "s3", "tensors": tensors, "bytes": read, "deferred": 0})
+            if isinstance(req, S3Request):
+                got = self._s3_piece(req, step, s3)
+                if isinstance(got, Refused):
+                    return [got]
+                out.append(got)
                 continue
-            tier, rank, unit, region = req
+            if not isinstance(req, ShardRequest):
+                raise TypeError(f"a keeper answers ShardRequest and S3Request, not {type(req).__name__}")
             with self.lock:
-                shard = self.held[(tier, step, rank)][0][unit]
-            out.append(answer(shard, region, keys, tier))
+                shard = self.held[(req.tier, step, req.rank)][0][req.unit]
+            out.append(answer(shard, req.region, keys, req.tier))
         return out
+
+    def _s3_piece(self, req: S3Request, step: int, s3: CheckpointLocation | None) -> Piece | Refused:
+        from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
+        from workers.state import cut
+
+        piece: S3Piece = req.piece
+        read = 0
+        with self.s3_lock:  # one read per object per node, however many workers need it
+            if piece.key not in self.s3_read:
+                try:
+                    if s3 is None:
+                        raise ValueError("an S3 piece was asked for without the checkpoint's location")
+                    if self.s3_store is None or self.s3_store[0] != s3:  # a boto3 client: ~0.2 s to make
+                        self.s3_store = (s3, S3Checkpoints.at(s3))
+                    self.s3_read[piece.key], read = self.s3_store[1].read_piece(step, piece.entry())
+                except CheckpointError as e:
+                    log.error("restore of step %d: %s", step, e)
+                    return Refused(str(e), str(e.refusal or "corrupt"))
+        tensors = cut({k: v.numpy() for k, v in self.s3_read[piece.key].items()} | {"slice": piece.region},
+                      req.region)
+        return Piece(Tier.S3, tensors, read)
 
     def delay_uploads(self, seconds: float) -> None:
         """Drills: hold every later upload this long first, so a test can kill a node mid-upload."""
@@ -143,18 +166,18 @@ class KeeperStore:
     def release_moments(self) -> None:
         self.moments_go.set()
 
-    def check_write(self, uri: str, endpoint_url: str | None) -> str | None:
+    def check_write(self, at: CheckpointLocation) -> str | None:
         """Can this node write the checkpoint bucket? None, or what S3 answered (with this node's credentials)."""
         from orchestrator.state.s3_store import S3Checkpoints
 
         try:
-            return S3Checkpoints(uri, endpoint_url).check_write(self.node)
+            return S3Checkpoints.at(at).check_write(self.node)
         except Exception as e:  # noqa: BLE001 - no client at all (no credentials, no endpoint)
             return f"{type(e).__name__}: {e}"
 
-    def upload(self, step: int, pieces: list[tuple], uri: str, endpoint_url: str | None,
-               run_id: str | None = None) -> list[dict]:
-        """Upload [(tier, rank, unit, region)] of `step` as S3 objects named for the run `run_id`; their manifest
+    def upload(self, step: int, pieces: list[ShardRequest], at: CheckpointLocation,
+               run_id: str | None = None) -> list[UploadedPiece]:
+        """Upload these regions of shards of `step` as S3 objects named for the run `run_id`; their manifest
         entries (metadata only)."""
         import torch
 
@@ -163,14 +186,13 @@ class KeeperStore:
 
         if self.upload_delay_s:
             time.sleep(self.upload_delay_s)
-        store = S3Checkpoints(uri, endpoint_url)
+        store = S3Checkpoints.at(at)
         out = []
-        for tier, rank, unit, region in pieces:  # the step stays pinned: the state plane unpins it when the upload
+        for p in pieces:  # the step stays pinned: the state plane unpins it when the upload
             with self.lock:  # ends (on every keeper, unless a redo of the step waits to upload: tiers._release)
-                shard = self.held[(tier, step, rank)][0][unit]
-            region = tuple(tuple(r) for r in region)
-            tensors = {k: torch.from_numpy(v) for k, v in cut(shard, region).items() if v is not None}
-            out.append({"unit": unit} | store.put_piece(step, unit, region, tensors, run_id))
+                shard = self.held[(p.tier, step, p.rank)][0][p.unit]
+            tensors = {k: torch.from_numpy(v) for k, v in cut(shard, p.region).items() if v is not None}
+            out.append(UploadedPiece(p.unit, S3Piece.of(store.put_piece(step, p.unit, p.region, tensors, run_id))))
         return out
 
 

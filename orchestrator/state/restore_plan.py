@@ -3,8 +3,9 @@
 A *need* is one rank of the new plan and one canonical unit (a parameter tensor
 by name, with its optimizer state): the region of the full tensor that rank
 holds under its TP layout. A *holding* is a region of a unit at some step that
-a source can hand out: a live worker (tier "live"), a keeper's peer-memory
-snapshot ("peer"), or an S3 object ("s3"). Regions are per-dimension
+a source can hand out (its `origin`, a typed source from workers/transfer.py): a
+kept worker process or a node's keeper holding a survivor's state (tier live), a
+keeper's peer-memory snapshot (peer), or an S3 object (s3). Regions are per-dimension
 [start, stop) ranges of the full, unsharded tensor, so a TP shard of one plan
 feeds a different TP layout of another: a need is covered by the union of
 pieces along its sharded dimension.
@@ -14,7 +15,9 @@ for each need the cheapest pieces: the same worker, then the same node, then
 another node (live or peer), and S3 last, so S3 bytes are the least the
 holdings allow (AutoHet's local-first recovery; Gemini's peer-memory tier).
 `only_tiers={"s3"}` reproduces an S3-only restore of the same state, for
-comparison. No Ray, torch or boto3: plain data in, plain data out.
+comparison. No Ray, torch or boto3: plain data in, plain data out. The sources' own reports (keepers'
+inventories, kept processes' rows, S3 manifests) become Holdings here too (`keeper_holdings`,
+`process_holdings`, `s3_holdings`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,20 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-Region = tuple[tuple[int, int], ...]
-TIERS = ("live", "peer", "s3")
+from workers.transfer import (
+    HeldRow,
+    KeeperSource,
+    ProcessHolding,
+    ProcessSource,
+    Region,
+    S3Piece,
+    S3Source,
+    Source,
+    Tier,
+    region,
+)
+
+TIERS = (Tier.LIVE, Tier.PEER, Tier.S3)  # what a restore reads from (in place is the live tier's cheapest class)
 
 
 @dataclass(frozen=True)
@@ -37,13 +52,13 @@ class Need:
 
 @dataclass(frozen=True)
 class Holding:
-    tier: str  # "live", "peer" or "s3"
-    holder: str  # a worker ("rank:3"), a keeper ("keeper:node-b") or "s3"
+    tier: Tier  # live, peer or s3
+    origin: Source  # a kept process, a node's keeper, or an S3 object
     node: str | None  # where the bytes are (None for S3)
     unit: str
     region: Region
     step: int
-    rank: int | None = None  # for "live": the worker's rank in the new plan, if it stays
+    rank: int | None = None  # for a kept process: its rank in the new plan, if it has one
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,7 @@ class RestorePlan:
     transfers: list[Transfer] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # units no source holds at any step (when step is None)
 
-    def bytes_by_tier(self) -> dict[str, int]:
+    def bytes_by_tier(self) -> dict[Tier, int]:
         out = Counter({t: 0 for t in TIERS})
         for t in self.transfers:
             out[t.source.tier] += t.nbytes
@@ -73,9 +88,9 @@ class RestorePlan:
 
 def cost_class(need: Need, h: Holding) -> int:
     """0: the same worker already holds it; 1: the same node; 2: another node's memory; 3: S3."""
-    if h.tier == "s3":
+    if h.tier == Tier.S3:
         return 3
-    if h.tier == "live" and h.rank == need.rank:
+    if h.tier == Tier.LIVE and h.rank == need.rank:
         return 0
     return 1 if h.node == need.node else 2
 
@@ -110,7 +125,7 @@ def _cover(need: Need, pieces: list[Holding], d: int) -> list[tuple[Holding, tup
         here = [p for p in usable if p.region[d][0] <= at < p.region[d][1]]
         if not here:
             return None
-        p = min(here, key=lambda p: (cost_class(need, p), -p.region[d][1], p.tier != "live"))
+        p = min(here, key=lambda p: (cost_class(need, p), -p.region[d][1], p.tier != Tier.LIVE))
         cheaper_starts = [q.region[d][0] for q in usable
                           if at < q.region[d][0] < p.region[d][1] and cost_class(need, q) < cost_class(need, p)]
         end = min([p.region[d][1], stop, *cheaper_starts])
@@ -179,3 +194,41 @@ def peer_placement(ranks: list[tuple[str, int, int]], candidates: list[str], nby
         load[pick] += n
         out.append(pick)
     return out
+
+
+def keeper_holdings(inventory: dict[str, list[HeldRow]], tiers=TIERS, step: int | None = None):
+    """(Holdings, optimizer steps by step, unit shapes) from {node: the keeper's inventory rows}."""
+    holdings, opt, shapes = [], {}, {}
+    for node, rows in inventory.items():
+        for row in rows:
+            if row.tier not in tiers or (step is not None and row.step != step):
+                continue
+            holdings.append(Holding(row.tier, KeeperSource(node, row.tier, row.rank), node, row.unit,
+                                    region(row.region), row.step))
+            shapes[row.unit] = list(row.shape)
+            opt[row.step] = row.optimizer_steps
+    return holdings, opt, shapes
+
+
+def process_holdings(held: list[ProcessHolding]):
+    """(Holdings, optimizer steps by step) from the state kept in worker processes (in-place recovery). A
+    process's own rank reads it in place (the restore planner's cost class 0)."""
+    holdings, opt = [], {}
+    for i, p in enumerate(held):
+        origin = ProcessSource(p.node, i, p.rank, p.handle)
+        for row in p.rows:
+            holdings.append(Holding(Tier.LIVE, origin, p.node, row.unit, region(row.region), row.step, p.rank))
+            opt[row.step] = row.optimizer_steps
+    return holdings, opt
+
+
+def s3_holdings(manifests: list[dict]):
+    """(Holdings, optimizer steps by step) from complete S3 steps' manifests."""
+    holdings, opt = [], {}
+    for m in manifests:
+        opt[m["step"]] = float(m["optimizer_steps"])
+        for unit, u in m["units"].items():
+            for entry in u["pieces"]:
+                piece = S3Piece.of(entry)
+                holdings.append(Holding(Tier.S3, S3Source(piece), None, unit, piece.region, m["step"]))
+    return holdings, opt

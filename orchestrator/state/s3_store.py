@@ -59,6 +59,7 @@ from orchestrator.state.manifest import (
     stored,
     unlisted,
 )
+from workers.transfer import CheckpointLocation
 
 __all__ = ["CheckpointError", "Identity", "Refusal", "S3Checkpoints", "StepInfo", "StepStatus", "region_tag",
            "missing_units", "expected_units", "parse_uri", "check_access", "new_client", "FORMAT"]
@@ -193,6 +194,15 @@ class S3Checkpoints:
         self.client = client or new_client(endpoint_url)
         self.multipart_bytes = multipart_bytes
         self.lease_ttl_s = lease_ttl_s
+
+    @classmethod
+    def at(cls, where: CheckpointLocation, **kw) -> S3Checkpoints:
+        return cls(where.uri, where.endpoint_url, **kw)
+
+    @property
+    def location(self) -> CheckpointLocation:
+        """Where these checkpoints are, as one value that crosses process hops (keepers, workers)."""
+        return CheckpointLocation(self.uri, self.endpoint_url)
 
     # -- keys ---------------------------------------------------------------------
     @property

@@ -29,11 +29,31 @@ import time
 from orchestrator.control.drain import replicated_off
 from orchestrator.errors import FailureKind, Refusal, WorkerFailure
 from orchestrator.state.calls import RayCalls
-from orchestrator.state.holdings import keeper_holdings, process_holdings, s3_holdings
-from orchestrator.state.restore_plan import TIERS, Need, peer_placement, plan_restore
+from orchestrator.state.restore_plan import (
+    TIERS,
+    Need,
+    keeper_holdings,
+    peer_placement,
+    plan_restore,
+    process_holdings,
+    s3_holdings,
+)
 from orchestrator.state.s3_store import CheckpointError, Identity, S3Checkpoints
 from planner import layout
-from workers.transfer import payload_bytes
+from workers.transfer import (
+    Fetch,
+    KeeperSource,
+    KeptRequest,
+    ProcessSource,
+    RestoreReport,
+    S3Request,
+    S3Source,
+    ShardRequest,
+    Tier,
+    UploadRecord,
+    payload_bytes,
+    region,
+)
 
 log = logging.getLogger("hetspot.checkpoints")
 RPC_TIMEOUT_S = 60.0
@@ -64,8 +84,8 @@ class TieredState:
         self._sourcing = False  # a restore's moments may still be pulled from the keepers (until the next step)
         self.keepers: dict[str, object] = {}  # node -> its keeper's handle
         self.received_bytes = 0  # what the controller took in for state: metadata only
-        self.uploads: list[dict] = []  # per S3 step: step, status (written, exists, failed, dropped), bytes, seconds, error
-        self.last_restore: dict | None = None
+        self.uploads: list[UploadRecord] = []  # per S3 step the uploader took up: what became of it
+        self.last_restore: RestoreReport | None = None
         self._cv = threading.Condition()  # guards the uploader's slot and the step in flight
         self._pending: tuple[int, list, int] | None = None  # the newest step waiting for the uploader, its refs and era
         self._rollbacks: list[int] = []  # the step each restore went to; an upload's era: how many came before it
@@ -88,7 +108,7 @@ class TieredState:
                 k = self.calls.start_keeper(n, ids[n])
                 self.keepers[n], self._starting[n] = k, k.ping.remote()
                 if self.s3 is not None:  # checked as it starts, with its own node's credentials
-                    self._access[n] = k.check_write.remote(self.s3.uri, self.s3.endpoint_url)
+                    self._access[n] = k.check_write.remote(self.s3.location)
         if wait:
             pending = [self._starting.pop(n) for n in dict.fromkeys(nodes) if n in self._starting]
             self.calls.get(pending, timeout=RPC_TIMEOUT_S)
@@ -130,7 +150,7 @@ class TieredState:
     def after_step(self, group, step: int, avoid: set[str] = frozenset()) -> bool:
         if self._sourcing:  # a step is committed: every rank has its moments, the live copies can go
             self._sourcing = False
-            self._call_keepers("clear", "live")
+            self._call_keepers("clear", Tier.LIVE)
             if group.in_place:
                 group.drop_retained()
         if (step + 1) % self.peer_every:
@@ -233,7 +253,7 @@ class TieredState:
         with self._cv:
             if self._pending is not None:
                 dropped = self._pending[0]
-                self.uploads.append({"step": dropped, "status": "dropped", "bytes": 0, "seconds": 0.0, "error": None})
+                self.uploads.append(UploadRecord(dropped, "dropped"))
                 if dropped != self._inflight:  # else the upload in flight (a try of that step before a rollback)
                     for k in list(self.keepers.values()):  # still reads its copies: it releases them when it ends
                         k.unpin.remote(dropped)
@@ -262,12 +282,12 @@ class TieredState:
         if self.s3 is None:
             return None
         self._collect_access()
-        newest = max((u["step"] for u in self.uploads if u["status"] in ("written", "exists")), default=None)
+        newest = max((u.step for u in self.uploads if u.status in ("written", "exists")), default=None)
         with self._cv:
             backlog = [s for s in (self._inflight, self._pending and self._pending[0]) if s is not None]
         return {"newest_step": newest, "lag_steps": committed - (newest if newest is not None else -1),
-                "backlog": len(backlog), "dropped": sum(u["status"] == "dropped" for u in self.uploads),
-                "failed": sum(u["status"] == "failed" for u in self.uploads), "no_access": sorted(self.no_access)}
+                "backlog": len(backlog), "dropped": sum(u.status == "dropped" for u in self.uploads),
+                "failed": sum(u.status == "failed" for u in self.uploads), "no_access": sorted(self.no_access)}
 
     def _went_to(self, step: int) -> None:
         """A restore brought the workers to `step`: uploads of later steps queued before now are of state that is
@@ -306,10 +326,9 @@ class TieredState:
             self._check_not_rolled_back(step, era)
             if exists:
                 self._release(step)  # a redone step that S3 already holds whole: nothing to write
-                self.uploads.append({"step": step, "status": "exists", "bytes": 0,
-                                     "seconds": time.perf_counter() - t0, "error": None})
+                self.uploads.append(UploadRecord(step, "exists", 0, time.perf_counter() - t0))
                 return
-            holdings, _, opt, _ = self._keeper_holdings(tiers=("peer",), step=step)
+            holdings, opt, _ = self._keeper_holdings(tiers=(Tier.PEER,), step=step)
             needs = [Need(-1, "", unit, tuple((0, n) for n in shape), 0) for unit, shape in self.model_units.items()]
             cover = plan_restore(needs, holdings)
             if cover.step != step:
@@ -319,18 +338,18 @@ class TieredState:
                                       f"{len(self.model_units)} units at step {step} (every copy of "
                                       f"{', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''} is gone); "
                                       "not written")
-            by_node: dict[str, list] = {}
+            by_node: dict[str, list[ShardRequest]] = {}
             for t in cover.transfers:
-                tier, _, rank = t.source.holder.split(":")
-                by_node.setdefault(t.source.node, []).append((tier, int(rank), t.need.unit, t.region))
+                o: KeeperSource = t.source.origin
+                by_node.setdefault(o.node, []).append(ShardRequest(o.tier, o.rank, t.need.unit, t.region))
             run_id = self.meta.get("run_id")
-            futures = [self.keepers[n].upload.remote(step, pieces, c.uri, c.endpoint_url, run_id)
+            futures = [self.keepers[n].upload.remote(step, pieces, c.location, run_id)
                        for n, pieces in by_node.items()]
             entries = [e for got in self.calls.get(futures, timeout=600) for e in got]
             self.received_bytes += payload_bytes(entries)
             pieces: dict[str, list] = {}
             for e in entries:
-                pieces.setdefault(e.pop("unit"), []).append(e)
+                pieces.setdefault(e.unit, []).append(e.piece.entry())
             self._check_not_rolled_back(step, era)  # its pieces are in S3 but no manifest names them: not a step
             manifest = c.write_manifest(step, self.model_units, pieces, opt.get(step, 0.0), self.meta,
                                         self.model_units)
@@ -338,14 +357,12 @@ class TieredState:
             self._prune()
             self._release(step)
             nbytes = sum(u["bytes"] for u in manifest["units"].values())
-            self.uploads.append({"step": step, "status": "written", "bytes": nbytes,
-                                 "seconds": time.perf_counter() - t0, "error": None})
+            self.uploads.append(UploadRecord(step, "written", nbytes, time.perf_counter() - t0))
             log.info("checkpoint step %d in %s: %d bytes from %d keepers in %.2f s", step, c.uri, nbytes,
                      len(by_node), time.perf_counter() - t0)
         except Exception as e:  # an upload failure costs a checkpoint, not the job; it is recorded
             self._release(step)
-            self.uploads.append({"step": step, "status": "failed", "bytes": 0, "seconds": time.perf_counter() - t0,
-                                 "error": str(e)})
+            self.uploads.append(UploadRecord(step, "failed", 0, time.perf_counter() - t0, str(e)))
             log.warning("checkpoint step %d to %s failed: %s", step, c.uri, e)
 
     def _prune(self) -> None:
@@ -380,12 +397,12 @@ class TieredState:
             self.received_bytes += payload_bytes(got)
             kept = [g for g in got if g is not None]
             log.info("%d of %d workers keep their committed state (step %s) in their own processes", len(kept),
-                     len(got), sorted({g["step"] for g in kept}))
+                     len(got), sorted({g.step for g in kept}))
             return
         if not group.holds_state:
             return  # a group that failed before its state was restored holds nothing worth keeping
         ids = self._alive_nodes()
-        self._call_keepers("clear", "live")
+        self._call_keepers("clear", Tier.LIVE)
         ranks = layout.ranks(group.plan)
         keep = [r.node in ids and r.node not in avoid for r in ranks]
         alive = iter(self._keepers_on([r.node for r, k in zip(ranks, keep, strict=True) if k], ids))
@@ -393,24 +410,24 @@ class TieredState:
         self.received_bytes += payload_bytes(got)
         kept = [g for g in got if g is not None]
         log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
-                 len(ranks), sorted({g["step"] for g in kept}))
+                 len(ranks), sorted({g.step for g in kept}))
 
     # -- restore --------------------------------------------------------------------------
     def _keeper_holdings(self, tiers=TIERS, step: int | None = None):
-        """The keepers' holdings, as the restore planner's Holdings; their sources, optimizer steps, shapes."""
+        """The keepers' holdings, as the restore planner's Holdings; optimizer steps by step, unit shapes."""
         return keeper_holdings(self._call_keepers("inventory"), tiers, step)
 
     def _s3_holdings(self):
-        """The complete S3 steps' pieces as Holdings; their sources and optimizer steps."""
+        """The complete S3 steps' pieces as Holdings; optimizer steps by step."""
         if self.s3 is None:
-            return [], {}, {}
+            return [], {}
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:  # this run's good steps only: whole, every piece listed (another run's are never loaded)
             manifests, refused = self.s3.usable(self.identity, limit=self.keep)
         except (BotoCoreError, ClientError) as e:
             log.warning("cannot list checkpoints in %s: %s; restoring without the S3 tier", self.s3.uri, e)
-            return [], {}, {}
+            return [], {}
         for st in refused:
             if st.refusal is not Refusal.FOREIGN:
                 self._refused[st.step] = st.reason
@@ -419,7 +436,7 @@ class TieredState:
         self.received_bytes += sum(payload_bytes(m) for m in manifests)
         return s3_holdings(manifests)
 
-    def restore(self, group, avoid: set[str] = frozenset()) -> dict | None:
+    def restore(self, group, avoid: set[str] = frozenset()) -> RestoreReport | None:
         """Restore the newest step every unit is available at, from the cheapest sources, none on the `avoid` nodes
         (doomed by a notice: they may go during the restore); None: nothing held."""
         t0 = time.perf_counter()
@@ -428,23 +445,23 @@ class TieredState:
         needs_by_rank = group.needs()
         self.received_bytes += payload_bytes(needs_by_rank)
         ranks = layout.ranks(group.plan)
-        needs = [Need(i, ranks[i].node, n["unit"], tuple(tuple(r) for r in n["region"]), n["nbytes"])
+        needs = [Need(i, ranks[i].node, n.unit, region(n.region), n.nbytes)
                  for i, rank_needs in enumerate(needs_by_rank) for n in rank_needs]
-        kh, ksrc, kopt, _ = self._keeper_holdings()
+        kh, kopt, _ = self._keeper_holdings()
         if group.in_place:  # what kept processes hold in their own memory: the cheapest source of all
-            ph, psrc, popt = process_holdings(group.held())
-            kh, ksrc, kopt = ph + kh, psrc | ksrc, popt | kopt
+            ph, popt = process_holdings(group.held())
+            kh, kopt = ph + kh, popt | kopt
         kh = [h for h in kh if h.node not in avoid]
         # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
-        newest_upload = max((u["step"] for u in self.uploads if u["status"] in ("written", "exists")), default=-1)
+        newest_upload = max((u.step for u in self.uploads if u.status in ("written", "exists")), default=-1)
         near = plan_restore(needs, kh) if self.restore_from != "s3" else None
         skip_s3 = near is not None and near.step is not None and near.step >= newest_upload
-        sh, ssrc, sopt = ([], {}, {}) if skip_s3 else self._s3_holdings()
-        holdings, sources, opt = kh + sh, ksrc | ssrc, sopt | kopt
-        only = {"s3"} if self.restore_from == "s3" else None
+        sh, sopt = ([], {}) if skip_s3 else self._s3_holdings()
+        holdings, opt = kh + sh, sopt | kopt
+        only = {Tier.S3} if self.restore_from == "s3" else None
         refused = self._refused
         while True:  # each turn refuses one more S3 step: it ends after the steps that exist
-            usable = [h for h in holdings if not (h.tier == "s3" and h.step in refused)]
+            usable = [h for h in holdings if not (h.tier == Tier.S3 and h.step in refused)]
             rp = plan_restore(needs, usable, only)
             if rp.step is None:
                 if holdings:
@@ -453,50 +470,54 @@ class TieredState:
                 group.holds_state = True  # its fresh initial state is the job's state now
                 self._went_to(-1)
                 return None
-            per_rank: list[list] = [[] for _ in ranks]
-            ids = self._alive_nodes() if any(t.source.tier == "s3" for t in rp.transfers) else {}
-            for t in rp.transfers:
-                kind, *rest = sources[(t.source.holder, rp.step)]
-                if kind == "process":  # a kept process's memory: read in place when it is the rank's own
-                    handle, rank = rest
-                    keeper = None if rank == t.need.rank else handle
-                    request = ("memory", t.need.unit, t.region)
-                elif kind == "keeper":  # a shard a keeper holds
-                    node, tier, rank = rest
-                    keeper, request = self.keepers[node], (tier, rank, t.need.unit, t.region)
-                else:  # an S3 piece, read by the keeper of the worker's node (once per node)
-                    keeper, request = self._keepers_on([t.need.node], ids)[0], ("s3", rest[0], t.region)
-                per_rank[t.need.rank].append((t.need.unit, t.region, keeper, request))
-            s3cfg = (self.s3.uri, self.s3.endpoint_url) if self.s3 is not None else None
+            per_rank = self._fetches(rp, len(ranks))
             t_load = time.perf_counter()
-            from_s3 = any(t.source.tier == "s3" for t in rp.transfers)
+            from_s3 = any(t.source.tier == Tier.S3 for t in rp.transfers)
             with self.s3.lease(rp.step, RPC_TIMEOUT_S * 10) if from_s3 else _nothing():  # not pruned under it
-                results = group.load(per_rank, rp.step, opt[rp.step], s3cfg, self.overlap)
+                results = group.load(per_rank, rp.step, opt[rp.step], self.s3 and self.s3.location, self.overlap)
             self.received_bytes += payload_bytes(results)
-            errors = [r for r in results if r.get("error")]
+            errors = [r.refused for r in results if r.refused is not None]
             if not errors:
                 break
-            own = [r for r in errors if not r.get("refusal")]
+            own = [r for r in errors if not r.refusal]
             if own:  # a source that did not hold what it said (not S3's fault): the controller re-plans
-                raise WorkerFailure(f"restore of step {rp.step}", own[0]["error"], FailureKind.RESTORE_SOURCE)
-            why = Refusal(errors[0]["refusal"])
+                raise WorkerFailure(f"restore of step {rp.step}", own[0].error, FailureKind.RESTORE_SOURCE)
+            why = Refusal(errors[0].refusal)
             log.warning("refusing checkpoint step %d (%s): %s; trying the previous complete step", rp.step, why,
-                        errors[0]["error"])
-            refused[rp.step] = errors[0]["error"]
+                        errors[0].error)
+            refused[rp.step] = errors[0].error
             if why.replaceable:
                 self.bad_steps.add(rp.step)  # its redo replaces it in S3 (a read denied or throttled: not)
-        by_tier = {t: sum(r["bytes"].get(t, 0) for r in results) for t in TIERS}
-        in_place = sum(r["bytes"].get("in_place", 0) for r in results)
-        self.last_restore = {  # times: planning (sources listed), the slowest rank's pull and load, in all
-            "step": rp.step, "tier": next((t for t in reversed(TIERS) if by_tier[t]), "in place" if in_place else "live"),
-            "bytes": sum(by_tier.values()), "bytes_by_tier": by_tier, "in_place_bytes": in_place,
-            "refused_steps": sorted(refused), "refused": {str(s): why for s, why in sorted(refused.items())},
-            "s3_units": sorted({t.need.unit for t in rp.transfers if t.source.tier == "s3"}),
-            "plan_s": round(t_load - t0, 3), "restore_s": round(time.perf_counter() - t0, 3)} | {
-            k: round(max(r.get(k, 0.0) for r in results), 3) for k in ("pull_s", "import_s")} | {
-            "overlapped_bytes": sum(r.get("deferred_bytes", 0) for r in results)}
+        by_tier = {t: sum(r.bytes.get(t, 0) for r in results) for t in TIERS}
+        in_place = sum(r.bytes.get(Tier.IN_PLACE, 0) for r in results)
+        self.last_restore = RestoreReport(  # times: planning (sources listed), the slowest rank's pull and load, in all
+            rp.step, next((str(t) for t in reversed(TIERS) if by_tier[t]), "in place" if in_place else "live"),
+            sum(by_tier.values()), {str(t): n for t, n in by_tier.items()}, in_place, sorted(refused),
+            {str(s): why for s, why in sorted(refused.items())},
+            sorted({t.need.unit for t in rp.transfers if t.source.tier == Tier.S3}),
+            round(t_load - t0, 3), round(time.perf_counter() - t0, 3), round(max(r.pull_s for r in results), 3),
+            round(max(r.import_s for r in results), 3), sum(r.deferred_bytes for r in results))
         group.holds_state = self._sourcing = True  # the new workers hold it (the moments once the first step waited
         # for them: `after_step` clears the live tier then); salvage refills it on a failure
         self._went_to(rp.step)
-        log.info("restored step %d: bytes by tier %s in %.2f s", rp.step, by_tier, self.last_restore["restore_s"])
+        log.info("restored step %d: bytes by tier %s in %.2f s", rp.step, by_tier, self.last_restore.restore_s)
         return self.last_restore
+
+    def _fetches(self, rp, num_ranks: int) -> list[list[Fetch]]:
+        """Each rank's transfers of restore plan `rp`, as requests to their sources: a kept process's memory (read
+        in place when it is the rank's own), a shard a keeper holds, or an S3 piece that the keeper of the rank's
+        node reads (once per node)."""
+        per_rank: list[list[Fetch]] = [[] for _ in range(num_ranks)]
+        ids = self._alive_nodes() if any(t.source.tier == Tier.S3 for t in rp.transfers) else {}
+        for t in rp.transfers:
+            o, unit = t.source.origin, t.need.unit
+            if isinstance(o, ProcessSource):
+                fetch = Fetch(unit, t.region, None if o.rank == t.need.rank else o.handle, KeptRequest(unit, t.region))
+            elif isinstance(o, KeeperSource):
+                fetch = Fetch(unit, t.region, self.keepers[o.node], ShardRequest(o.tier, o.rank, unit, t.region))
+            elif isinstance(o, S3Source):
+                fetch = Fetch(unit, t.region, self._keepers_on([t.need.node], ids)[0], S3Request(o.piece, t.region))
+            else:
+                raise TypeError(f"no source of type {type(o).__name__}")
+            per_rank[t.need.rank].append(fetch)
+        return per_rank

@@ -1,0 +1,64 @@
+"""Every call the state plane (tiers.py) makes of a worker group and of the keepers, as protocols typed with the
+records of workers/transfer.py. Each has a Ray implementation and an in-process fake:
+
+- `StateGroup`: runtime/worker_group.RayWorkerGroup; state/fakes.LocalGroup (both recovery paths).
+- `StateCalls`: state/calls.RayCalls; state/calls.LocalCalls (keepers as plain `KeeperStore` objects).
+- `Source`: what a worker pulls pieces from: a keeper (state/keeper.KeeperStore), or a kept worker process
+  (workers/actor.TrainWorker; state/fakes.LocalProcess). Reached through a handle: `handle.get_many.remote(...)`.
+
+tests/test_transfer_types.py checks that these calls and their implementations carry typed records, not tuples,
+dicts or strings. The model is torchft's transport ABC with its in-process fakes beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from workers.transfer import (
+    CheckpointLocation,
+    Fetch,
+    KeptState,
+    LoadReport,
+    NeedRow,
+    Piece,
+    PieceRequest,
+    ProcessHolding,
+    Receipt,
+    Refused,
+)
+
+
+class Source(Protocol):
+    def get_many(self, requests: list[PieceRequest], step: int, s3: CheckpointLocation | None = None,
+                 keys: tuple[str, ...] | None = None) -> list[Piece | Refused]: ...
+
+
+class StateGroup(Protocol):
+    """The worker group's side of the state plane. Calls that go to keepers return answers to wait on
+    (`StateCalls.get`)."""
+
+    plan: Any  # the Plan the workers run
+    holds_state: bool  # the workers hold the committed state (set by the state plane around restores)
+    in_place: bool  # survivors keep their processes and state across plans (runtime.recovery: in-place)
+
+    def snapshot(self, step: int, keepers: list, pin: bool = False) -> list: ...  # per rank: its copy's Receipt
+    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[Receipt | None]: ...
+    def needs(self) -> list[list[NeedRow]]: ...
+    def load(self, per_rank: list[list[Fetch]], step: int, optimizer_steps: float, s3: CheckpointLocation | None,
+             overlap: bool = True) -> list[LoadReport]: ...
+    def settle_restore(self, timeout_s: float = 60.0) -> None: ...  # an overlapped restore's moments are in
+    # in place only:
+    def retain(self, step: int | None, avoid: set[str] = frozenset()) -> list[KeptState | None]: ...
+    def held(self) -> list[ProcessHolding]: ...
+    def drop_retained(self) -> None: ...  # the kept copies are no longer needed
+
+
+class StateCalls(Protocol):
+    """How the state plane reaches keepers (Ray: calls.RayCalls; in one process: calls.LocalCalls)."""
+
+    lost: tuple  # exception types meaning a keeper or its node is gone
+
+    def start_keeper(self, node: str, node_id: str) -> Any: ...  # a handle: handle.method.remote(...) -> answer
+    def get(self, answers, timeout: float | None = None) -> Any: ...
+    def wait(self, answers: list, num_returns: int, timeout: float | None) -> tuple[list, list]: ...
+    def alive_nodes(self) -> dict[str, str]: ...  # node name -> its Ray node id

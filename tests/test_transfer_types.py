@@ -1,0 +1,81 @@
+"""The state plane's calls carry typed records (workers/transfer.py), not tuples dispatched on their first field,
+holder strings or dicts: every call between the state plane, a worker group, the keepers and the workers is walked
+through its annotations, on the protocols (state/protocols.py) and on each implementation, Ray's and the fakes'."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+
+from orchestrator.runtime.worker_group import RayWorkerGroup
+from orchestrator.state import protocols
+from orchestrator.state.fakes import LocalGroup, LocalProcess
+from orchestrator.state.keeper import KeeperStore
+from orchestrator.state.tiers import TieredState
+from workers import transfer
+from workers.actor import TrainWorker
+
+pytestmark = pytest.mark.unit
+
+GROUP_CALLS = ("snapshot", "hand_over", "needs", "load", "settle_restore", "retain", "held", "drop_retained")
+SOURCE_CALLS = ("get_many",)
+# Parameters that carry the bytes themselves or names, for which no record is defined: a rank's shards
+# ({unit: its tensors and slice}) and the tensor names a request asks for.
+PAYLOAD = {"shards", "keys"}
+
+IMPLEMENTATIONS = [
+    (RayWorkerGroup, GROUP_CALLS), (LocalGroup, GROUP_CALLS),
+    (KeeperStore, ("put", "inventory", "get_many", "upload", "check_write", "clear")),
+    (TrainWorker.__ray_actor_class__, ("receipt", "hand_over", "retain", "held", "get_many", "needs", "load_state")),
+    (LocalProcess, ("get_many", "held")), (TieredState, ("restore",)),
+]
+
+
+def _hints(cls, name: str) -> dict[str, object]:
+    fn = getattr(cls, name)
+    return typing.get_type_hints(fn, vars(inspect.getmodule(fn)) | vars(transfer))
+
+
+def _untyped(hint) -> list[str]:
+    """The bare dicts and tuples inside a type (a tuple of a record, or `tuple[str, ...]`, is typed)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in (dict, tuple) or origin is dict:
+        return [str(hint)]
+    if origin is tuple:
+        return [] if args and all(a is Ellipsis or a is str or hasattr(a, "__dataclass_fields__") for a in args) \
+            else [str(hint)]
+    return [x for a in args for x in _untyped(a)]
+
+
+@pytest.mark.parametrize("cls, calls", IMPLEMENTATIONS, ids=lambda x: getattr(x, "__name__", ""))
+def test_no_tuple_dict_or_tier_string_crosses_a_call(cls, calls):
+    for name in calls:
+        for param, hint in _hints(cls, name).items():
+            if param in PAYLOAD:
+                continue
+            assert not _untyped(hint), f"{cls.__name__}.{name}: {param} is {hint}"
+            if param == "tier":
+                assert hint is transfer.Tier, f"{cls.__name__}.{name}: a tier is a Tier, not {hint}"
+
+
+@pytest.mark.parametrize("cls", [RayWorkerGroup, LocalGroup])
+def test_worker_groups_answer_the_state_plane_with_the_protocols_types(cls):
+    for name in GROUP_CALLS:
+        want = _hints(protocols.StateGroup, name)
+        assert _hints(cls, name).get("return") == want.get("return"), (cls.__name__, name)
+
+
+@pytest.mark.parametrize("cls", [KeeperStore, TrainWorker.__ray_actor_class__, LocalProcess])
+def test_every_source_answers_a_piece_request_the_same_way(cls):
+    assert _hints(cls, "get_many") == _hints(protocols.Source, "get_many")
+
+
+def test_a_piece_request_is_one_of_three_records_and_tiers_equal_their_names():
+    assert set(typing.get_args(transfer.PieceRequest)) == {transfer.ShardRequest, transfer.KeptRequest,
+                                                           transfer.S3Request}
+    assert [str(t) for t in transfer.Tier] == ["in_place", "live", "peer", "s3"]
+    piece = transfer.S3Piece.of({"key": "k", "region": [[0, 2], [0, 3]], "bytes": 9, "sha256": "ab",
+                                 "tensors": {"param": "F32"}, "optimizer_steps": 2.0})
+    assert piece.region == ((0, 2), (0, 3)) and transfer.S3Piece.of(piece.entry()) == piece
