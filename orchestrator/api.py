@@ -240,7 +240,7 @@ def lost_controller_message(job: JobSpec, source: str, cause: str, steps: int | 
     from orchestrator.state.s3_store import S3Checkpoints
 
     try:
-        newest = S3Checkpoints(job.checkpoint.uri, job.checkpoint.endpoint_url).newest_whole()
+        newest = S3Checkpoints.at(job.checkpoint.location).newest_whole()
     except Exception as e:  # the message must still come out; say why the step is unknown
         return (f"{head}; the newest complete step under {job.checkpoint.uri} could not be read ({type(e).__name__}); "
                 f"go on with: hetspot submit {source} --resume")

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from orchestrator.errors import ConfigError
 from planner.fleet import Catalog, Fleet
 from planner.specs import PRESETS, ClusterSpec, ModelSpec, StrictModel, TrainSpec
+from workers.transfer import CheckpointLocation
 
 
 class _Section(StrictModel):
@@ -170,6 +171,11 @@ class CheckpointSpec(_Section):
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError(f"endpoint_url {v!r} must be an http:// or https:// URL")
         return v
+
+    @property
+    def location(self) -> CheckpointLocation:
+        """The checkpoint location as one value, from here to the keeper that reads or writes the bytes."""
+        return CheckpointLocation(self.uri, self.endpoint_url)
 
 
 class FleetType(_Section):

@@ -191,7 +191,7 @@ class FaultInjection:
 
         self.c.store.flush()
         ck = self.job.checkpoint
-        store = S3Checkpoints(ck.uri, ck.endpoint_url)
+        store = S3Checkpoints.at(ck.location)
         done = store.complete_steps()
         return store, done[0] if done else None
 

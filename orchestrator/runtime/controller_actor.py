@@ -68,8 +68,8 @@ def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None
     model = job.model_spec
     meta = {"job": job.name, "run_id": run_id or uuid.uuid4().hex[:12], "model": model.model_dump(),
             "global_batch": job.train.global_batch}
-    return TieredState(job.runtime.snapshot_every, S3Checkpoints(c.uri, c.endpoint_url), c.s3_every,
-                       c.keep, meta, restore_from or c.restore_from,
+    return TieredState(job.runtime.snapshot_every, S3Checkpoints.at(c.location), s3_every=c.s3_every, keep=c.keep,
+                       meta=meta, restore_from=restore_from or c.restore_from,
                        model_units={p.name: list(p.shape) for p in all_params(model)})
 
 

@@ -65,7 +65,7 @@ def _nothing():
 
 
 class TieredState:
-    def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, s3_every: int = 10, keep: int = 3,
+    def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, *, s3_every: int = 10, keep: int = 3,
                  meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True,
                  model_units: dict[str, list[int]] | None = None, calls=None):
         if s3 is not None and s3_every % peer_every:
