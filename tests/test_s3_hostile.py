@@ -246,7 +246,7 @@ def test_pruning_never_deletes_a_readable_step_for_an_expired_one(s3, keep):
     for u in s3t.manifest(3)["units"].values():
         for p in u["pieces"]:
             s3t.client.delete_object(Bucket="hostile", Key=p["key"])
-    tiers._prune()
+    tiers.uploader._prune()
     assert s3t.complete_steps() == [2]  # keep 2 had pruned step 1 already
     new = LocalGroup(NEW, LocalCalls(["a"]))
     tiers.calls, _ = new.calls, tiers.keepers.clear()

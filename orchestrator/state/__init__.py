@@ -1,6 +1,8 @@
 """Training state outside the workers, in tiers (README.md, "When a node is lost").
 
-- `tiers.TieredState`: the controller's state plane (live, peer, S3); metadata only. It reaches keepers
+- `tiers.TieredState`: the controller's state plane (live, peer, S3); metadata only: the front (peer
+  snapshots) over `keepers.KeeperSet` (the keepers' lifecycle, calls, inventories), `uploader.Uploader` (the
+  S3 tier's thread, eras and pins) and `restore.Restorer` (salvage and the restore loop). It reaches keepers
   through `calls` (Ray's actors, or `calls.LocalCalls` in one process) and workers through the
   `StateGroup` calls (protocols.py), so it runs in unit tests beside `fakes.LocalGroup`. What crosses those
   calls is one typed record per message (workers/transfer.py).

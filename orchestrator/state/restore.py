@@ -1,0 +1,187 @@
+"""`Restorer`: the state plane after a failure. `salvage` has survivors keep the committed step (in their own
+processes in place, else in their node's keeper, tier live); `restore` asks the new workers what they need, the
+keepers, kept processes and S3 manifests what they hold, runs the pure restore planner (restore_plan.py) and hands
+each worker its transfers as typed requests to their sources (workers/transfer.py `Fetch`); the workers pull the
+bytes themselves. A piece S3 refuses refuses that step, and the restore plans again at the previous one; a source
+that did not hold what it said is the worker group's failure (a re-plan). Reports a `RestoreReport`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from orchestrator.errors import FailureKind, Refusal, WorkerFailure
+from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
+from orchestrator.state.restore_plan import TIERS, Need, plan_restore, process_holdings, s3_holdings
+from orchestrator.state.s3_store import Identity, S3Checkpoints
+from orchestrator.state.uploader import Uploader
+from planner import layout
+from workers.transfer import (
+    Fetch,
+    KeeperSource,
+    KeptRequest,
+    ProcessSource,
+    RestoreReport,
+    S3Request,
+    S3Source,
+    ShardRequest,
+    Tier,
+    region,
+)
+
+log = logging.getLogger("hetspot.checkpoints")
+LEASE_S = RPC_TIMEOUT_S * 10  # an S3 step being restored is not pruned for this long
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield None
+
+
+class Restorer:
+    def __init__(self, keepers: KeeperSet, uploader: Uploader | None, s3: S3Checkpoints | None,
+                 identity: Identity, keep: int, received: Received, restore_from: str = "nearest",
+                 overlap: bool = True):
+        self.keepers, self.uploader, self.s3, self.identity, self.keep = keepers, uploader, s3, identity, keep
+        self.received, self.restore_from, self.overlap = received, restore_from, overlap
+        self.last_restore: RestoreReport | None = None
+        self.sourcing = False  # a restore's moments may still be pulled from the keepers (until the next step)
+        self._refused: dict[int, str] = {}  # S3 steps the last restore refused, and why
+
+    def _went_to(self, step: int) -> None:
+        if self.uploader is not None:
+            self.uploader.went_to(step)
+
+    def salvage(self, group, avoid: set[str] = frozenset(), step: int | None = None) -> None:
+        """Survivors (off the `avoid` nodes) keep committed step `step` (None: the step each holds): in their own
+        processes when the group recovers in place (nothing moves; a rank that cannot prove it holds that step
+        is replaced), else handed to their own node's keeper (tier "live")."""
+        if self.sourcing:  # the moments of the restore still being pulled come from the live tier
+            group.settle_restore()
+            self.sourcing = False
+        if group.in_place:  # even a group that failed before its restore: its processes still keep the step
+            got = group.retain(step, avoid)
+            self.received.add(got)
+            kept = [g for g in got if g is not None]
+            log.info("%d of %d workers keep their committed state (step %s) in their own processes", len(kept),
+                     len(got), sorted({g.step for g in kept}))
+            return
+        if not group.holds_state:
+            return  # a group that failed before its state was restored holds nothing worth keeping
+        ids = self.keepers.alive_nodes()
+        self.keepers.call_all("clear", Tier.LIVE)
+        ranks = layout.ranks(group.plan)
+        keep = [r.node in ids and r.node not in avoid for r in ranks]
+        alive = iter(self.keepers.on([r.node for r, k in zip(ranks, keep, strict=True) if k], ids))
+        got = group.hand_over([next(alive) if k else None for k in keep])
+        self.received.add(got)
+        kept = [g for g in got if g is not None]
+        log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
+                 len(ranks), sorted({g.step for g in kept}))
+
+    def _s3_holdings(self):
+        """The complete S3 steps' pieces as Holdings; optimizer steps by step."""
+        if self.s3 is None:
+            return [], {}
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:  # this run's good steps only: whole, every piece listed (another run's are never loaded)
+            manifests, refused = self.s3.usable(self.identity, limit=self.keep)
+        except (BotoCoreError, ClientError) as e:
+            log.warning("cannot list checkpoints in %s: %s; restoring without the S3 tier", self.s3.uri, e)
+            return [], {}
+        for st in refused:
+            if st.refusal is not Refusal.FOREIGN:
+                self._refused[st.step] = st.reason
+                if st.refusal.replaceable:
+                    self.uploader.bad_steps.add(st.step)  # its redo replaces it in S3
+        self.received.add(manifests)
+        return s3_holdings(manifests)
+
+    def restore(self, group, avoid: set[str] = frozenset()) -> RestoreReport | None:
+        """Restore the newest step every unit is available at, from the cheapest sources, none on the `avoid` nodes
+        (doomed by a notice: they may go during the restore); None: nothing held."""
+        t0 = time.perf_counter()
+        group.holds_state = False
+        self._refused: dict[int, str] = {}  # S3 steps this restore refused, and why
+        needs_by_rank = group.needs()
+        self.received.add(needs_by_rank)
+        ranks = layout.ranks(group.plan)
+        needs = [Need(i, ranks[i].node, n.unit, region(n.region), n.nbytes)
+                 for i, rank_needs in enumerate(needs_by_rank) for n in rank_needs]
+        kh, kopt, _ = self.keepers.holdings()
+        if group.in_place:  # what kept processes hold in their own memory: the cheapest source of all
+            ph, popt = process_holdings(group.held())
+            kh, kopt = ph + kh, popt | kopt
+        kh = [h for h in kh if h.node not in avoid]
+        # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
+        newest_upload = self.uploader.newest() if self.uploader is not None else -1
+        near = plan_restore(needs, kh) if self.restore_from != "s3" else None
+        skip_s3 = near is not None and near.step is not None and near.step >= newest_upload
+        sh, sopt = ([], {}) if skip_s3 else self._s3_holdings()
+        holdings, opt = kh + sh, sopt | kopt
+        only = {Tier.S3} if self.restore_from == "s3" else None
+        refused = self._refused
+        while True:  # each turn refuses one more S3 step: it ends after the steps that exist
+            usable = [h for h in holdings if not (h.tier == Tier.S3 and h.step in refused)]
+            rp = plan_restore(needs, usable, only)
+            if rp.step is None:
+                if holdings:
+                    log.warning("no step has every unit (missing at every step: %s); starting from step 0",
+                                ", ".join(rp.missing[:5]) or "some units")
+                group.holds_state = True  # its fresh initial state is the job's state now
+                self._went_to(-1)
+                return None
+            per_rank = self._fetches(rp, len(ranks))
+            t_load = time.perf_counter()
+            from_s3 = any(t.source.tier == Tier.S3 for t in rp.transfers)
+            with self.s3.lease(rp.step, LEASE_S) if from_s3 else _nothing():  # not pruned under it
+                results = group.load(per_rank, rp.step, opt[rp.step], self.s3 and self.s3.location, self.overlap)
+            self.received.add(results)
+            errors = [r.refused for r in results if r.refused is not None]
+            if not errors:
+                break
+            own = [r for r in errors if not r.refusal]
+            if own:  # a source that did not hold what it said (not S3's fault): the controller re-plans
+                raise WorkerFailure(f"restore of step {rp.step}", own[0].error, FailureKind.RESTORE_SOURCE)
+            why = Refusal(errors[0].refusal)
+            log.warning("refusing checkpoint step %d (%s): %s; trying the previous complete step", rp.step, why,
+                        errors[0].error)
+            refused[rp.step] = errors[0].error
+            if why.replaceable:
+                self.uploader.bad_steps.add(rp.step)  # its redo replaces it in S3 (a read denied or throttled: not)
+        by_tier = {t: sum(r.bytes.get(t, 0) for r in results) for t in TIERS}
+        in_place = sum(r.bytes.get(Tier.IN_PLACE, 0) for r in results)
+        self.last_restore = RestoreReport(  # times: planning (sources listed), the slowest rank's pull and load, in all
+            rp.step, next((str(t) for t in reversed(TIERS) if by_tier[t]), "in place" if in_place else "live"),
+            sum(by_tier.values()), {str(t): n for t, n in by_tier.items()}, in_place, sorted(refused),
+            {str(s): why for s, why in sorted(refused.items())},
+            sorted({t.need.unit for t in rp.transfers if t.source.tier == Tier.S3}),
+            round(t_load - t0, 3), round(time.perf_counter() - t0, 3), round(max(r.pull_s for r in results), 3),
+            round(max(r.import_s for r in results), 3), sum(r.deferred_bytes for r in results))
+        group.holds_state = self.sourcing = True  # the new workers hold it (the moments once the first step waited
+        # for them: `after_step` clears the live tier then); salvage refills it on a failure
+        self._went_to(rp.step)
+        log.info("restored step %d: bytes by tier %s in %.2f s", rp.step, by_tier, self.last_restore.restore_s)
+        return self.last_restore
+
+    def _fetches(self, rp, num_ranks: int) -> list[list[Fetch]]:
+        """Each rank's transfers of restore plan `rp`, as requests to their sources: a kept process's memory (read
+        in place when it is the rank's own), a shard a keeper holds, or an S3 piece that the keeper of the rank's
+        node reads (once per node)."""
+        per_rank: list[list[Fetch]] = [[] for _ in range(num_ranks)]
+        ids = self.keepers.alive_nodes() if any(t.source.tier == Tier.S3 for t in rp.transfers) else {}
+        for t in rp.transfers:
+            o, unit = t.source.origin, t.need.unit
+            if isinstance(o, ProcessSource):
+                fetch = Fetch(unit, t.region, None if o.rank == t.need.rank else o.handle, KeptRequest(unit, t.region))
+            elif isinstance(o, KeeperSource):
+                fetch = Fetch(unit, t.region, self.keepers.keepers[o.node], ShardRequest(o.tier, o.rank, unit, t.region))
+            elif isinstance(o, S3Source):
+                fetch = Fetch(unit, t.region, self.keepers.on([t.need.node], ids)[0], S3Request(o.piece, t.region))
+            else:
+                raise TypeError(f"no source of type {type(o).__name__}")
+            per_rank[t.need.rank].append(fetch)
+        return per_rank
