@@ -97,7 +97,7 @@ class LocalCalls:
     lost = (NodeGone,)
 
     def __init__(self, nodes: list[str]):
-        self.nodes, self.dead = list(nodes), set()
+        self.nodes, self.dead = list(nodes), set[str]()
         self.keepers: dict[str, Any] = {}  # node -> its KeeperStore, for tests to look into
 
     def start_keeper(self, node: str, node_id: str) -> LocalHandle:

@@ -12,6 +12,7 @@ brought back exactly the step it says, from whichever sources it chose, under an
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set
 
 import numpy as np
 
@@ -88,9 +89,11 @@ class LocalProcess:
         if self.retained is None or self.retained[0] != step:
             return [Refused(f"worker process {self.pid} keeps step {self.retained and self.retained[0]}, "
                             f"not step {step}")]
-        assert all(isinstance(r, KeptRequest) for r in requests), requests
-        return [answer(self.retained[1][r.unit], r.region, KEYS if keys is None else tuple(keys), tier)
-                for r in requests]
+        out: list[Piece | Refused] = []
+        for r in requests:
+            assert isinstance(r, KeptRequest), r
+            out.append(answer(self.retained[1][r.unit], r.region, KEYS if keys is None else tuple(keys), tier))
+        return out
 
     def held(self) -> list[HeldRow]:
         if self.retained is None:
@@ -198,7 +201,7 @@ class LocalGroup:
         return None
 
     # -- in place --
-    def retain(self, step: int | None, avoid: set[str] = frozenset()) -> list[KeptState | None]:
+    def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]:
         """Each rank alive and off `avoid` whose committed step is `step` (None: any) keeps it in its process."""
         out: list[KeptState | None] = []
         for i, p in enumerate(self.procs):
@@ -215,7 +218,8 @@ class LocalGroup:
 
     def held(self) -> list[ProcessHolding]:
         """The kept processes' state: this group's ranks that took one (their rank), then the pool's idle ones."""
-        procs = [(i, p) for i, p in enumerate(self.procs) if self.kept[i] and p.retained is not None]
+        procs: list[tuple[int | None, LocalProcess]] = [
+            (i, p) for i, p in enumerate(self.procs) if self.kept[i] and p.retained is not None]
         procs += [(None, p) for p in (self.pool.idle if self.pool else []) if p.retained is not None]
         return [ProcessHolding(i, p.node, self.calls.handle(p, p.node), tuple(p.held())) for i, p in procs]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import ray
 
@@ -56,7 +57,7 @@ class KeeperStore:
         self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
         self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
         self.s3_lock = threading.Lock()
-        self.s3_store: tuple[CheckpointLocation, object] | None = None  # the last S3 read's location and store
+        self.s3_store: tuple[CheckpointLocation, Any] | None = None  # the last S3 read's location and store
 
     def ping(self) -> str:
         return self.node
@@ -196,4 +197,4 @@ class KeeperStore:
         return out
 
 
-Keeper = ray.remote(num_cpus=0, max_concurrency=4)(KeeperStore)  # one per node, pinned there by tiers.py
+Keeper = ray.remote(num_cpus=0, max_concurrency=4)(KeeperStore)  # type: ignore[call-overload]  # one per node, pinned there by tiers.py

@@ -5,6 +5,7 @@ restore planner's holdings. Metadata only: what it takes in is counted (`Receive
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from orchestrator.state.restore_plan import TIERS, keeper_holdings
 from orchestrator.state.s3_store import S3Checkpoints
@@ -29,10 +30,10 @@ class KeeperSet:
     def __init__(self, calls, s3: S3Checkpoints | None, received: Received):
         self.calls = calls  # how keepers are reached: Ray, or in one process (calls.LocalCalls)
         self.s3, self.received = s3, received
-        self.keepers: dict[str, object] = {}  # node -> its keeper's handle
-        self.starting: dict[str, object] = {}  # keepers started and not yet seen running
+        self.keepers: dict[str, Any] = {}  # node -> its keeper's handle
+        self.starting: dict[str, Any] = {}  # keepers started and not yet seen running
         self.no_access: dict[str, str] = {}  # nodes whose keeper cannot write the bucket: what S3 answered
-        self.access: dict[str, object] = {}  # keepers' write checks not yet answered
+        self.access: dict[str, Any] = {}  # keepers' write checks not yet answered
 
     def alive_nodes(self) -> dict[str, str]:
         return self.calls.alive_nodes()
@@ -71,9 +72,10 @@ class KeeperSet:
             if err is not None:
                 self.no_access[node] = err
                 log.warning("the keeper on %s cannot write %s (%s): that node's uploads will fail; give the node "
-                            "credentials that may write the bucket (AWS: an instance profile)", node, self.s3.uri, err)
+                            "credentials that may write the bucket (AWS: an instance profile)", node,
+                            self.s3.uri if self.s3 else "the bucket", err)
 
-    def call_all(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, object]:
+    def call_all(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, Any]:
         """Call every keeper; those that do not answer (their node is gone) are forgotten."""
         refs = {node: getattr(k, method).remote(*args) for node, k in list(self.keepers.items())}
         ready, _ = self.calls.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)

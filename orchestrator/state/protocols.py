@@ -12,6 +12,7 @@ dicts or strings. The model is torchft's transport ABC with its in-process fakes
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any, Protocol
 
 from workers.transfer import (
@@ -48,7 +49,7 @@ class StateGroup(Protocol):
              overlap: bool = True) -> list[LoadReport]: ...
     def settle_restore(self, timeout_s: float = 60.0) -> None: ...  # an overlapped restore's moments are in
     # in place only:
-    def retain(self, step: int | None, avoid: set[str] = frozenset()) -> list[KeptState | None]: ...
+    def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]: ...
     def held(self) -> list[ProcessHolding]: ...
     def drop_retained(self) -> None: ...  # the kept copies are no longer needed
 

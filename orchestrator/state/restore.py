@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Set
 
 from orchestrator.errors import FailureKind, Refusal, WorkerFailure
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
@@ -54,7 +55,7 @@ class Restorer:
         if self.uploader is not None:
             self.uploader.went_to(step)
 
-    def salvage(self, group, avoid: set[str] = frozenset(), step: int | None = None) -> None:
+    def salvage(self, group, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
         """Survivors (off the `avoid` nodes) keep committed step `step` (None: the step each holds): in their own
         processes when the group recovers in place (nothing moves; a rank that cannot prove it holds that step
         is replaced), else handed to their own node's keeper (tier "live")."""
@@ -100,12 +101,12 @@ class Restorer:
         self.received.add(manifests)
         return s3_holdings(manifests)
 
-    def restore(self, group, avoid: set[str] = frozenset()) -> RestoreReport | None:
+    def restore(self, group, avoid: Set[str] = frozenset()) -> RestoreReport | None:
         """Restore the newest step every unit is available at, from the cheapest sources, none on the `avoid` nodes
         (doomed by a notice: they may go during the restore); None: nothing held."""
         t0 = time.perf_counter()
         group.holds_state = False
-        self._refused: dict[int, str] = {}  # S3 steps this restore refused, and why
+        self._refused = {}  # S3 steps this restore refused, and why
         needs_by_rank = group.needs()
         self.received.add(needs_by_rank)
         ranks = layout.ranks(group.plan)
@@ -137,7 +138,8 @@ class Restorer:
             per_rank = self._fetches(rp, len(ranks))
             t_load = time.perf_counter()
             from_s3 = any(t.source.tier == Tier.S3 for t in rp.transfers)
-            with self.s3.lease(rp.step, LEASE_S) if from_s3 else _nothing():  # not pruned under it
+            lease = self.s3.lease(rp.step, LEASE_S) if from_s3 and self.s3 is not None else _nothing()
+            with lease:  # an S3 step read from is not pruned under it
                 results = group.load(per_rank, rp.step, opt[rp.step], self.s3 and self.s3.location, self.overlap)
             self.received.add(results)
             errors = [r.refused for r in results if r.refused is not None]
@@ -150,7 +152,7 @@ class Restorer:
             log.warning("refusing checkpoint step %d (%s): %s; trying the previous complete step", rp.step, why,
                         errors[0].error)
             refused[rp.step] = errors[0].error
-            if why.replaceable:
+            if why.replaceable and self.uploader is not None:
                 self.uploader.bad_steps.add(rp.step)  # its redo replaces it in S3 (a read denied or throttled: not)
         by_tier = {t: sum(r.bytes.get(t, 0) for r in results) for t in TIERS}
         in_place = sum(r.bytes.get(Tier.IN_PLACE, 0) for r in results)

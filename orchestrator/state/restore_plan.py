@@ -23,6 +23,7 @@ inventories, kept processes' rows, S3 manifests) become Holdings here too (`keep
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from workers.transfer import (
@@ -120,7 +121,7 @@ def _cover(need: Need, pieces: list[Holding], d: int) -> list[tuple[Holding, tup
         return None
     usable = [p for p in pieces if _contains(p.region, need.region, skip=d)]
     at, stop = need.region[d]
-    out = []
+    out: list[tuple[Holding, tuple[int, int]]] = []
     while at < stop:
         here = [p for p in usable if p.region[d][0] <= at < p.region[d][1]]
         if not here:
@@ -162,7 +163,7 @@ def _plan_at(step: int, needs: list[Need], by_unit: dict[str, list[Holding]]) ->
     return out
 
 
-def plan_restore(needs: list[Need], holdings: list[Holding], only_tiers: set[str] | None = None) -> RestorePlan:
+def plan_restore(needs: list[Need], holdings: list[Holding], only_tiers: Set[str] | None = None) -> RestorePlan:
     """The newest step at which every need is available, and the cheapest transfers for it."""
     if only_tiers is not None:
         holdings = [h for h in holdings if h.tier in only_tiers]

@@ -460,7 +460,7 @@ class S3Checkpoints:
         for s in refused:
             log.log(logging.INFO if s.refusal is Refusal.FOREIGN else logging.WARNING,
                     "refusing checkpoint step %d in %s: %s", s.step, self.uri, s.reason)
-        return [s.manifest for s in statuses if s.ok], refused
+        return [s.manifest for s in statuses if s.ok and s.manifest is not None], refused
 
     def manifests(self, limit: int | None = None, identity: Identity | None = None) -> list[dict]:
         """The newest good steps' manifests, newest first; refused ones are logged."""

@@ -25,6 +25,7 @@ uploader (uploader.py) and the restore (restore.py) are its three composed parts
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 
 from orchestrator.control.drain import replicated_off
 from orchestrator.state.calls import RayCalls
@@ -128,7 +129,7 @@ class TieredState:
         self.restorer.overlap = v
 
     # -- snapshots ------------------------------------------------------------------------
-    def after_step(self, group, step: int, avoid: set[str] = frozenset()) -> bool:
+    def after_step(self, group, step: int, avoid: Set[str] = frozenset()) -> bool:
         if self.restorer.sourcing:  # a step is committed: every rank has its moments, the live copies can go
             self.restorer.sourcing = False
             self.keeper_set.call_all("clear", Tier.LIVE)
@@ -164,7 +165,7 @@ class TieredState:
         """Every keeper started for a drain runs (never blocks)."""
         return self.keeper_set.all_started()
 
-    def snapshot(self, group, step: int, avoid: set[str] = frozenset(), wait: bool = False) -> None:
+    def snapshot(self, group, step: int, avoid: Set[str] = frozenset(), wait: bool = False) -> None:
         try:
             keepers = self._targets(group, frozenset(avoid))
         except self.calls.lost as e:  # a keeper's node went while
@@ -183,7 +184,7 @@ class TieredState:
             self.received.add(receipts)
             if any(r is None for r in receipts):
                 log.warning("the drain snapshot of step %d is incomplete", step)
-        if upload:
+        if upload and self.uploader is not None:
             self.uploader.enqueue(step, refs)
 
     def _targets(self, group, avoid: frozenset) -> list | None:
@@ -235,8 +236,8 @@ class TieredState:
         if self.uploader is not None:
             self.uploader.flush(timeout_s)
 
-    def salvage(self, group, avoid: set[str] = frozenset(), step: int | None = None) -> None:
+    def salvage(self, group, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
         self.restorer.salvage(group, avoid, step)
 
-    def restore(self, group, avoid: set[str] = frozenset()) -> RestoreReport | None:
+    def restore(self, group, avoid: Set[str] = frozenset()) -> RestoreReport | None:
         return self.restorer.restore(group, avoid)

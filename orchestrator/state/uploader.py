@@ -62,7 +62,10 @@ class Uploader:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending is not None)
-                (step, refs, era), self._pending, self.inflight = self._pending, None, self._pending[0]
+                pending, self._pending = self._pending, None
+                assert pending is not None
+                step, refs, era = pending
+                self.inflight = step
             try:
                 self._upload(step, refs, era)
             finally:
@@ -134,7 +137,8 @@ class Uploader:
                                       "not written")
             by_node: dict[str, list[ShardRequest]] = {}
             for t in cover.transfers:
-                o: KeeperSource = t.source.origin
+                o = t.source.origin
+                assert isinstance(o, KeeperSource), o  # the cover is of peer copies: keepers' shards
                 by_node.setdefault(o.node, []).append(ShardRequest(o.tier, o.rank, t.need.unit, t.region))
             run_id = self.meta.get("run_id")
             futures = [self.keepers.keepers[n].upload.remote(step, pieces, c.location, run_id)
