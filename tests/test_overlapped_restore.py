@@ -1,5 +1,5 @@
 """An overlapped restore on one rank (gloo, world size 1, no Ray): the weights load before the first step,
-AdamW's moments on a thread beside it (workers/actor.py `load_state`), and the step waits for them before
+AdamW's moments on a thread beside it (workers/restore.py `Restore.load`), and the step waits for them before
 its update. The resumed run must be the uninterrupted one, step for step, in every optimizer placement."""
 
 import threading
@@ -100,3 +100,42 @@ def test_a_failed_moments_pull_fails_the_step_and_the_rank_exports_nothing():
             export_shards(e)
     finally:
         e.close()
+
+
+def test_the_worker_half_of_a_restore_pulls_from_a_keeper_and_its_own_memory_without_ray():
+    """workers/restore.py `Restore.load`, as a TrainWorker runs it, over a keeper reached in-process: half the units
+    come from a peer keeper's copy, half from what this process kept (in place, nothing moved); the weights load
+    now and the moments on the restore's thread; the resumed run is the uninterrupted one."""
+    from orchestrator.state.calls import LocalCalls
+    from workers.restore import Kept, Restore
+    from workers.state import to_numpy
+    from workers.transfer import Fetch, KeptRequest, ShardRequest, Tier
+
+    ref = engine("fp32", torch.float32, {})
+    try:
+        want = [ref.step(s).loss for s in range(2)]
+        shards = to_numpy(export_shards(ref))
+        want += [ref.step(s).loss for s in range(2, 4)]
+    finally:
+        ref.close()
+    calls = LocalCalls(["n"])
+    keeper = calls.start_keeper("n", "n")
+    names = sorted(shards)
+    peer = set(names[::2])
+    calls.get(keeper.put.remote(Tier.PEER, 1, 0, {n: shards[n] for n in peer}))
+    kept = Kept()
+    kept.state = (1, {n: shards[n] for n in names if n not in peer})
+    b = engine("fp32", torch.float32, {})
+    try:
+        fetches = [Fetch(n, local_region(b, n), keeper, ShardRequest(Tier.PEER, 0, n, local_region(b, n)))
+                   if n in peer else Fetch(n, local_region(b, n), None, KeptRequest(n, local_region(b, n)))
+                   for n in names]
+        report = Restore(kept, lambda answer, timeout=None: answer.result()).load(b, 1, 2.0, fetches, None)
+        assert report.refused is None and b.committed_step == 1
+        assert report.bytes[Tier.PEER] > 0 and report.bytes[Tier.IN_PLACE] > 0 and report.bytes[Tier.S3] == 0
+        assert report.deferred_bytes == 2 * sum(s["param"].nbytes for s in shards.values())  # the moments, after
+        assert sum(report.bytes.values()) == sum(n.nbytes for n in needs(b))
+        got = [b.step(s).loss for s in range(2, 4)]
+        assert got == want[2:]  # bit for bit
+    finally:
+        b.close()

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import ray
@@ -22,24 +20,18 @@ from workers.data import make_dataset
 from workers.engine import Engine, StepResult
 from workers.faults import FaultInjector
 from workers.logs import structured_logger
+from workers.restore import Kept, Restore
 from workers.s3_data import CacheConfig
 from workers.state import (
-    KEYS,
-    MOMENTS,
-    answer,
     export_shards,
     import_full,
-    import_moments,
-    import_pieces,
     needs,
-    shard_nbytes,
     to_numpy,
 )
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
     HeldRow,
-    KeptRequest,
     KeptState,
     LoadReport,
     NeedRow,
@@ -47,7 +39,6 @@ from workers.transfer import (
     PieceRequest,
     Receipt,
     Refused,
-    S3Request,
     Tier,
 )
 
@@ -84,7 +75,8 @@ class TrainWorker:
 
     In-place recovery (runtime.recovery: in-place) keeps the process across plans: `retain` keeps the
     committed state and lets go of the stage and its groups, `reconfigure` makes the process a rank of the
-    next plan, and `get_many` (on the "serve" thread) hands the kept state to ranks that need it."""
+    next plan, and `get_many` (on the "serve" thread) hands the kept state to ranks that need it. The restore's
+    own work (what is kept, the pull, the overlapped load) is workers/restore.py's; this is its Ray adapter."""
 
     def __init__(self, plan_json: str | None, rank: int, model_json: str, train_json: str, data: dict,
                  dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False,
@@ -102,8 +94,8 @@ class TrainWorker:
         self.puts: dict = {}  # step -> (host clone of the shards, pin) waiting to go to the keeper
         self.keeper = None
         self.puts_ready = threading.Condition()
-        self._restore_pool: ThreadPoolExecutor | None = None
-        self.retained: tuple[int, dict] | None = None  # (step, shards): committed state kept for the next plan
+        self.kept = Kept()  # committed state kept for the next plan (in place)
+        self.restores = Restore(self.kept, ray.get)  # the worker half of restores (workers/restore.py)
         self.engine: Engine | None = None
         self.rendezvous: TCPStore | None = None  # rank 0's: the group's rendezvous store, served here
         self.log = structured_logger("hetspot.worker", rank=rank)
@@ -131,7 +123,7 @@ class TrainWorker:
     def reconfigure(self, plan_json: str, rank: int, slowdown: float) -> int:
         """Become `rank` of another plan in this same process (in-place recovery): the process, its imports and
         its device context stay; the stage is built anew at `connect`, and the state it held before comes from
-        `retained` (0 bytes moved) through the restore like any other source. Returns the process id."""
+        `kept` (0 bytes moved) through the restore like any other source. Returns the process id."""
         if self.engine is not None:
             self._close_engine()
         self._configure(plan_json, rank, slowdown)
@@ -255,124 +247,37 @@ class TrainWorker:
                 with self.state_lock:
                     shards = to_numpy(export_shards(e)) if e.committed_step >= 0 else {}  # settles; may raise
                 kept = (e.committed_step, shards)
-            elif self.retained is not None and step in (None, self.retained[0]):
-                kept = self.retained
+            elif self.kept.state is not None and step in (None, self.kept.state[0]):
+                kept = self.kept.state
         except Exception as err:  # an overlapped update or restore failed: its state is no step's
             self.log.warning("not kept for the next plan: %s", err)
         if e is not None:
             self._close_engine()
-        self.retained = kept
-        if kept is None:
-            return None
-        return KeptState(kept[0], os.getpid(), sum(shard_nbytes(sh) for sh in kept[1].values()))
+        self.kept.state = kept
+        return self.kept.report()
 
     def held(self) -> list[HeldRow]:
         """What `retain` kept, as a keeper's inventory rows (a source for the restore planner)."""
-        if self.retained is None:
-            return []
-        step, shards = self.retained
-        return [HeldRow(unit, tuple(tuple(r) for r in sh["slice"]), step, tuple(sh["shape"]), sh["optimizer_steps"])
-                for unit, sh in shards.items()]
+        return self.kept.rows()
 
     @ray.method(concurrency_group="serve")
     def get_many(self, requests: list[PieceRequest], step: int, s3: CheckpointLocation | None = None,
                  keys: tuple[str, ...] | None = None) -> list[Piece | Refused]:
         """The kept state's regions, as a keeper answers them (tier live: another worker's memory); served on
         a thread of its own, so ranks restoring at once read each other's kept state."""
-        return self._serve(requests, step, keys, Tier.LIVE)
-
-    def _serve(self, requests: list[PieceRequest], step: int, keys: tuple[str, ...] | None,
-               tier: Tier) -> list[Piece | Refused]:
-        keys = KEYS if keys is None else tuple(keys)
-        held = self.retained
-        if held is None or held[0] != step:
-            # (an idle kept process has no stage, hence its process id)
-            return [Refused(f"worker process {os.getpid()} keeps step {held and held[0]}, not step {step}")]
-        bad = [type(r).__name__ for r in requests if not isinstance(r, KeptRequest)]
-        if bad:
-            raise TypeError(f"a kept process answers KeptRequest, not {bad[0]}")
-        return [answer(held[1][r.unit], r.region, keys, tier) for r in requests]
+        return self.kept.answer(requests, step, keys, Tier.LIVE)
 
     def drop_retained(self) -> None:
         """The state kept for a restore is no longer needed (every rank committed a step since)."""
-        self.retained = None
+        self.kept.state = None
 
     def needs(self) -> list[NeedRow]:
         return needs(self.engine)
 
     def load_state(self, step: int, optimizer_steps: float, transfers: list[Fetch], s3: CheckpointLocation | None,
                    overlap: bool = True) -> LoadReport:
-        """Pull this rank's state of `step` from keepers and load it (the restore planner's transfers).
-
-        `transfers`: each a `Fetch` whose request its source's `get_many` takes (a shard a keeper holds, an S3
-        piece it reads for this node, or a kept process's state). With `overlap`, keepers send the
-        master weights now and AdamW's moments (two thirds of the bytes) on a thread beside the first
-        step's forward and backward, which do not read them; the step waits for them before its
-        update (priority by when each tensor is needed, after AutoHete's scheduled offload). S3 pieces
-        come whole. Returns the bytes per tier, those still coming included (the thread checks them),
-        or what refused it (an S3 object that fails its checksum).
-        """
-        t0 = time.perf_counter()
-        self.engine.await_restore(raise_error=False)  # a half-done earlier restore is superseded by this one
-        self.engine.incomplete = None
-        split = overlap and optimizer_steps > 0  # no moments before the first update
-        got, nbytes, deferred = self._pull(transfers, step, s3, ("param",) if split else None)
-        if isinstance(got, Refused):  # with a refusal: S3 refused the piece (the step is refused, not this worker)
-            return LoadReport(nbytes, refused=got)
-        t1 = time.perf_counter()
-        import_pieces(self.engine, self._pieces(transfers, got), optimizer_steps)
-        self.engine.committed_step = step
-        rest = [t for t in transfers if not isinstance(t.request, S3Request)] if any(deferred.values()) else []
-        if rest:
-            self.engine.restoring = self._pool().submit(self._load_moments, step, optimizer_steps, rest, deferred)
-        return LoadReport({t: nbytes[t] + deferred[t] for t in nbytes}, t1 - t0, time.perf_counter() - t1,
-                          sum(deferred.values()))
-
-    def _pull(self, transfers: list[Fetch], step: int, s3: CheckpointLocation | None,
-              keys: tuple[str, ...] | None) -> tuple[dict[int, dict] | Refused, dict[Tier, int], dict[Tier, int]]:
-        """({transfer index: tensors} or what refused it, bytes read per tier, bytes of the other keys per tier)."""
-        by_source: dict = {}
-        for i, t in enumerate(transfers):
-            by_source.setdefault(t.source, []).append((i, t.request))
-        futures = [(reqs, k.get_many.remote([r for _, r in reqs], step, s3, keys)) for k, reqs in by_source.items()
-                   if k is not None]
-        if None in by_source:  # what this process kept itself: nothing moves (tier in place)
-            futures.append((by_source[None], self._serve([r for _, r in by_source[None]], step, keys, Tier.IN_PLACE)))
-        nbytes, deferred = dict.fromkeys(Tier, 0), dict.fromkeys(Tier, 0)
-        got: dict[int, dict] = {}
-        for reqs, fut in futures:
-            answers = fut if isinstance(fut, list) else ray.get(fut, timeout=300)
-            if answers and isinstance(answers[0], Refused):
-                return answers[0], nbytes, deferred
-            for (i, _), a in zip(reqs, answers, strict=True):
-                got[i] = a.tensors
-                nbytes[a.tier] += a.bytes
-                deferred[a.tier] += a.deferred
-        return got, nbytes, deferred
-
-    @staticmethod
-    def _pieces(transfers: list[Fetch], got: dict[int, dict]) -> dict[str, list]:
-        pieces: dict[str, list] = {}
-        for i, t in enumerate(transfers):
-            pieces.setdefault(t.unit, []).append((t.region, got[i]))
-        return pieces
-
-    def _load_moments(self, step: int, optimizer_steps: float, transfers: list[Fetch],
-                      expect: dict[Tier, int]) -> float:
-        """The overlapped half of `load_state` (on its thread): the moments, checked against what the keepers
-        said they would send."""
-        t0 = time.perf_counter()
-        got, nbytes, _ = self._pull(transfers, step, None, MOMENTS)
-        if nbytes != expect:
-            raise RuntimeError(f"{self.engine.where}: the moments of step {step} came as {nbytes} bytes by tier, "
-                               f"not the {expect} announced")
-        import_moments(self.engine, self._pieces(transfers, got), optimizer_steps)
-        return time.perf_counter() - t0
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._restore_pool is None:
-            self._restore_pool = ThreadPoolExecutor(1, thread_name_prefix="hetspot-restore")
-        return self._restore_pool
+        """Pull this rank's state of `step` from its sources and load it (workers/restore.py `Restore.load`)."""
+        return self.restores.load(self.engine, step, optimizer_steps, transfers, s3, overlap)
 
     @ray.method(concurrency_group="control")
     def settle_restore(self) -> bool:

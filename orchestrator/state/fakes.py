@@ -17,12 +17,12 @@ from collections.abc import Set
 import numpy as np
 
 from planner import layout
-from workers.state import KEYS, answer, shard_nbytes
+from workers.restore import Kept
+from workers.state import KEYS, shard_nbytes
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
     HeldRow,
-    KeptRequest,
     KeptState,
     LoadReport,
     NeedRow,
@@ -78,7 +78,15 @@ class LocalProcess:
     def __init__(self, node: str):
         self.node, self.pid = node, next(_pids)
         self.span: tuple[int, int] = (0, 0)  # the extended layers its last stage held
-        self.retained: tuple[int, dict] | None = None  # (step, shards) kept for the next plan
+        self.kept = Kept()  # what a kept TrainWorker keeps (workers/restore.py), served the same way
+
+    @property
+    def retained(self) -> tuple[int, dict] | None:  # (step, shards) kept for the next plan
+        return self.kept.state
+
+    @retained.setter
+    def retained(self, v: tuple[int, dict] | None) -> None:
+        self.kept.state = v
 
     def get_many(self, requests: list[PieceRequest], step: int, s3: CheckpointLocation | None = None,
                  keys: tuple[str, ...] | None = None) -> list[Piece | Refused]:
@@ -86,20 +94,10 @@ class LocalProcess:
 
     def serve(self, requests: list[PieceRequest], step: int, keys: tuple[str, ...] | None,
               tier: Tier) -> list[Piece | Refused]:
-        if self.retained is None or self.retained[0] != step:
-            return [Refused(f"worker process {self.pid} keeps step {self.retained and self.retained[0]}, "
-                            f"not step {step}")]
-        out: list[Piece | Refused] = []
-        for r in requests:
-            assert isinstance(r, KeptRequest), r
-            out.append(answer(self.retained[1][r.unit], r.region, KEYS if keys is None else tuple(keys), tier))
-        return out
+        return self.kept.answer(requests, step, keys, tier)
 
     def held(self) -> list[HeldRow]:
-        if self.retained is None:
-            return []
-        step, shards = self.retained
-        return [HeldRow(u, sh["slice"], step, SHAPE, sh["optimizer_steps"]) for u, sh in shards.items()]
+        return self.kept.rows()
 
 
 class LocalPool:

@@ -115,7 +115,8 @@ class KeeperStore:
         manifest's SHA256. A piece S3 refuses (missing, unreadable, corrupt) answers one `Refused` instead: the
         step is refused, not the worker.
         """
-        from workers.state import KEYS, MOMENTS, answer
+        from workers.restore import serve
+        from workers.state import KEYS, MOMENTS
 
         keys = KEYS if keys is None else tuple(keys)
         if keys == MOMENTS and not self.moments_go.wait(timeout=120):
@@ -130,10 +131,12 @@ class KeeperStore:
                 continue
             if not isinstance(req, ShardRequest):
                 raise TypeError(f"a keeper answers ShardRequest and S3Request, not {type(req).__name__}")
-            with self.lock:
-                shard = self.held[(req.tier, step, req.rank)][0][req.unit]
-            out.append(answer(shard, req.region, keys, req.tier))
+            out += serve([req], keys, lambda r: self._shard(r, step), lambda r: r.tier)
         return out
+
+    def _shard(self, req: ShardRequest, step: int) -> dict:
+        with self.lock:
+            return self.held[(req.tier, step, req.rank)][0][req.unit]
 
     def _s3_piece(self, req: S3Request, step: int, s3: CheckpointLocation | None) -> Piece | Refused:
         from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
