@@ -24,6 +24,7 @@ from orchestrator.control.controller import Controller, State
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.ray_notices import RayNotices
 from orchestrator.runtime.worker_group import RayWorkerGroup, WorkerPool
+from orchestrator.state.recovery import recovery
 from planner import Plan
 
 
@@ -38,9 +39,9 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
     """
     from orchestrator.cluster.node_sources import DeclaredNodes
 
-    pool = WorkerPool() if job.runtime.recovery == "in-place" else None  # processes kept across plans
+    mode = recovery(job.runtime.recovery, WorkerPool())  # in place: the processes kept across plans (restart: none)
     return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
-                      lambda p: RayWorkerGroup(job, p, on_step, pool), store=make_store(job, run_id=checkpoint_run),
+                      lambda p: RayWorkerGroup(job, p, on_step, mode), store=make_store(job, run_id=checkpoint_run),
                       first_plan=first_plan,
                       interruptions=RayNotices(None if job.runtime.notices == "none" else job.runtime.notices,
                                                job.runtime.notice_poll_s, grace_s=job.runtime.notice_grace_s),

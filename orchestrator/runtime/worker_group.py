@@ -27,6 +27,7 @@ from orchestrator.control.failure import FailureKind
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
 from orchestrator.runtime.detect import gather
+from orchestrator.state.recovery import InPlace, Recovery, Restart
 from planner import layout
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
@@ -337,10 +338,11 @@ class RayWorkerGroup:
     With a `pool` (runtime.recovery: in-place) the group's processes outlive it: `retain` has each survivor keep
     its committed state, `release` hands the survivors to the pool, and the next group's ranks take them."""
 
-    def __init__(self, job: JobSpec, plan: Plan, on_step=None, pool: WorkerPool | None = None):
+    def __init__(self, job: JobSpec, plan: Plan, on_step=None, recovery: Recovery | None = None):
         self.run = PlanRun(job, plan)
-        self.plan, self.pool = plan, pool
-        self.in_place = pool is not None
+        self.recovery: Recovery = recovery or Restart()  # state/recovery.py: InPlace carries the WorkerPool
+        self.plan, self.pool = plan, self.recovery.pool
+        self.in_place = isinstance(self.recovery, InPlace)
         self.on_step = on_step
         self.last_peak_mem = 0
         self.last_stages: list[dict] = []  # per stage of the last step: its compute time and memory

@@ -8,6 +8,7 @@
   calls is one typed record per message (workers/transfer.py).
 - `keeper.KeeperStore` (`keeper.Keeper` as a Ray actor): one node's host memory for shards, its S3
   uploader, and where bytes move from a keeper to a worker (`get_many`).
+- `recovery`: `runtime.recovery` as a strategy the worker groups carry (`InPlace`, `Restart`).
 - `restore_plan`: the pure restore planner (and peer placement), and keepers' inventories, kept processes'
   rows and S3 manifests as its holdings, each with its typed source.
 - `s3_store.S3Checkpoints`: the S3 format (safetensors per unit slice, manifest last).

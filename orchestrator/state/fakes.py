@@ -16,6 +16,7 @@ from collections.abc import Set
 
 import numpy as np
 
+from orchestrator.state.recovery import InPlace, Recovery, Restart
 from planner import layout
 from workers.restore import Kept
 from workers.state import KEYS, shard_nbytes
@@ -124,6 +125,7 @@ class LocalGroup:
 
     def __init__(self, plan, calls, pool: LocalPool | None = None):
         self.plan, self.calls, self.pool = plan, calls, pool
+        self.recovery: Recovery = InPlace(pool) if pool is not None else Restart()
         self.ranks = layout.ranks(plan)
         spans = layout.rank_spans(plan)
         self.units = [[unit_name(x) for x in range(a, b)] for _, a, b in spans]
@@ -139,7 +141,7 @@ class LocalGroup:
         self.step: int | None = None
         self.shards: list[dict] = [{} for _ in self.ranks]
         self.holds_state = False
-        self.in_place = pool is not None
+        self.in_place = isinstance(self.recovery, InPlace)
         self.retained: list[KeptState | None] | None = None
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Set
 from typing import Any, Protocol
 
+from orchestrator.state.recovery import Recovery
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
@@ -40,7 +41,8 @@ class StateGroup(Protocol):
 
     plan: Any  # the Plan the workers run
     holds_state: bool  # the workers hold the committed state (set by the state plane around restores)
-    in_place: bool  # survivors keep their processes and state across plans (runtime.recovery: in-place)
+    recovery: Recovery  # runtime.recovery as a strategy: InPlace (survivors keep processes and state) or Restart
+    in_place: bool  # the recovery is InPlace (what the controller reads)
 
     def snapshot(self, step: int, keepers: list, pin: bool = False) -> list: ...  # per rank: its copy's Receipt
     def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[Receipt | None]: ...

@@ -15,7 +15,7 @@ from collections.abc import Set
 
 from orchestrator.errors import FailureKind, Refusal, WorkerFailure
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
-from orchestrator.state.restore_plan import TIERS, Need, plan_restore, process_holdings, s3_holdings
+from orchestrator.state.restore_plan import TIERS, Need, plan_restore, s3_holdings
 from orchestrator.state.s3_store import Identity, S3Checkpoints
 from orchestrator.state.uploader import Uploader
 from planner import layout
@@ -62,25 +62,7 @@ class Restorer:
         if self.sourcing:  # the moments of the restore still being pulled come from the live tier
             group.settle_restore()
             self.sourcing = False
-        if group.in_place:  # even a group that failed before its restore: its processes still keep the step
-            got = group.retain(step, avoid)
-            self.received.add(got)
-            kept = [g for g in got if g is not None]
-            log.info("%d of %d workers keep their committed state (step %s) in their own processes", len(kept),
-                     len(got), sorted({g.step for g in kept}))
-            return
-        if not group.holds_state:
-            return  # a group that failed before its state was restored holds nothing worth keeping
-        ids = self.keepers.alive_nodes()
-        self.keepers.call_all("clear", Tier.LIVE)
-        ranks = layout.ranks(group.plan)
-        keep = [r.node in ids and r.node not in avoid for r in ranks]
-        alive = iter(self.keepers.on([r.node for r, k in zip(ranks, keep, strict=True) if k], ids))
-        got = group.hand_over([next(alive) if k else None for k in keep])
-        self.received.add(got)
-        kept = [g for g in got if g is not None]
-        log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
-                 len(ranks), sorted({g.step for g in kept}))
+        group.recovery.keep(group, self.keepers, self.received, avoid, step)  # state/recovery.py
 
     def _s3_holdings(self):
         """The complete S3 steps' pieces as Holdings; optimizer steps by step."""
@@ -113,9 +95,8 @@ class Restorer:
         needs = [Need(i, ranks[i].node, n.unit, region(n.region), n.nbytes)
                  for i, rank_needs in enumerate(needs_by_rank) for n in rank_needs]
         kh, kopt, _ = self.keepers.holdings()
-        if group.in_place:  # what kept processes hold in their own memory: the cheapest source of all
-            ph, popt = process_holdings(group.held())
-            kh, kopt = ph + kh, popt | kopt
+        ph, popt = group.recovery.holdings(group)  # in place: kept processes' memory, the cheapest source of all
+        kh, kopt = ph + kh, popt | kopt
         kh = [h for h in kh if h.node not in avoid]
         # S3 is listed only when it may offer more: the keepers miss a unit, or this job uploaded a newer step.
         newest_upload = self.uploader.newest() if self.uploader is not None else -1

@@ -133,8 +133,7 @@ class TieredState:
         if self.restorer.sourcing:  # a step is committed: every rank has its moments, the live copies can go
             self.restorer.sourcing = False
             self.keeper_set.call_all("clear", Tier.LIVE)
-            if group.in_place:
-                group.drop_retained()
+            group.recovery.committed(group)
         if (step + 1) % self.peer_every:
             return False
         self.snapshot(group, step, avoid)

@@ -1,0 +1,83 @@
+"""The recovery mode (`runtime.recovery`) as a strategy that the worker groups carry and the state plane calls:
+the three things that differ between keeping survivors' processes and starting every process anew.
+
+- `keep`: after a failure, a drain or a move, survivors off the `avoid` nodes keep the committed step: `InPlace`
+  in their own processes (nothing moves; a rank that cannot prove it holds that step is replaced), `Restart` in
+  their own node's keeper (tier live), handed over before their processes end.
+- `holdings`: what a restore may read besides keepers and S3: the kept processes' memory (`InPlace`; the cheapest
+  source of all), or nothing.
+- `committed`: once every rank has committed a step after a restore, the copies kept for it go.
+
+`InPlace.pool` holds the processes kept between groups (runtime/worker_group.WorkerPool on Ray,
+state/fakes.LocalPool in one process). After nvidia-resiliency-ext's in-process restart, whose restart behaviour
+is an injected strategy rather than flags through the call sites.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Set
+from typing import Any
+
+from orchestrator.state.keepers import KeeperSet, Received
+from orchestrator.state.restore_plan import Holding, process_holdings
+from planner import layout
+from workers.transfer import Tier
+
+log = logging.getLogger("hetspot.checkpoints")
+
+
+class InPlace:
+    name = "in-place"
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+
+    def keep(self, group, keepers: KeeperSet, received: Received, avoid: Set[str], step: int | None) -> None:
+        # even a group that failed before its restore: its processes still keep the step
+        got = received.add(group.retain(step, avoid))
+        kept = [g for g in got if g is not None]
+        log.info("%d of %d workers keep their committed state (step %s) in their own processes", len(kept),
+                 len(got), sorted({g.step for g in kept}))
+
+    def holdings(self, group) -> tuple[list[Holding], dict[int, float]]:
+        return process_holdings(group.held())
+
+    def committed(self, group) -> None:
+        group.drop_retained()
+
+
+class Restart:
+    name = "restart"
+    pool = None
+
+    def keep(self, group, keepers: KeeperSet, received: Received, avoid: Set[str], step: int | None) -> None:
+        if not group.holds_state:
+            return  # a group that failed before its state was restored holds nothing worth keeping
+        ids = keepers.alive_nodes()
+        keepers.call_all("clear", Tier.LIVE)
+        ranks = layout.ranks(group.plan)
+        keep = [r.node in ids and r.node not in avoid for r in ranks]
+        alive = iter(keepers.on([r.node for r, k in zip(ranks, keep, strict=True) if k], ids))
+        got = received.add(group.hand_over([next(alive) if k else None for k in keep]))
+        kept = [g for g in got if g is not None]
+        log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
+                 len(ranks), sorted({g.step for g in kept}))
+
+    def holdings(self, group) -> tuple[list[Holding], dict[int, float]]:
+        return [], {}
+
+    def committed(self, group) -> None:
+        return None
+
+
+Recovery = InPlace | Restart
+
+
+def recovery(mode: str, pool: Any = None) -> Recovery:
+    """The strategy for `runtime.recovery` ("in-place" keeps processes in `pool`; "restart")."""
+    if mode == "in-place":
+        return InPlace(pool)
+    if mode == "restart":
+        return Restart()
+    raise ValueError(f"runtime.recovery {mode!r}: use in-place or restart")
