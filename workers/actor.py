@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import ray
@@ -65,6 +66,21 @@ def _warm_up(device: str) -> None:
     opt.step()
 
 
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker of a job is built with, passed whole (runtime/worker_group.py makes it from the job
+    file: its model, train and data sections and the runtime settings a worker reads)."""
+
+    model_json: str
+    train_json: str
+    data: dict = field(default_factory=dict)  # the job's data section (kind, path, dtype, cache, ...)
+    dtype: str = "auto"  # runtime.dtype
+    log_every: int = 10  # runtime.log_every
+    meter_memory: bool = False  # runtime.meter_memory
+    overlap_sync: bool = True  # runtime.overlap_grad_sync
+    threads: int = 1  # runtime.torch_threads, resolved for the node
+
+
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1, "serve": 1})
 class TrainWorker:
     """One rank. `step` and `commit` run in order on the default thread; `hand_over` runs on a
@@ -78,17 +94,18 @@ class TrainWorker:
     next plan, and `get_many` (on the "serve" thread) hands the kept state to ranks that need it. The restore's
     own work (what is kept, the pull, the overlapped load) is workers/restore.py's; this is its Ray adapter."""
 
-    def __init__(self, plan_json: str | None, rank: int, model_json: str, train_json: str, data: dict,
-                 dtype: str = "float32", slowdown: float = 1.0, log_every: int = 10, meter_memory: bool = False,
-                 overlap_sync: bool = True, threads: int = 1):
-        torch.set_num_threads(threads)  # the node's CPUs per GPU (runtime.torch_threads; 1 on shared test nodes)
-        self.model, self.train = ModelSpec.model_validate_json(model_json), TrainSpec.model_validate_json(train_json)
+    def __init__(self, plan_json: str | None, rank: int, config: WorkerConfig, slowdown: float = 1.0):
+        torch.set_num_threads(config.threads)  # the node's CPUs per GPU (runtime.torch_threads; 1 on test nodes)
+        self.model = ModelSpec.model_validate_json(config.model_json)
+        self.train = TrainSpec.model_validate_json(config.train_json)
+        data = config.data
         self.dataset = make_dataset(data.get("kind", "synthetic"), self.model.seq_len, self.model.vocab_size,
                                     self.train.seed, data.get("path"), data.get("dtype", "uint16"),
                                     data.get("endpoint_url"), CacheConfig.from_data(data))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.options = {"dtype": dtype, "meter_memory": meter_memory, "overlap_sync": overlap_sync}
-        self.log_every = log_every
+        self.options = {"dtype": config.dtype, "meter_memory": config.meter_memory,
+                        "overlap_sync": config.overlap_sync}
+        self.log_every = config.log_every
         self.faults = FaultInjector()
         self.state_lock = threading.Lock()
         self.puts: dict = {}  # step -> (host clone of the shards, pin) waiting to go to the keeper

@@ -173,13 +173,14 @@ def torch_threads(job: JobSpec, node) -> int:
 
 def _new_worker(job: JobSpec, pg, plan_json: str | None, rank: int, slowdown: float, threads: int = 1):
     """A TrainWorker process in placement group `pg`: rank `rank` of `plan_json`, or warm (no plan) with None."""
-    from workers.actor import TrainWorker
+    from workers.actor import TrainWorker, WorkerConfig
 
+    config = WorkerConfig(job.model_spec.model_dump_json(), job.train.model_dump_json(), job.data.model_dump(),
+                          job.runtime.dtype, job.runtime.log_every, job.runtime.meter_memory,
+                          job.runtime.overlap_grad_sync, threads)
     return TrainWorker.options(
         num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    ).remote(plan_json, rank, job.model_spec.model_dump_json(), job.train.model_dump_json(), job.data.model_dump(),
-             job.runtime.dtype, slowdown, job.runtime.log_every, job.runtime.meter_memory,
-             job.runtime.overlap_grad_sync, threads)
+    ).remote(plan_json, rank, config, slowdown)
 
 
 def _end(actor, pg) -> None:
