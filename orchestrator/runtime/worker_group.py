@@ -27,7 +27,7 @@ from orchestrator.control.failure import FailureKind
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
 from orchestrator.runtime.detect import gather
-from orchestrator.state.recovery import InPlace, Recovery, Restart
+from orchestrator.state.recovery import InPlace, Recovery, Restart, take_kept
 from planner import layout
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
@@ -117,15 +117,13 @@ class WorkerPool:
 
     def take(self, node: str, span: tuple[int, int]) -> Kept | None:
         """The kept process on `node` that held the most of `span`, else a warm worker there, else None."""
-        here = [k for k in self.idle if k.node == node]
-        if not here:
-            warm = [k for k in self.warm if k.node == node]
-            if warm:
-                self.warm.remove(warm[0])
-            return warm[0] if warm else None
-        best = max(here, key=lambda k: (min(k.span[1], span[1]) - max(k.span[0], span[0]), -k.pid))
-        self.idle.remove(best)
-        return best
+        kept = take_kept(self.idle, node, span)
+        if kept is not None:
+            return kept
+        warm = [k for k in self.warm if k.node == node]
+        if warm:
+            self.warm.remove(warm[0])
+        return warm[0] if warm else None
 
     def start_warm(self, job: JobSpec, node: str, node_id: str, threads: int = 1) -> None:
         """Start a worker on one GPU of `node` that joins no group yet (TrainWorker with no plan): its process,

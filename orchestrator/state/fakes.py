@@ -16,7 +16,7 @@ from collections.abc import Set
 
 import numpy as np
 
-from orchestrator.state.recovery import InPlace, Recovery, Restart
+from orchestrator.state.recovery import InPlace, Recovery, Restart, take_kept
 from planner import layout
 from workers.restore import Kept
 from workers.state import KEYS, shard_nbytes
@@ -109,12 +109,7 @@ class LocalPool:
         self.idle: list[LocalProcess] = []
 
     def take(self, node: str, span: tuple[int, int]) -> LocalProcess | None:
-        here = [p for p in self.idle if p.node == node]
-        if not here:
-            return None
-        best = max(here, key=lambda p: (min(p.span[1], span[1]) - max(p.span[0], span[0]), -p.pid))
-        self.idle.remove(best)
-        return best
+        return take_kept(self.idle, node, span)
 
 
 class LocalGroup:

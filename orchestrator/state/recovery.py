@@ -74,6 +74,18 @@ class Restart:
 Recovery = InPlace | Restart
 
 
+def take_kept(idle: list, node: str, span: tuple[int, int]):
+    """The kept process in `idle` on `node` that held the most of the extended layers `span` (ties: the lowest
+    process id), removed from `idle`; None when none is on `node`. One rule for every pool (runtime's WorkerPool,
+    the fake's LocalPool): a rank reads in place as much of its new stage as it can."""
+    here = [k for k in idle if k.node == node]
+    if not here:
+        return None
+    best = max(here, key=lambda k: (min(k.span[1], span[1]) - max(k.span[0], span[0]), -k.pid))
+    idle.remove(best)
+    return best
+
+
 def recovery(mode: str, pool: Any = None) -> Recovery:
     """The strategy for `runtime.recovery` ("in-place" keeps processes in `pool`; "restart")."""
     if mode == "in-place":
