@@ -95,7 +95,8 @@ def predict(row: Row) -> tuple[float, str]:
 
 
 def main() -> None:
-    print("| setup | published | hetspot predicts | ratio | within 15% | hetspot's plan | if not, the term the model lacks |")
+    print("| setup | published | hetspot predicts | ratio | within 15% | hetspot's plan "
+          "| if not, the term the model lacks |")
     print("|---|---|---|---|---|---|---|")
     for row in ROWS:
         got, shape = predict(row)

@@ -57,7 +57,8 @@ def main() -> None:
     s3 = S3Server()
     refs: dict = {}
     gaps: dict = {}
-    print("| scenario | recovery | oracle | max rel. diff | samples once | recovery: detect / re-plan / restored / first "
+    print("| scenario | recovery | oracle | max rel. diff | samples once "
+          "| recovery: detect / re-plan / restored / first "
           "step (s after the fault) | restored in place / live / peer / S3 (MiB) | lost steps | failed uploads "
           "| goodput | drill s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -87,10 +88,12 @@ def main() -> None:
                 if r.error:
                     print(f"{sc.name} ({recovery}): {r.error}", flush=True)
                 b = out["bytes_by_tier"]
-                print(f"| {sc.name} | {recovery} | {'holds' if r.oracle_holds else 'FAILS: ' + '; '.join(r.expect_failures)}"
+                oracle = "holds" if r.oracle_holds else "FAILS: " + "; ".join(r.expect_failures)
+                print(f"| {sc.name} | {recovery} | {oracle}"
                       f" | {r.max_rel_diff:.1e} | {r.samples['exactly_once']} | {times} | "
-                      f"{_mib(b['in_place'])} / {_mib(b['live'])} / {_mib(b['peer'])} / {_mib(b['s3'])} | {r.lost_steps} "
-                      f"| {out['failed_uploads']} | {r.goodput * 100:.0f}% | {time.perf_counter() - t0:.0f} |", flush=True)
+                      f"{_mib(b['in_place'])} / {_mib(b['live'])} / {_mib(b['peer'])} / {_mib(b['s3'])} "
+                      f"| {r.lost_steps} | {out['failed_uploads']} | {r.goodput * 100:.0f}% "
+                      f"| {time.perf_counter() - t0:.0f} |", flush=True)
     finally:
         s3.stop()
         ec.shutdown()

@@ -106,7 +106,8 @@ def main() -> None:
     got = measure(r["gpu"])
     info = gpu_info(r["gpu"])
     print("\n| GPU | bf16 matmul TFLOPS (measured / catalog) | H2D GB/s | D2H GB/s |\n|---|---|---|---|")
-    print(f"| {r['gpu']} | {got.matmul_tflops:.0f} / {info.peak_tflops:.0f} | {got.h2d_gb_s:.1f} | {got.d2h_gb_s:.1f} |")
+    print(f"| {r['gpu']} | {got.matmul_tflops:.0f} / {info.peak_tflops:.0f} | {got.h2d_gb_s:.1f} "
+          f"| {got.d2h_gb_s:.1f} |")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def memory(steps: int) -> None:
     for name, off in (("none", {}), ("recompute 3 of 6", {"recompute_layers": L[:3]}),
                       ("optimizer offload", {"offload_optimizer": True}),
                       ("params + optimizer", {"offload_optimizer": True, "offload_params": True}),
-                      ("all (recompute 6)", {"offload_optimizer": True, "offload_params": True, "recompute_layers": L})):
+                      ("all (recompute 6)",
+                       {"offload_optimizer": True, "offload_params": True, "recompute_layers": L})):
         e = _engine(model, off, meter=True)
         try:
             peak = [e.step(s).extra["device_peak_bytes"] for s in range(steps)][-1]
@@ -141,7 +142,8 @@ def _step_times(e: Engine, n: int) -> list[float]:
 
 def host_update_overlap(steps: int, repeats: int) -> None:
     model = ModelSpec(name="wide", num_layers=8, hidden_size=512, num_heads=8, vocab_size=256, seq_len=64)
-    print(f"\n## Host AdamW: layer-wise with cross-iteration overlap vs serial ({model.num_params / 1e6:.1f} M params)\n")
+    print(f"\n## Host AdamW: layer-wise with cross-iteration overlap vs serial "
+          f"({model.num_params / 1e6:.1f} M params)\n")
     print("| policy | serial step s | overlapped step s | speed-up |")
     print("|---|---|---|---|")
     for name, off in (("optimizer offload", {"offload_optimizer": True}),

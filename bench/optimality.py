@@ -80,7 +80,8 @@ def main() -> None:
     ratios = [r for r, *_ in rows]
     times = sorted(t for _, t, *_ in rows)
     print(f"clusters: {len(rows)}; at least 0.99 of the optimum: {sum(r >= 0.99 for r in ratios)}; "
-          f"worst {min(ratios):.4f}; plans mixing TP degrees {mixed}; median plan {statistics.median(times):.2f} s, slowest {times[-1]:.2f} s")
+          f"worst {min(ratios):.4f}; plans mixing TP degrees {mixed}; median plan {statistics.median(times):.2f} s, "
+          f"slowest {times[-1]:.2f} s")
     for ratio, t, i, _ in sorted(rows, key=lambda r: r[0])[:3]:
         print(f"  lowest ratios: cluster {i}: {ratio:.4f} (plan {t:.2f} s)")
     slow = sorted(rows, key=lambda r: -r[1])[:args.cli]

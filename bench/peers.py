@@ -306,7 +306,8 @@ class TorchftGroup:
                           state_dict=lambda: {"model": module.state_dict(), "optim": inner.state_dict()},
                           replica_id=f"peers_{group}", timeout=timedelta(seconds=30), rank=0, world_size=1,
                           store_addr="127.0.0.1", store_port=store.port,
-                          checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")))
+                          checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10),
+                                                           device=torch.device("cpu")))
         self.cfg, self.group, self.groups, self.read, self.manager = cfg, group, groups, read, manager
         self.store = store  # the replica group's TCPStore: the quorum's groups meet in it while it lives
         self.module, self.spec = module, spec

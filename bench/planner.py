@@ -99,7 +99,8 @@ def scale(title: str, cluster: ClusterSpec, preset: str, batch: int, lost: set[s
     print(f"| plan {cluster.num_gpus:,} GPUs | {statistics.median(first):.2f} | {repeats} | "
           f"{len(p.pipelines)} pipelines, {p.estimate.tokens_per_s:,.0f} tok/s |")
     print(f"| re-plan after losing {len(lost)} nodes ({cluster.num_gpus - survivors.num_gpus} GPUs) | "
-          f"{statistics.median(again):.2f} | {repeats} | {len(p2.pipelines)} pipelines, {p2.estimate.tokens_per_s:,.0f} tok/s |")
+          f"{statistics.median(again):.2f} | {repeats} | {len(p2.pipelines)} pipelines, "
+          f"{p2.estimate.tokens_per_s:,.0f} tok/s |")
     flops = {n.name: n.num_gpus * peak_flops(n.gpu_type) * cluster.efficiency(n.gpu_type) for n in cluster.nodes}
     f_gpu = 1 - survivors.num_gpus / cluster.num_gpus
     f_flops = 1 - sum(flops[n.name] for n in survivors.nodes) / sum(flops.values())
@@ -144,7 +145,8 @@ def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
         fresh = Planner(model, train).plan(survivors)
         dropped = search.kept_pipelines(p1, survivors, model, train)
         before = p1.estimate.tokens_per_s
-        drop = f"{dropped.estimate.tokens_per_s:,.0f} ({dropped.estimate.tokens_per_s / before:.1%})" if dropped else "-"
+        drop = (f"{dropped.estimate.tokens_per_s:,.0f} ({dropped.estimate.tokens_per_s / before:.1%})"
+                if dropped else "-")
         print(f"| {gpus:,} | {len({cluster.node(n).gpu_type for n in lost})} of {len(types)} | "
               f"{statistics.median(first):.2f} | {statistics.median(warm):.2f} | {repeats} | {before:,.0f} | "
               f"{p2.estimate.tokens_per_s:,.0f} ({p2.estimate.tokens_per_s / before:.1%}) | "

@@ -147,7 +147,8 @@ def tier_restore(ec: EmbeddedCluster, endpoint: str, hidden: int | None, repeats
     doomed = NodeSpec(name=f"h100-tiers-{hidden}", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
     ec.nodes[doomed.name] = ec.add(doomed)
     model = {"preset": "small"} if hidden is None else {
-        "name": f"bench-{hidden}", "num_layers": 6, "hidden_size": hidden, "num_heads": 8, "vocab_size": 256, "seq_len": 64}
+        "name": f"bench-{hidden}", "num_layers": 6, "hidden_size": hidden, "num_heads": 8, "vocab_size": 256,
+        "seq_len": 64}
     j = parse_job(job(doomed, recovery="restart").model_dump() | {"model": model, "checkpoint": {  # new processes
         "uri": f"s3://bench/tiers-{hidden}", "endpoint_url": endpoint, "s3_every": 1}})
     c = make_controller(j, steps=100)
@@ -232,7 +233,8 @@ def print_trials(title: str, trials: list[dict]) -> None:
         got = [t for t in trials if t["recovery"] == path]
         print(f"median, {path}: " + ", ".join(f"{k} {statistics.median(t[k] for t in got):.2f}"
                                              for k in ("detect_s", "plan_s", "restored_s", "first_step_s")))
-    med = {p: statistics.median(t["first_step_s"] for t in trials if t["recovery"] == p) for p in ("in-place", "restart")}
+    med = {p: statistics.median(t["first_step_s"] for t in trials if t["recovery"] == p)
+           for p in ("in-place", "restart")}
     print(f"kill -> first new step: in place {med['in-place']:.2f} s, restart {med['restart']:.2f} s "
           f"({med['restart'] / med['in-place']:.1f}x)")
 
@@ -241,7 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--reshard-trials", type=int, default=3, help="layout-change kill trials per recovery path")
-    ap.add_argument("--big-hidden", type=int, default=384, help="hidden size of the larger model of the tier comparison")
+    ap.add_argument("--big-hidden", type=int, default=384,
+                    help="hidden size of the larger model of the tier comparison")
     ap.add_argument("--only-tiers", action="store_true", help="only the tier comparison (no kill, scale-up or notice)")
     ap.add_argument("-v", action="store_true", help="show moto's request log, Ray's echo of the injected failures "
                     "and hetspot's recovery warnings")
@@ -255,7 +258,8 @@ def main() -> None:
     endpoint = f"http://{host}:{port}"
     import os
 
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
     boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
     ec = EmbeddedCluster(ClusterSpec(nodes=[STAY]), object_store_mb=1024)  # room for the larger model's copies
     ec.connect()

@@ -32,7 +32,8 @@ MODELS = ["7b", "70b"]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--traces", default=str(ROOT / "examples" / "traces"), help="a folder of spot traces (the shipped ones)")
+    ap.add_argument("--traces", default=str(ROOT / "examples" / "traces"),
+                    help="a folder of spot traces (the shipped ones)")
     ap.add_argument("--quick", action="store_true", help="the 320-GPU fleet and the 7B model only")
     ap.add_argument("--sensitivity", action="store_true", help="the recovery sensitivity table instead")
     args = ap.parse_args()
@@ -80,7 +81,8 @@ def sensitivity(traces: list[Path], fleet_name: str = "a100-l4-t4-320", model: s
                 row = []
                 for st, d in cols:
                     a = Assumptions(recovery=way, startup_s=st, detect_s=d, notice_s=notice)
-                    s = FleetSim(tr, fleet, ModelSpec.preset(model), TrainSpec(global_batch=1024), a).run()["strategies"]
+                    sim = FleetSim(tr, fleet, ModelSpec.preset(model), TrainSpec(global_batch=1024), a)
+                    s = sim.run()["strategies"]
                     row.append(f"{s['hetspot']['tokens'] / s['oracle']['tokens']:.3f}")
                 print(f"| {tr_path.stem} | {'120 s' if notice else 'none'} | {way} | " + " | ".join(row) + " |",
                       flush=True)

@@ -4,9 +4,9 @@
 
 Each job's run record is written to moto's S3 server as a job writes it (orchestrator/runtime/run_record.py:
 a re-plan at step 10, every step a row), then `hetspot status s3://.../runs/ID --json` runs in this process
-`--repeats` times per job (after one untimed call). Printed: the median wall time, the bytes of record.json it reads, and, for
-comparison, the bytes of the per-step history (what `--history` and `plot` read, and what a status that parsed
-every step would). Medians; these machines are shared and noisy.
+`--repeats` times per job (after one untimed call). Printed: the median wall time, the bytes of record.json it
+reads, and, for comparison, the bytes of the per-step history (what `--history` and `plot` read, and what a
+status that parsed every step would). Medians; these machines are shared and noisy.
 """
 
 from __future__ import annotations

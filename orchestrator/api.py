@@ -40,7 +40,8 @@ def plan_job(job: JobSpec, source: str = "<job>", objective: str = "throughput",
             "num_pipelines": len(bp.pipelines),
         }
         if bp is not None and objective == "cost" and best.estimate.cost_per_mtok and bp.estimate.cost_per_mtok:
-            baselines[name]["cost_ratio"] = bp.estimate.cost_per_mtok / best.estimate.cost_per_mtok  # >1: hetspot is cheaper
+            # >1: hetspot is cheaper
+            baselines[name]["cost_ratio"] = bp.estimate.cost_per_mtok / best.estimate.cost_per_mtok
     return {
         "job": job.name,
         "objective": objective,
@@ -135,7 +136,8 @@ def plan_file(path: str | Path, objective: str = "throughput") -> dict[str, Any]
 def load_plan(path: str | Path) -> Plan:
     p = Path(path)
     if p.is_dir() or not p.is_file():
-        raise ConfigError(f"plan file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; write one with `hetspot plan JOB.yaml --json`")
+        raise ConfigError(f"plan file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; "
+                          "write one with `hetspot plan JOB.yaml --json`")
     import json
 
     from pydantic import ValidationError
@@ -146,7 +148,8 @@ def load_plan(path: str | Path) -> Plan:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON (line {e.lineno}): {e.msg}") from None
     except (UnicodeDecodeError, RecursionError):
-        raise ConfigError(f"{p}: not a plan file (not UTF-8 JSON); write one with `hetspot plan JOB.yaml --json`") from None
+        raise ConfigError(f"{p}: not a plan file (not UTF-8 JSON); write one with "
+                          "`hetspot plan JOB.yaml --json`") from None
     except ValidationError as e:
         raise ConfigError(format_validation(str(p), e, "plan")) from None
     return plan
@@ -358,7 +361,8 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
                     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
                 except (ConnectionError, RuntimeError, ValueError) as e:
                     raise ConfigError(f"cannot reach a Ray cluster at {address!r} ({type(e).__name__}: {e}); pass "
-                                      "the dashboard URL (http://HEAD:8265), the GCS address (HOST:6379) or 'auto'") from None
+                                      "the dashboard URL (http://HEAD:8265), the GCS address (HOST:6379) or "
+                                      "'auto'") from None
             elif job_path:
                 from orchestrator.cluster.embedded import EmbeddedCluster
 

@@ -61,7 +61,8 @@ class ModelSection(_Section):
 
 class DataSpec(_Section):
     kind: Literal["synthetic", "text", "tokens"] = Field(
-        default="synthetic", description="synthetic: built-in learnable corpus; text: byte-level file; tokens: flat .bin"
+        default="synthetic",
+        description="synthetic: built-in learnable corpus; text: byte-level file; tokens: flat .bin"
     )
     path: str | None = Field(default=None, description="file for kind text or tokens: a path on every node, or "
                              "s3://BUCKET/KEY (each worker reads the byte ranges of its samples)")
@@ -83,6 +84,24 @@ class DataSpec(_Section):
         return self
 
 
+class TimeoutSpec(_Section):
+    """How long the controller waits for each kind of call to its workers before it counts the call as a failure
+    (a dead or hung rank) and recovers. The step's and torch.distributed's own are runtime.step_timeout_s and
+    runtime.collective_timeout_s."""
+
+    startup_s: float = Field(default=120.0, gt=0, description="placing a plan's workers, building their stages and "
+                             "joining their process group")
+    commit_s: float = Field(default=60.0, gt=0, description="every rank's update of a step (the optimizer step)")
+    control_s: float = Field(default=60.0, gt=0, description="the state plane's short calls to workers: a snapshot "
+                             "to a peer keeper, listing what ranks need and what kept processes hold, choosing "
+                             "keepers, a keeper's receipt")
+    hand_over_s: float = Field(default=30.0, gt=0, description="after a failure, survivors giving their committed "
+                               "state to their node's keeper (restart recovery) or keeping it (in place); a rank "
+                               "still silent after this is counted lost")
+    transfer_s: float = Field(default=300.0, gt=0, description="moving one rank's state: a restore's pull from one "
+                              "source and its load, a whole-state export or import; scale it with the model")
+
+
 class RuntimeSpec(_Section):
     dtype: Literal["auto", "float32", "float64"] = Field(
         default="auto", description="auto: train.precision decides (bf16 or fp16 mixed precision, fp32, fp64); "
@@ -96,6 +115,8 @@ class RuntimeSpec(_Section):
     )
     step_timeout_s: float = Field(default=120.0, gt=0, description="a step slower than this fails the job")
     collective_timeout_s: float = Field(default=60.0, gt=0, description="torch.distributed timeout")
+    timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec, description="how long the controller waits for each "
+                                  "kind of call to its workers (runtime.timeouts.*)")
     snapshot_every: int = Field(default=5, ge=1, description="copy every worker's committed state to a keeper on "
                                 "another node every k steps (the peer tier)")
     scale_check_every: int = Field(default=10, ge=0, description="every k steps, look for nodes that joined and move "
@@ -148,7 +169,8 @@ class CheckpointSpec(_Section):
     endpoint_url: str | None = Field(default=None, description="S3 endpoint; default AWS_ENDPOINT_URL, else AWS")
     s3_every: int = Field(default=50, ge=1, description="upload the committed state to S3 every k steps, from "
                           "the keepers (a multiple of runtime.snapshot_every: uploads come from the peer snapshots)")
-    keep: int = Field(default=3, ge=1, description="complete steps kept; older ones are deleted after a newer one exists")
+    keep: int = Field(default=3, ge=1,
+                      description="complete steps kept; older ones are deleted after a newer one exists")
     restore_from: Literal["nearest", "s3"] = Field(default="nearest", description="nearest: survivors, then peer "
                                                    "memory, then S3; s3: S3 only (for comparison)")
     resume: Literal["auto", "never"] = Field(default="auto", description="auto: a job run through Ray Jobs "
@@ -303,7 +325,8 @@ class JobSpec(_Section):
     cluster: ClusterSpec | None = Field(default=None, description="the embedded test cluster's nodes")
     data: DataSpec = DataSpec()
     runtime: RuntimeSpec = RuntimeSpec()
-    checkpoint: CheckpointSpec | None = Field(default=None, description="S3 checkpoints; none: snapshots in memory only")
+    checkpoint: CheckpointSpec | None = Field(default=None,
+                                              description="S3 checkpoints; none: snapshots in memory only")
     fleet: FleetSpec | None = Field(default=None, description="GPUs to ask Ray's autoscaler for (--address jobs)")
     steps: int = Field(default=10, ge=1)
 

@@ -84,7 +84,8 @@ def profile_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: Trai
         prof = profile_pipeline(pipe, cluster, model, train)
         for st, sp in zip(pipe.stages, prof, strict=True):
             layer_p = model.layer_params / st.tp
-            sync = sum(cost.sync_s(layer_p, train, num_r, bws[(layer, 0)]) for layer in range(st.layer_start, st.layer_end))
+            sync = sum(cost.sync_s(layer_p, train, num_r, bws[(layer, 0)])
+                       for layer in range(st.layer_start, st.layer_end))
             if sp.shape.first:
                 sync += cost.sync_s(model.embed_params, train, num_r, bws[("embed", 0)])
             if sp.shape.last:

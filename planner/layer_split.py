@@ -109,7 +109,8 @@ class PipelineModel:
             v = self._stage_cache[key] = _Vector(self.model.num_layers)
         if v.done < hi and not v.full:
             for n in range(v.done + 1, hi + 1):
-                best = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train, self._shape(i, n), m)
+                best = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train,
+                                self._shape(i, n), m)
                 if best is None:
                     v.full = True  # a layer more only needs more device and host memory: no larger stage fits either
                     break
@@ -383,7 +384,8 @@ class PipelineModel:
         key = (i, id(ch), b)
         if key not in self._times:
             k = cost.inflight(i, len(self.slots), m, self.schedule)
-            self._times[key] = cost.stage_times(self.slots[i], self.model, self.train, self._shape(i, ch.num_layers), b, k, ch.policy, *self.p2p[i])
+            self._times[key] = cost.stage_times(self.slots[i], self.model, self.train, self._shape(i, ch.num_layers),
+                                                b, k, ch.policy, *self.p2p[i])
         return self._times[key]
 
     def _stage_consts(self, stages) -> list[tuple]:

@@ -102,7 +102,8 @@ def grad_groups(plan: Plan) -> list[GradGroup]:
     for a, b in zip(bounds, bounds[1:], strict=False):
         holders = []
         for r, p in enumerate(plan.pipelines):
-            i = next(i for i in range(len(p.stages)) if extended_range(plan, r, i)[0] <= a < extended_range(plan, r, i)[1])
+            i = next(i for i in range(len(p.stages))
+                     if extended_range(plan, r, i)[0] <= a < extended_range(plan, r, i)[1])
             holders.append(table[r][i])
         tp = len(holders[0])
         for k in range(tp):
@@ -114,7 +115,8 @@ def tp_groups(plan: Plan) -> list[list[int]]:
     return [g for row in stage_ranks(plan) for g in row if len(g) > 1]
 
 
-def p2p_peers(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> tuple[int | None, list[int], int | None, list[int]]:
+def p2p_peers(plan: Plan, pipeline: int, stage: int,
+              tp_rank: int) -> tuple[int | None, list[int], int | None, list[int]]:
     """(rank to receive activations from, ranks to send activations to,
         rank to receive gradients from, ranks to send gradients to).
 

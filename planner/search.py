@@ -101,7 +101,8 @@ def make_groups(cluster: ClusterSpec, train: TrainSpec, tp: int,
         full = len(ids) // tp * tp
         for k in range(0, full, tp):
             groups.append(Group(node.name, tuple(ids[k:k + tp]), _host_slot(slot, node, k, host)))
-        unused += [UnusedDevice(device=d, reason=f"node has {node.num_gpus} GPUs; TP degree {tp} leaves it without a group") for d in ids[full:]]
+        why = f"node has {node.num_gpus} GPUs; TP degree {tp} leaves it without a group"
+        unused += [UnusedDevice(device=d, reason=why) for d in ids[full:]]
     return groups, unused
 
 
@@ -298,8 +299,8 @@ class _Search:
                 return max(one + [min(max(nic[n] for n in c) for c in candidates)])
 
             e = [int(len(p) >= 2 and edge_stages_may_win(self.model)) for p in key]  # edge stages may be empty
-            layers = [best([set(p[max(0, j - (num_layers - len(p)) - x):j + 1 + x]) for p, x in zip(key, e, strict=True)])
-                      for j in range(num_layers)]
+            layers = [best([set(p[max(0, j - (num_layers - len(p)) - x):j + 1 + x])
+                            for p, x in zip(key, e, strict=True)]) for j in range(num_layers)]
             got = self._ceilings[key] = (best([{p[0]} for p in key]), *layers, best([{p[-1]} for p in key]))
         return got
 
@@ -329,7 +330,8 @@ class _Search:
             return None
         pipes = []
         for groups, n in zip(pset, alloc, strict=True):
-            f = self.pipeline_model(groups, exact, profile).finish(n, len(pset), bw[len(pipes)] if isinstance(bw, list) else bw)
+            f = self.pipeline_model(groups, exact, profile).finish(n, len(pset),
+                                                                   bw[len(pipes)] if isinstance(bw, list) else bw)
             stages, at = [], 0
             for g, ch in zip(groups, f.stages, strict=True):
                 pol = to_policy(ch.policy, at)
@@ -526,7 +528,8 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
         current: list[Group] = []
         for g in _stage_order(pool):
             current.append(g)
-            if len(current) <= search.model.num_layers and search.pipeline_model(_stage_order(current), False).finish(1) is not None:
+            if len(current) <= search.model.num_layers \
+                    and search.pipeline_model(_stage_order(current), False).finish(1) is not None:
                 pset.append(_stage_order(current))
                 current = []
         return pset
@@ -545,7 +548,8 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
         gs = by_type[t]
         k = min(len(gs) // q, search.train.global_batch)
         pset = [gs[j * q:(j + 1) * q] for j in range(k)]
-        f = search.pipeline_model(pset[0], False).finish(math.ceil(search.train.global_batch / k), k, search.sync_bw(pset))
+        f = search.pipeline_model(pset[0], False).finish(math.ceil(search.train.global_batch / k), k,
+                                                         search.sync_bw(pset))
         return math.inf if f is None else f.time_s
 
     # Start each type at the depth that is fastest for it alone (HexiScale: intra-type first).
@@ -686,7 +690,8 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float, host: str = "
                 key = (nm, taken[nm], t)
                 if key not in made:
                     ids = cluster.node(nm).device_ids()
-                    made[key] = Group(nm, tuple(ids[taken[nm]:taken[nm] + t]), _host_slot(slots[(nm, t)], cluster.node(nm), taken[nm], host))
+                    made[key] = Group(nm, tuple(ids[taken[nm]:taken[nm] + t]),
+                                      _host_slot(slots[(nm, t)], cluster.node(nm), taken[nm], host))
                 groups.append(made[key])
                 taken[nm] += t
             out.append(groups)
@@ -936,8 +941,8 @@ class Planner:
         ranked: list[tuple[tuple, int, Plan]] = []
         for _, _, _, pset, exact, unused, groups, prof in finalists[:keep]:
             plan_, used = search.build(pset, exact, unused, prof)
-            idle = [UnusedDevice(device=d, reason="left out: adding it as a replica or stage does not speed up the step")
-                    for g in groups if not set(g.devices) & used for d in g.devices]
+            why = "left out: adding it as a replica or stage does not speed up the step"
+            idle = [UnusedDevice(device=d, reason=why) for g in groups if not set(g.devices) & used for d in g.devices]
             plan_.unused = sorted(plan_.unused + idle, key=lambda u: u.device)
             if self._host != "even":  # its stages may overflow a node's RAM together: settle them or drop it
                 if not share_node_host(plan_, cluster, model, train):
@@ -975,8 +980,8 @@ class Planner:
                 if gone:
                     why = (f"left out: cheaper per token without {gone[0].gpu_type} ({gone[0].market}) nodes, "
                            "by price and expected preemptions")
-                    p.unused = sorted(p.unused + [UnusedDevice(device=d, reason=why) for n in gone for d in n.device_ids()],
-                                      key=lambda u: u.device)
+                    gone_devices = [UnusedDevice(device=d, reason=why) for n in gone for d in n.device_ids()]
+                    p.unused = sorted(p.unused + gone_devices, key=lambda u: u.device)
                 if all(q.pipelines != p.pipelines for q in ranked):
                     ranked.append(p)
         if not ranked:
@@ -1069,11 +1074,13 @@ def _host_short(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec):
 def _no_fit_message(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, least: float | None = None) -> str:
     """Why no plan: the node whose host memory falls shortest, with the least RAM a search planned with where
     one was run (`least`), or else its share of the whole state offloaded; otherwise GPU memory."""
-    mem = sum(cluster.node(n.name).num_gpus * (cost.make_slot(cluster, train, n.name, 1).mem_cap_bytes / cost.GIB) for n in cluster.nodes)
+    mem = sum(cluster.node(n.name).num_gpus * (cost.make_slot(cluster, train, n.name, 1).mem_cap_bytes / cost.GIB)
+              for n in cluster.nodes)
     short = _host_short(cluster, model, train)
     if short:
         n, need = short
-        given = "as given" if n.host_mem_gib is not None else f"the {n.gpu_type} default of {n.host_mem / n.num_gpus:.0f} GiB per GPU"
+        given = ("as given" if n.host_mem_gib is not None
+                 else f"the {n.gpu_type} default of {n.host_mem / n.num_gpus:.0f} GiB per GPU")
         wants = (f"needs at least about {least:,.0f} GiB of host memory (the least with which the search finds a plan)"
                  if least is not None else f"would need about {need:,.0f} GiB of host memory for its share")
         return (f"model {model.name!r} ({model.num_params / 1e9:.2f}B params) does not fit: the GPUs cannot hold it "

@@ -89,7 +89,9 @@ class NodeSpec(StrictModel):
         """Host RAM in GiB: as given, else the catalog's default for the GPU type."""
         from planner.catalog import default_host_mem_gib
 
-        return self.host_mem_gib if self.host_mem_gib is not None else default_host_mem_gib(self.gpu_type, self.num_gpus)
+        if self.host_mem_gib is not None:
+            return self.host_mem_gib
+        return default_host_mem_gib(self.gpu_type, self.num_gpus)
 
     @property
     def intra_bw_gb_s(self) -> float:
@@ -163,7 +165,8 @@ class ModelSpec(StrictModel):
     hidden_size: int = Field(ge=8, le=65536)
     num_heads: int = Field(ge=1, le=1024)
     num_kv_heads: int | None = Field(default=None, ge=1, description="llama: key/value heads (GQA); default num_heads")
-    ffn_size: int | None = Field(default=None, ge=1, le=2**20, description="MLP width; default 4h (gpt) or 8h/3 to 256 (llama)")
+    ffn_size: int | None = Field(default=None, ge=1, le=2**20,
+                                 description="MLP width; default 4h (gpt) or 8h/3 to 256 (llama)")
     vocab_size: int = Field(ge=2, le=2**22)
     seq_len: int = Field(ge=2, le=2**20)
     rope_theta: float = Field(default=10000.0, gt=0, description="llama: RoPE base")

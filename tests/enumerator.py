@@ -304,7 +304,8 @@ class _Enum:
         stages = []  # (node index, GPUs, shape) per stage
         for seq, split, _ in per_pipe:
             for i, g in enumerate(seq):
-                stages.append((self.kinds[g][0], self.kinds[g][1], cost.StageShape(split[i], i == 0, i == len(seq) - 1)))
+                shape = cost.StageShape(split[i], i == 0, i == len(seq) - 1)
+                stages.append((self.kinds[g][0], self.kinds[g][1], shape))
         caps = [n.host_mem * cost.GIB for n in self.nodes]
         for assign in itertools.product(MODES, repeat=len(stages)):
             used = [0.0] * len(self.nodes)

@@ -58,6 +58,8 @@ CASES = {
     "precision-fp8": (_with("train", precision="fp8"), ["precision"]),
     "steps-zero": (GOOD | {"steps": 0}, ["steps"]),
     "recovery-unknown": (_with("runtime", recovery="reboot"), ["recovery", "in-place", "restart"]),
+    "timeout-zero": (_with("runtime", timeouts={"transfer_s": 0}), ["transfer_s"]),
+    "timeout-unknown": (_with("runtime", timeouts={"restore_s": 5}), ["restore_s"]),
     "warm-workers-negative": (_with("runtime", warm_workers=-1), ["warm_workers", "0"]),
     "warm-workers-too-many": (_with("runtime", warm_workers=65), ["warm_workers", "64"]),
     "warm-workers-text": (_with("runtime", warm_workers="some"), ["warm_workers"]),

@@ -85,7 +85,8 @@ def test_checkpoints_list_verify_rm(endpoint, monkeypatch):
     uri = "s3://jobs/cli"
     store = S3Checkpoints(uri, client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
     for s in (1, 2):
-        store.save(s, {"w": {"param": torch.full((4,), float(s)), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.ones(4)}}, s)
+        w = {"param": torch.full((4,), float(s)), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.ones(4)}
+        store.save(s, {"w": w}, s)
     store.client.put_object(Bucket="jobs", Key=store._key(3, "units/w.safetensors"), Body=b"half")
     base = ["--endpoint-url", endpoint]
     res = runner.invoke(app, ["checkpoints", "list", uri, *base, "--json"])
@@ -146,10 +147,12 @@ def test_checkpoint_commands_answer_user_mistakes_in_one_line(tmp_path, endpoint
         (["checkpoints", "verify", empty, "--endpoint-url", "ftp://127.0.0.1:1"], 2,
          "--endpoint-url 'ftp://127.0.0.1:1' must be an http:// or https:// URL"),
         (["checkpoints", "list", empty, "--endpoint-url", "ftp://x"], 2, "must be an http:// or https:// URL"),
-        (["checkpoints", "verify", empty, *base], 0, "no complete steps under s3://jobs/nothing-here/: nothing to verify"),
+        (["checkpoints", "verify", empty, *base], 0,
+         "no complete steps under s3://jobs/nothing-here/: nothing to verify"),
         (["checkpoints", "list", empty, *base], 0, "no steps under s3://jobs/nothing-here/"),
         (["checkpoints", "rm", empty, *base, "--all", "--yes"], 0, "no steps under s3://jobs/nothing-here/: nothing"),
-        (["deploy", "render", "--cloud", "aws", "--out", str(tmp_path / "missing" / "x.yaml")], 2, "does not exist; create it first"),
+        (["deploy", "render", "--cloud", "aws", "--out", str(tmp_path / "missing" / "x.yaml")], 2,
+         "does not exist; create it first"),
         (["deploy", "render", "--cloud", "aws", "--out", str(tmp_path)], 2, "is a directory; name the file"),
     ]
     for argv, code, needle in cases:
@@ -184,8 +187,8 @@ def test_a_step_short_of_the_model_fails_verify_and_is_not_exported(tmp_path, en
     store = S3Checkpoints("s3://jobs/half", client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
     units = {p.name: list(p.shape) for p in all_params(model)}
     kept = sorted(units)[:3]  # what two surviving keepers held
-    pieces = {n: [store.put_piece(4, n, tuple((0, d) for d in units[n]), {k: torch.zeros(units[n]) for k in ("param", "exp_avg", "exp_avg_sq")})]
-              for n in kept}
+    zeros = {n: {k: torch.zeros(units[n]) for k in ("param", "exp_avg", "exp_avg_sq")} for n in kept}
+    pieces = {n: [store.put_piece(4, n, tuple((0, d) for d in units[n]), zeros[n])] for n in kept}
     manifest = {"format": "hetspot-checkpoint/2", "step": 4, "optimizer_steps": 5.0, "written_at": time.time(),
                 "meta": {"job": "half", "model": model.model_dump()},  # format 2: the model names the units
                 "units": {n: {"shape": units[n], "pieces": pieces[n], "bytes": pieces[n][0]["bytes"]} for n in kept}}
@@ -204,7 +207,8 @@ def test_a_prefix_holding_another_jobs_steps_is_refused(tmp_path, endpoint, monk
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
     store = S3Checkpoints("s3://jobs/taken", client=boto3.client("s3", endpoint_url=endpoint, **_creds()))
-    store.save(2, {"w": {"param": torch.ones(2), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}}, 3.0, {"job": "someone-else"})
+    store.save(2, {"w": {"param": torch.ones(2), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}}, 3.0,
+               {"job": "someone-else"})
     job = _job(tmp_path, {"uri": "s3://jobs/taken", "endpoint_url": endpoint})
     for extra in ([], ["--resume"]):
         res = runner.invoke(app, ["submit", str(job), *extra])

@@ -91,8 +91,9 @@ def test_mixed_cluster_plan_is_never_cut_when_piped_or_narrow(columns):
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
-    r = subprocess.run([str(Path(sys.executable).parent / "hetspot"), "plan", str(ROOT / "examples/mixed-cluster.yaml")],
-                       capture_output=True, text=True, timeout=120, env=env)
+    hetspot = str(Path(sys.executable).parent / "hetspot")
+    r = subprocess.run([hetspot, "plan", str(ROOT / "examples/mixed-cluster.yaml")], capture_output=True, text=True,
+                       timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "…" not in r.stdout, r.stdout
     assert "opt→host" in r.stdout or "rc " in r.stdout or "none" in r.stdout

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.unit
 MODEL, TRAIN = ModelSpec.preset("tiny"), TrainSpec(global_batch=8)
 
 
-BIG = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2), NodeSpec(name="l", gpu_type="L4", num_gpus=2)])
+BIG = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
+                         NodeSpec(name="l", gpu_type="L4", num_gpus=2)])
 SMALL = ClusterSpec(nodes=[NodeSpec(name="l", gpu_type="L4", num_gpus=2)])  # the A100 node was lost
 
 
@@ -162,7 +163,8 @@ def test_a_notice_repeated_at_every_poll_while_its_switch_is_staged_is_one_drain
 
     notice = Notice(node="a", deadline_s=120.0, source="ray-drain")
     c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=8, group_kw={"in_place": True, "ready_after": 3},
-                          interruptions=FakeInterruptions({k: [notice] for k in range(2, 8)}), clock=FakeClock(tick=0.5))
+                          interruptions=FakeInterruptions({k: [notice] for k in range(2, 8)}),
+                          clock=FakeClock(tick=0.5))
     assert c.run() == State.DONE
     drains = [e for e in c.progress.events if e["kind"] == "drain"]
     assert len(drains) == 1 and drains[0]["met_deadline"] is True and log.count(("prestage", 2)) == 1

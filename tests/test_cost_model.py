@@ -44,7 +44,8 @@ def _random_plan(rng: random.Random) -> tuple[ClusterSpec, ModelSpec, TrainSpec,
                   for i, (n, t, d) in enumerate(take)]
         n_samples = rng.randint(1, 32)
         b = rng.randint(1, n_samples)
-        pipes.append(Pipeline(num_samples=n_samples, micro_batch_size=b, num_micro_batches=-(-n_samples // b), stages=stages))
+        pipes.append(Pipeline(num_samples=n_samples, micro_batch_size=b, num_micro_batches=-(-n_samples // b),
+                              stages=stages))
         total += n_samples
     train = TrainSpec(global_batch=total, memory_reserve_gib=0)
     return cluster, model, train, Plan(model_name="m", num_layers=model.num_layers, global_batch=total, pipelines=pipes)

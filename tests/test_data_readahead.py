@@ -93,7 +93,8 @@ def s3_tokens(tmp_path_factory):
     with moto_s3("data") as url:
         import boto3
 
-        boto3.client("s3", endpoint_url=url, **CREDS).put_object(Bucket="data", Key="tokens.bin", Body=path.read_bytes())
+        s3 = boto3.client("s3", endpoint_url=url, **CREDS)
+        s3.put_object(Bucket="data", Key="tokens.bin", Body=path.read_bytes())
         proxy = S3FaultProxy(url)
         proxy.delay_s = 0.02
         yield str(path), proxy

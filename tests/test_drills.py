@@ -132,7 +132,8 @@ BAD_SCENARIOS = {
     "unknown-kind": ("faults:\n  - {kind: nuke, at_step: 2, nodes: [a]}\n", ["line 8", "unknown fault kind 'nuke'",
                                                                              "preempt"]),
     "missing-node": ("faults:\n  - {kind: preempt, at_step: 2, nodes: [zz]}\n", ["line 8", "'zz'", "not in the job"]),
-    "past-the-end": ("faults:\n  - {kind: preempt, at_step: 9, nodes: [a]}\n", ["line 8", "at_step 9", "last step (3)"]),
+    "past-the-end": ("faults:\n  - {kind: preempt, at_step: 9, nodes: [a]}\n",
+                     ["line 8", "at_step 9", "last step (3)"]),
     "both-times": ("faults:\n  - {kind: preempt, at_step: 2, at_s: 3, nodes: [a]}\n", ["line 8", "exactly one"]),
     "no-nodes": ("faults:\n  - {kind: preempt, at_step: 2}\n", ["line 8", "needs nodes"]),
     "faults-not-a-list": ("faults: preempt\n", ["faults:"]),
@@ -177,8 +178,8 @@ def test_bad_scenario_exits_2_naming_the_line(tmp_path, case):
 @pytest.mark.parametrize("case", sorted(BAD_TRACES))
 def test_bad_trace_exits_2_naming_the_line(tmp_path, case):
     body, words = BAD_TRACES[case]
-    for cmd in (["drill", "--trace", "{}"], ["simulate", "--trace", "{}", "--cluster", str(ROOT / "examples" /
-                                                                                              "fleets" / "a10g-l4-32.yaml")]):
+    fleet = str(ROOT / "examples" / "fleets" / "a10g-l4-32.yaml")
+    for cmd in (["drill", "--trace", "{}"], ["simulate", "--trace", "{}", "--cluster", fleet]):
         r = _run_cli(tmp_path, f"{case}.jsonl", body, cmd)
         msg = " ".join(r.stderr.split())
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

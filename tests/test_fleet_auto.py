@@ -118,7 +118,8 @@ def test_nothing_left_that_fits_keeps_the_demand_and_the_wait_ends_with_exit_2()
     j = job(auto={"catalog": {"types": CATALOG["types"][:1]}})
     a = FakeAutoscaler()
     cap = auto_capacity(a, j)
-    c = Controller(j.model_spec, j.train, 3, FakeNodes(ClusterSpec(nodes=[NodeSpec(name="x", gpu_type="A10G", num_gpus=1)])),
+    nodes = FakeNodes(ClusterSpec(nodes=[NodeSpec(name="x", gpu_type="A10G", num_gpus=1)]))
+    c = Controller(j.model_spec, j.train, 3, nodes,
                    lambda p: FakeGroup(p, []), capacity=cap, sleep=lambda s: setattr(a, "t", a.t + s))
     while c.state == State.WAITING:
         c.step()
@@ -130,7 +131,8 @@ def test_the_controller_says_when_it_chose_again_and_trains_on_what_came():
     j = job()
     a = AllOrNothingAutoscaler({"A10G": 0, "T4": 2, "L4": 2})
     cap = auto_capacity(a, j)
-    nodes = ClusterSpec(nodes=[NodeSpec(name="t", gpu_type="T4", num_gpus=1), NodeSpec(name="l", gpu_type="L4", num_gpus=1)])
+    nodes = ClusterSpec(nodes=[NodeSpec(name="t", gpu_type="T4", num_gpus=1),
+                               NodeSpec(name="l", gpu_type="L4", num_gpus=1)])
     c = Controller(j.model_spec, j.train, 3, FakeNodes(nodes), lambda p: FakeGroup(p, []), capacity=cap,
                    sleep=lambda s: setattr(a, "t", a.t + s))
     assert c.run() == State.DONE and sorted(c.progress.losses) == [0, 1, 2]

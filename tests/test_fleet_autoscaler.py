@@ -43,7 +43,8 @@ BASE_CONFIG = {  # what fake_multi_node/example.yaml holds, less its node types
     "idle_timeout_minutes": IDLE_TIMEOUT_S / 60,
     # Ray's fake provider, loaded as an external module: autoscaler v2 reads a `fake_multinode` provider's
     # defaults from the example.yaml the wheel lacks, and an external one's from Ray's built-in minimum.
-    "provider": {"type": "external", "module": "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider",
+    "provider": {"type": "external",
+                 "module": "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider",
                  "use_node_id_as_ip": True, "disable_node_updaters": True, "disable_launch_config_check": True},
     "auth": {"ssh_user": "ubuntu"},
     "docker": {},

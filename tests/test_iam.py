@@ -18,7 +18,8 @@ BUCKET = "ckpt"
 
 
 def policy(role: str) -> dict:
-    return json.loads((IAM / f"{role}-policy.json").read_text().replace("ACCOUNT_ID", ACCOUNT).replace("BUCKET", BUCKET))
+    text = (IAM / f"{role}-policy.json").read_text()
+    return json.loads(text.replace("ACCOUNT_ID", ACCOUNT).replace("BUCKET", BUCKET))
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,8 @@ def test_pure_files_import_no_side_effect_library(path):
 def test_control_imports_only_the_planner_errors_and_itself():
     for name, deps in _graph().items():
         if name.startswith("orchestrator.control."):
-            bad = {d for d in deps if not d.startswith(("planner", "orchestrator.control.")) and d != "orchestrator.errors"}
+            bad = {d for d in deps
+                   if not d.startswith(("planner", "orchestrator.control.")) and d != "orchestrator.errors"}
             assert not bad, (name, bad)
 
 
@@ -108,8 +109,8 @@ def test_no_arrow_points_back_up_inside_the_orchestrator():
           "orchestrator.state.restore_plan": ("orchestrator.runtime", "orchestrator.cli", "orchestrator.drills"),
           "orchestrator.runtime.": ("orchestrator.cli", "orchestrator.api", "orchestrator.driver"),
           # the capacity loop and discovery read node kinds and labels from cluster/ itself, not the deploy renderer
-          "orchestrator.cluster.": ("orchestrator.deploy", "orchestrator.cli", "orchestrator.drills", "orchestrator.api",
-                                    "orchestrator.driver")}
+          "orchestrator.cluster.": ("orchestrator.deploy", "orchestrator.cli", "orchestrator.drills",
+                                    "orchestrator.api", "orchestrator.driver")}
     for name, deps in _graph().items():
         for prefix, banned in up.items():
             if name.startswith(prefix):

@@ -55,7 +55,8 @@ def fp32():
     return run("fp32", torch.float32, 20)
 
 
-@pytest.mark.parametrize("offload", [{}, {"offload_optimizer": True}, {"offload_optimizer": True, "offload_params": True}],
+@pytest.mark.parametrize("offload",
+                         [{}, {"offload_optimizer": True}, {"offload_optimizer": True, "offload_params": True}],
                          ids=["device", "optimizer-offload", "param-offload"])
 def test_bf16_trains_like_fp32_within_bf16_tolerance(fp32, offload):
     ref, start, ref_end, _ = fp32

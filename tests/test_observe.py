@@ -121,7 +121,8 @@ def test_stage_series_label_each_stage_and_recoveries_are_timed_once_each():
             Stage(layer_start=0, layer_end=2, gpu_type="A100-80GB", node="a", devices=["a/0", "a/1"]),
             Stage(layer_start=2, layer_end=4, gpu_type="T4", node="t", devices=["t/0"])])])
     rows = stage_rows(plan, ranks(plan), [0.2, 0.3, 0.9], [10, 30, 20])
-    assert rows == [{"pipeline": 0, "stage": 0, "gpu_type": "A100-80GB", "node": "a", "time_s": 0.3, "memory_bytes": 30},
+    assert rows == [{"pipeline": 0, "stage": 0, "gpu_type": "A100-80GB", "node": "a", "time_s": 0.3,
+                     "memory_bytes": 30},
                     {"pipeline": 0, "stage": 1, "gpu_type": "T4", "node": "t", "time_s": 0.9, "memory_bytes": 20}]
     series = stage_series({"stages": rows})
     assert ("time_s", {"pipeline": "0", "stage": "1", "gpu_type": "T4", "node": "t"}, 0.9) in series

@@ -143,8 +143,8 @@ def test_host_update_runs_first_layers_first_and_overlaps_the_next_forward():
     assert up.log == [-1, 0, 1, 2]
     assert all(float(ps[0].detach()[0]) < 1.0 for ps in params.values())
 
-    serial = LayerwiseUpdate(sorted(params.items()), lambda ps: torch.optim.AdamW(ps, lr=0.1), lambda layer: time.sleep(0.01),
-                             overlap=False)
+    serial = LayerwiseUpdate(sorted(params.items()), lambda ps: torch.optim.AdamW(ps, lr=0.1),
+                             lambda layer: time.sleep(0.01), overlap=False)
     for ps in params.values():
         ps[0].grad = torch.ones(4)
     serial.start()

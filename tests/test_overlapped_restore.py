@@ -139,3 +139,45 @@ def test_the_worker_half_of_a_restore_pulls_from_a_keeper_and_its_own_memory_wit
         assert got == want[2:]  # bit for bit
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("precision, dtype, offload", PLACEMENTS, ids=["fp32", "bf16", "bf16-optimizer-offload"])
+def test_a_survivor_keeps_its_own_state_without_a_host_copy_and_resumes_the_same_training(precision, dtype,
+                                                                                           offload):
+    """In-place DP recovery on one rank, as TrainWorker.retain and load_state run it: `Kept.keep` keeps the closed
+    stage's committed step as the engine's own tensors (the test counts the tensors copied: none, on a host), the
+    next plan's stage (same layers, same TP slice) loads them from this process (tier in_place), and the resumed
+    run is the uninterrupted one, bit for bit."""
+    from workers.restore import Kept, Restore
+    from workers.transfer import Fetch, KeptRequest, Tier
+
+    ref = engine(precision, dtype, offload)
+    try:
+        want = [ref.step(s).loss for s in range(5)]
+    finally:
+        ref.close()
+    a = engine(precision, dtype, offload)
+    try:
+        got = [a.step(s).loss for s in range(2)]
+        own = {n: [a.opt_params[n], a.optimizer_state(a.opt_params[n])] for n in a.module.params}
+        kept = Kept()
+        report = kept.keep(a, None)
+    finally:
+        a.close()
+    assert report is not None and report.step == 1
+    held = kept.state[1]
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    copies = [(n, k) for n, (q, st) in own.items() for k, t in (("param", q), ("exp_avg", st["exp_avg"]),
+                                                               ("exp_avg_sq", st["exp_avg_sq"]))
+              if storage(held[n][k]) != storage(t)]
+    assert copies == [] and len(own) > 0  # the kept state is the old stage's own memory: no host copy
+    b = engine(precision, dtype, offload)
+    try:
+        fetches = [Fetch(n, local_region(b, n), None, KeptRequest(n, local_region(b, n))) for n in sorted(held)]
+        load = Restore(kept, lambda answer, timeout=None: answer.result()).load(b, 1, 2.0, fetches, None)
+        assert load.refused is None and b.committed_step == 1
+        assert sum(load.bytes.values()) == load.bytes[Tier.IN_PLACE] == sum(n.nbytes for n in needs(b))
+        got += [b.step(s).loss for s in range(2, 5)]
+    finally:
+        b.close()
+    assert got == want  # bit for bit

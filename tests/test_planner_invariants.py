@@ -80,7 +80,8 @@ def test_unfittable_model_is_a_clear_error():
 
 
 def test_plan_json_round_trip():
-    cluster = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2), NodeSpec(name="b", gpu_type="L4", num_gpus=2)])
+    cluster = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
+                                 NodeSpec(name="b", gpu_type="L4", num_gpus=2)])
     p = plan(cluster, ModelSpec.preset("gpt-350m"), TrainSpec(global_batch=16))
     from planner import Plan
     assert Plan.model_validate_json(p.model_dump_json()) == p
@@ -161,8 +162,10 @@ COST_TYPES = ["A100-80GB", "H100-SXM", "L4", "T4", "V100-32GB", "A10G", "MI300X"
 
 @st.composite
 def random_clusters(draw):
-    nodes = [NodeSpec(name=f"n{i}", gpu_type=draw(st.sampled_from(COST_TYPES)), num_gpus=draw(st.sampled_from([1, 2, 4, 8])),
-                      inter_node_bw_gb_s=draw(st.sampled_from([3.0, 12.5, 50.0]))) for i in range(draw(st.integers(1, 6)))]
+    nodes = [NodeSpec(name=f"n{i}", gpu_type=draw(st.sampled_from(COST_TYPES)),
+                      num_gpus=draw(st.sampled_from([1, 2, 4, 8])),
+                      inter_node_bw_gb_s=draw(st.sampled_from([3.0, 12.5, 50.0])))
+             for i in range(draw(st.integers(1, 6)))]
     model = ModelSpec.preset(draw(st.sampled_from(["gpt-125m", "gpt-350m", "gpt-1.3b", "7b"])))
     return ClusterSpec(nodes=nodes), model, TrainSpec(global_batch=draw(st.sampled_from([1, 3, 8, 17, 32, 64, 256])))
 

@@ -36,7 +36,8 @@ def instances(draw):
                               intra_node_bw_gb_s=draw(st.sampled_from([None, 16.0, 300.0])),
                               inter_node_bw_gb_s=draw(st.sampled_from([1.0, 3.0, 12.5, 25.0]))))
     heads = draw(st.sampled_from([12, 16, 24, 48]))
-    model = ModelSpec(name="t", num_layers=draw(st.integers(2, 4)), hidden_size=heads * draw(st.sampled_from([64, 128])),
+    model = ModelSpec(name="t", num_layers=draw(st.integers(2, 4)),
+                      hidden_size=heads * draw(st.sampled_from([64, 128])),
                       num_heads=heads, vocab_size=draw(st.sampled_from([32000, 50304])),
                       seq_len=draw(st.sampled_from([1024, 2048, 4096])))
     # Memory pressure varies: small GPUs sometimes need recompute or offload.

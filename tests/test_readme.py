@@ -1,8 +1,8 @@
 """The README's commands, run in the README's order from a fresh copy of the repository (its tracked files
 only), each exiting 0: every `hetspot` command of its ```bash blocks that needs no cloud. A block that names a
 running cluster through HETSPOT_ADDRESS is left out, and so is a line that names one (HEAD, --address, a
-job id) or a cloud bucket, or has a placeholder (JOB.yaml); `make` targets are what CI runs anyway. The spot-trace replay takes minutes, so it
-runs with the `slow` tests."""
+job id) or a cloud bucket, or has a placeholder (JOB.yaml); `make` targets are what CI runs anyway. The
+spot-trace replay takes minutes, so it runs with the `slow` tests."""
 
 import re
 import shutil
@@ -55,7 +55,8 @@ def run_in_order(tmp_path: Path, keep) -> list[str]:
             cmd = re.sub(r"hetspot-runs/\S+", f"hetspot-runs/{runs[-1].name}", cmd)
         args = cmd.split()[1:]
         r = subprocess.run([HETSPOT, *args], cwd=clone, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"README command `{cmd}` exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        assert r.returncode == 0, (f"README command `{cmd}` exited {r.returncode}:\n{r.stdout[-2000:]}\n"
+                                   f"{r.stderr[-3000:]}")
         ran.append(cmd)
     return ran
 

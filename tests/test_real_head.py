@@ -51,14 +51,17 @@ class RealHead:
                      "RAY_AUTH_MODE": "token" if auth else "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
         self.tmp = tmp
 
-    def start(self, head_gpu: str | None = "A100-80GB", nodes: tuple[tuple[str, str], ...] = (("t4-spot", "T4"),)) -> None:
+    def start(self, head_gpu: str | None = "A100-80GB",
+              nodes: tuple[tuple[str, str], ...] = (("t4-spot", "T4"),)) -> None:
         """The head (2 fake GPUs of `head_gpu`, or none), then one 2-GPU spot node per (name, GPU type)."""
         import tempfile
 
-        ray_tmp = self.ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
+        # short: Ray's socket paths must stay under 107 bytes
+        ray_tmp = self.ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")
         gpus = [f'--resources={{"accelerator_type:{head_gpu}": 1}}', "--num-gpus=2",
                 f"--labels=hetspot/gpu-type={head_gpu},hetspot/node=head-a100"] if head_gpu else ["--num-gpus=0"]
-        self._ray("start", "--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dash}",
+        self._ray("start", "--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1",
+                  f"--dashboard-port={self.dash}",
                   "--num-cpus=2", *gpus, f"--temp-dir={ray_tmp}",
                   f"--metrics-export-port={self.metrics}", '--system-config={"metrics_report_interval_ms": 500}')
         for name, gpu in nodes:  # all nodes share this host: each dashboard agent needs a port of its own
@@ -169,7 +172,8 @@ def test_cli_against_a_real_head(head, tmp_path):
     # structured worker lines name node, rank and stage; progress lines carry every step
     assert "node=head-a100 rank=0 pipeline=0 stage=0" in logs
     # two Ray nodes share this host, so Ray forwards each worker line twice; `logs` shows one copy
-    assert sum("hetspot.worker" in ln and "joined world" in ln and " rank=0 pipeline=" in ln for ln in logs.splitlines()) == 1
+    assert sum("hetspot.worker" in ln and "joined world" in ln and " rank=0 pipeline=" in ln
+               for ln in logs.splitlines()) == 1
     assert "hetspot-phase" in logs and st["phase"] == "done"  # phases reach the log and `status`
     assert sum("hetspot-progress" in line for line in logs.splitlines()) == 4
     assert "profiling T4: skipped: no CUDA device" in logs  # the profiling pass ran and saw fake GPUs
@@ -347,7 +351,8 @@ def test_ray_drain_on_a_real_cluster_moves_the_job_before_the_deadline(tmp_path)
         drain = next(e for e in st["events"] if e["kind"] == "drain")
         assert "a100-spot" in drain["cause"] and "ray-drain" in drain["cause"] and drain.get("met_deadline") is True, \
             json.dumps(st["events"])
-        assert drain["notice_s"] <= drain["snapshot_s"] <= drain["plan_s"] <= drain["first_step_s"] <= drain["deadline_s"]
+        assert drain["notice_s"] <= drain["snapshot_s"] <= drain["plan_s"] <= drain["first_step_s"] \
+            <= drain["deadline_s"]
         assert not any(e["kind"] == "re-plan" for e in st["events"])  # drained, not recovered: no step lost
         assert st["progress"]["step"] == 399 and drain["new_workers"] == 2 and drain["switch_s"] < drain["deadline_s"]
         assert '"phase": "draining a100-spot"' in logs and '"kind": "drain"' in logs  # phase and events lines
@@ -404,7 +409,8 @@ def test_a_rendered_aws_config_comes_up_on_the_fake_provider_and_runs_the_job_he
                       # what `ray up` puts before the head's start commands (autoscaler v2, Ray's default since
                       # 2.50), with the fake cloud's head instance id
                       "RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_NODE_ID,
-                      "RAY_NODE_TYPE_NAME": cfg["head_node_type"], "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID}
+                      "RAY_NODE_TYPE_NAME": cfg["head_node_type"],
+                      "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID}
     env.pop("RAY_AUTH_MODE")  # the rendered command sets it
     job = tmp_path / "fleet.yaml"
     job.write_text(yaml.safe_dump({

@@ -706,8 +706,8 @@ def test_a_real_gpu_node_is_never_slowed_whatever_the_job_file_says(cluster, cap
         run_until(c, 0)
     from planner import layout
 
-    got = dict(zip([r.node for r in layout.ranks(c.plan)], ray.get([w.__ray_call__.remote(lambda self: self.engine.slowdown)
-                                            for w in c.group.run.workers]), strict=True))
+    measured = ray.get([w.__ray_call__.remote(lambda self: self.engine.slowdown) for w in c.group.run.workers])
+    got = dict(zip([r.node for r in layout.ranks(c.plan)], measured, strict=True))
     want, _ = slowdowns(c.plan, True)  # what emulation would give both if both were fake
     assert got == {"emu-fake": want["emu-fake"], "emu-real": 1.0} and want["emu-fake"] > 1.0, got
     warnings = [r.getMessage() for r in caplog.records if "emulate_speed is ignored" in r.getMessage()]

@@ -30,7 +30,8 @@ def store(endpoint, request):
 def state(seed: float, big: bool = False):
     g = torch.Generator().manual_seed(int(seed))
     rows = 2048 if big else 8
-    return {"wte.weight": {"param": torch.randn(rows, 1024, generator=g), "exp_avg": torch.randn(rows, 1024, generator=g),
+    return {"wte.weight": {"param": torch.randn(rows, 1024, generator=g),
+                           "exp_avg": torch.randn(rows, 1024, generator=g),
                            "exp_avg_sq": torch.rand(rows, 1024, generator=g)},
             "ln_f.bias": {"param": torch.zeros(4), "exp_avg": torch.full((4,), seed), "exp_avg_sq": torch.ones(4)}}
 
@@ -70,7 +71,8 @@ def test_manifest_is_written_once(store):
 def test_a_step_without_manifest_does_not_exist(store):
     store.save(1, state(1), 2.0)
     # a writer killed mid-upload: units of step 2 are there, its manifest is not
-    store.client.put_object(Bucket=store.bucket, Key=store._key(2, "units/wte.weight/0-8.0-1024.safetensors"), Body=b"half")
+    store.client.put_object(Bucket=store.bucket, Key=store._key(2, "units/wte.weight/0-8.0-1024.safetensors"),
+                            Body=b"half")
     assert [(i.step, i.complete) for i in store.steps()] == [(2, False), (1, True)]
     assert store.complete_steps() == [1]
     step, got, _, _ = store.load_latest()
@@ -202,5 +204,6 @@ def test_half_steps_never_count_for_keep_and_their_redo_replaces_them(store):
     assert store.prepare_step(3, "tiny", bad=True) == "new"  # unless a restore refused it as corrupt
     assert store.complete_steps() == [2]
     store.save(3, state(3), 3.0, _meta("tiny"))
-    with pytest.raises(CheckpointError, match=r"step 3 not written: .* stands \(step 3 was written by job 'tiny', not 'other'\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"step 3 not written: .* stands \(step 3 was written by job 'tiny', not 'other'\)"):
         store.prepare_step(3, "other")

@@ -48,7 +48,8 @@ def test_replan_picks_the_soonest_finish_among_top_candidates():
     local = Candidate("candidate 2", 2500.0, {"live": 20e9}, 5.0)  # 2 s from its own node's keeper
     near_end = replan_policy([fastest, local], tokens_left=30_000, bandwidth=BW)
     assert near_end.chosen == "candidate 2" and "candidate 1 is faster" in near_end.reason
-    assert near_end.finish_s["candidate 1"] == pytest.approx(25 + 10) and near_end.finish_s["candidate 2"] == pytest.approx(7 + 12)
+    assert near_end.finish_s["candidate 1"] == pytest.approx(25 + 10)
+    assert near_end.finish_s["candidate 2"] == pytest.approx(7 + 12)
     assert replan_policy([fastest, local], tokens_left=1e8, bandwidth=BW).chosen == "candidate 1"
 
 
@@ -60,7 +61,8 @@ TWO = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
 def _one_stage(node: str, replicas: int = 1) -> Plan:
     return Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=8, pipelines=[
         Pipeline(num_samples=8 // replicas, micro_batch_size=8 // replicas, num_micro_batches=1,
-                 stages=[Stage(layer_start=0, layer_end=MODEL.num_layers, gpu_type="L4", node=node, devices=[f"{node}/{i}"])])
+                 stages=[Stage(layer_start=0, layer_end=MODEL.num_layers, gpu_type="L4", node=node,
+                               devices=[f"{node}/{i}"])])
         for i in range(replicas)])
 
 
@@ -94,7 +96,8 @@ def test_controller_replan_records_the_weighed_candidates():
         first = first or c.plan
     ev = next(e for e in c.progress.events if e["kind"] == "re-plan")
     choice = ev["plan_choice"]
-    assert len(choice["predicted_tokens_per_s"]) >= 2 and set(choice["finish_s"]) == set(choice["predicted_tokens_per_s"])
+    assert len(choice["predicted_tokens_per_s"]) >= 2
+    assert set(choice["finish_s"]) == set(choice["predicted_tokens_per_s"])
     assert min(choice["finish_s"], key=choice["finish_s"].get) in choice["choice"]
     assert c.plan.pipelines == first.pipelines  # same nodes survive: the plan whose state is all local wins
 
@@ -131,7 +134,8 @@ def test_a_drain_copies_nothing_when_other_replicas_hold_the_doomed_layers():
     assert not replicated_off(two_nodes, {"a", "l"}) and not replicated_off(split, {"a"})
     assert drain_copy_s(two_nodes, MODEL, TRAIN, TWO, {"a"}) == 0.0
     link = min(n.inter_node_bw_gb_s for n in TWO.nodes) * 1e9
-    assert drain_copy_s(split, MODEL, TRAIN, TWO, {"a"}) == pytest.approx(max(node_bytes(split, MODEL, TRAIN).values()) / link)
+    most = max(node_bytes(split, MODEL, TRAIN).values())
+    assert drain_copy_s(split, MODEL, TRAIN, TWO, {"a"}) == pytest.approx(most / link)
     assert drain_copy_s(two_nodes, MODEL, TRAIN, TWO, {"a", "l"}) > 0.0  # both replicas doomed: the whole copy
 
 

@@ -486,7 +486,8 @@ def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
             node_id = cluster.nodes[name].node_id
             r = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
                                 "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                                "--reason-message", "test", "--deadline-remaining-seconds", str(int(NOTICE_DEADLINE_S))],
+                                "--reason-message", "test",
+                                "--deadline-remaining-seconds", str(int(NOTICE_DEADLINE_S))],
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stdout + r.stderr
         killer = threading.Timer(NOTICE_DEADLINE_S, lambda: cluster.remove(name))

@@ -7,6 +7,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import ray
 import torch
@@ -79,9 +80,11 @@ class WorkerConfig:
     meter_memory: bool = False  # runtime.meter_memory
     overlap_sync: bool = True  # runtime.overlap_grad_sync
     threads: int = 1  # runtime.torch_threads, resolved for the node
+    control_timeout_s: float = 60.0  # runtime.timeouts.control_s: a keeper's receipt of a copy
+    transfer_timeout_s: float = 300.0  # runtime.timeouts.transfer_s: a restore's pull from one source
 
 
-@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1, "serve": 1})
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1, "snapshot": 1, "serve": 1})  # type: ignore[call-overload]
 class TrainWorker:
     """One rank. `step` and `commit` run in order on the default thread; `hand_over` runs on a
     "control" thread so a survivor blocked in a collective on a dead peer can still give up
@@ -103,16 +106,16 @@ class TrainWorker:
                                     self.train.seed, data.get("path"), data.get("dtype", "uint16"),
                                     data.get("endpoint_url"), CacheConfig.from_data(data))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.options = {"dtype": config.dtype, "meter_memory": config.meter_memory,
-                        "overlap_sync": config.overlap_sync}
+        self.config = config
         self.log_every = config.log_every
         self.faults = FaultInjector()
         self.state_lock = threading.Lock()
         self.puts: dict = {}  # step -> (host clone of the shards, pin) waiting to go to the keeper
-        self.keeper = None
+        self.keeper: Any = None  # this node's KeeperStore handle
         self.puts_ready = threading.Condition()
         self.kept = Kept()  # committed state kept for the next plan (in place)
-        self.restores = Restore(self.kept, ray.get)  # the worker half of restores (workers/restore.py)
+        # the worker half of restores (workers/restore.py)
+        self.restores = Restore(self.kept, ray.get, config.transfer_timeout_s)
         self.engine: Engine | None = None
         self.rendezvous: TCPStore | None = None  # rank 0's: the group's rendezvous store, served here
         self.log = structured_logger("hetspot.worker", rank=rank)
@@ -120,6 +123,13 @@ class TrainWorker:
             _warm_up(self.device)
             return
         self._configure(plan_json, rank, slowdown)
+
+    @property
+    def running(self) -> Engine:
+        """This rank's engine (a warm worker, or a kept one between plans, has none)."""
+        if self.engine is None:
+            raise RuntimeError(f"worker process {os.getpid()} is no rank of a plan now")
+        return self.engine
 
     def ready(self) -> int:
         """This process's id, once its constructor has run (a warm worker is then ready for `reconfigure`)."""
@@ -129,10 +139,10 @@ class TrainWorker:
         plan = Plan.model_validate_json(plan_json)
         r = ranks(plan)[rank]
         gpu = plan.pipelines[r.pipeline].stages[r.stage].gpu_type
-        dtype = compute_dtype(self.options["dtype"], self.train.precision, gpu)
+        dtype = compute_dtype(self.config.dtype, self.train.precision, gpu)
         self.engine = Engine(plan, rank, self.model, self.train, self.dataset, DTYPES[dtype], slowdown, self.device,
                              device_budget_bytes=device_budget_bytes(gpu, self.train),
-                             meter_memory=self.options["meter_memory"], overlap_sync=self.options["overlap_sync"])
+                             meter_memory=self.config.meter_memory, overlap_sync=self.config.overlap_sync)
         info, st = self.engine.info, self.engine.stage_spec
         self.log = structured_logger("hetspot.worker", node=info.node, rank=rank, pipeline=info.pipeline,
                                      stage=info.stage, tp_rank=info.tp_rank, gpu=st.gpu_type)
@@ -148,7 +158,7 @@ class TrainWorker:
 
     def _close_engine(self) -> None:
         try:
-            self.engine.close()
+            self.running.close()
         except Exception as e:  # a failed overlapped update: this engine's state is not used again
             self.log.warning("closing the old stage: %s", e)
         self.engine = None
@@ -164,30 +174,30 @@ class TrainWorker:
     def connect(self, init_method: str, timeout_s: float) -> int:
         """Join the group whose rendezvous store rank 0 serves at `init_method` (its own store on rank 0)."""
         timeout = timedelta(seconds=timeout_s)
-        if self.engine.rank == 0 and self.rendezvous is not None:
+        if self.running.rank == 0 and self.rendezvous is not None:
             store = self.rendezvous
             store.set_timeout(timeout)
         else:  # a kept process that served an earlier group's store and is not rank 0 now lets it go
             host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
             store, self.rendezvous = TCPStore(host, int(port), None, False, timeout), None
-        self.engine.connect(init_method, timeout_s, store=store)
-        st = self.engine.stage_spec
+        self.running.connect(init_method, timeout_s, store=store)
+        st = self.running.stage_spec
         self.log.info("joined world of %d: layers [%d, %d), %d micro-batches, recompute %d layers, "
-                      "offload params=%s optimizer=%s", len(self.engine.plan.devices()), st.layer_start,
-                      st.layer_end, len(self.engine.pipe.micro_batch_sizes()), len(st.offload.recompute_layers),
+                      "offload params=%s optimizer=%s", len(self.running.plan.devices()), st.layer_start,
+                      st.layer_end, len(self.running.pipe.micro_batch_sizes()), len(st.offload.recompute_layers),
                       st.offload.offload_params, st.offload.offload_optimizer)
         return os.getpid()
 
     def step(self, step_index: int) -> StepResult:
         """Forward, backward and gradient sync of a step; the update waits for `commit`."""
         try:
-            r = self.engine.step(step_index, before=self.faults, commit=False)
+            r = self.running.step(step_index, before=self.faults, commit=False)
         except Exception as e:
             self.log.error("step %d failed: %s", step_index, e)
             self._let_go(e)
             raise
         peak, budget = r.extra.get("device_peak_bytes"), r.extra.get("device_budget_bytes")
-        if self.engine.meter.enabled and budget and peak > budget:
+        if self.running.meter.enabled and budget and peak is not None and peak > budget:
             self.log.warning("step %d: device peak %.1f MiB is over the budget of %.1f MiB", step_index,
                              peak / 2**20, budget / 2**20)
         if step_index % self.log_every == 0:
@@ -195,17 +205,17 @@ class TrainWorker:
                           r.time_s, r.peak_mem_bytes / 2**20)
         return r
 
-    def _let_go(self, e: BaseException) -> None:
+    def _let_go(self, e: BaseException | None) -> None:
         """After a failed step: drop this rank's process groups, so peers blocked on it in a collective fail now
         (Engine.drop_groups); the failed step's frames, which hold its pending sends, are cleared first."""
         while e is not None:
             traceback.clear_frames(e.__traceback__)
             e = e.__cause__ or e.__context__
-        self.engine.drop_groups()
+        self.running.drop_groups()
 
     def commit(self, step_index: int) -> None:
         with self.state_lock:
-            self.engine.commit(step_index, during=self.faults.during_update)
+            self.running.commit(step_index, during=self.faults.during_update)
 
     def set_keeper(self, keeper) -> None:
         """The keeper this rank's peer snapshots go to (set apart from `snapshot`: an actor handle in a
@@ -217,31 +227,39 @@ class TrainWorker:
 
         It runs on the training thread between commits (the caller waits for it, so the clone
         is of that step); the transfer to the keeper goes on in `receipt`, beside the next steps."""
-        if self.engine.committed_step != step_index:
-            raise RuntimeError(f"{self.engine.where}: snapshot of step {step_index}, but step "
-                               f"{self.engine.committed_step} is the committed one")
+        if self.running.committed_step != step_index:
+            raise RuntimeError(f"{self.running.where}: snapshot of step {step_index}, but step "
+                               f"{self.running.committed_step} is the committed one")
         with self.puts_ready:
-            self.puts[step_index] = (to_numpy(export_shards(self.engine)), pin)
+            self.puts[step_index] = (to_numpy(export_shards(self.running)), pin)
             self.puts_ready.notify_all()
 
     @ray.method(concurrency_group="snapshot")
-    def receipt(self, step_index: int, timeout_s: float = 120.0) -> Receipt | None:
-        """The keeper's receipt for the copy of `step_index` (metadata), once it is there; None if never started."""
+    def receipt(self, step_index: int, timeout_s: float | None = None) -> Receipt | None:
+        """The keeper's receipt for the copy of `step_index` (metadata), once it is there; None if never started.
+        Each wait (for the copy, for the keeper) lasts up to `timeout_s` (default runtime.timeouts.control_s)."""
+        timeout_s = self.config.control_timeout_s if timeout_s is None else timeout_s
         with self.puts_ready:
             if not self.puts_ready.wait_for(lambda: step_index in self.puts, timeout=timeout_s):
                 return None
             shards, pin = self.puts.pop(step_index)
-        return ray.get(self.keeper.put.remote(Tier.PEER, step_index, self.engine.rank, shards, pin), timeout=timeout_s)
+        if self.keeper is None:
+            raise RuntimeError(f"{self.running.where}: a snapshot of step {step_index} but no keeper (set_keeper)")
+        receipt: Receipt = ray.get(self.keeper.put.remote(Tier.PEER, step_index, self.running.rank, shards, pin),
+                                   timeout=timeout_s)
+        return receipt
 
     @ray.method(concurrency_group="control")
     def hand_over(self, keeper) -> Receipt | None:
         """After a failure: give the committed state to this node's keeper (tier "live"), and wait until it is there."""
         with self.state_lock:
-            step = self.engine.committed_step
+            step = self.running.committed_step
             if step < 0:
                 return None
-            shards = to_numpy(export_shards(self.engine))
-        return ray.get(keeper.put.remote(Tier.LIVE, step, self.engine.rank, shards), timeout=60)
+            shards = to_numpy(export_shards(self.running))
+        got: Receipt | None = ray.get(keeper.put.remote(Tier.LIVE, step, self.running.rank, shards),
+                                      timeout=self.config.control_timeout_s)
+        return got
 
     @ray.method(concurrency_group="control")
     def abort(self) -> None:
@@ -252,25 +270,17 @@ class TrainWorker:
             e.abort_groups()
 
     def retain(self, step: int | None) -> KeptState | None:
-        """After a failure (in-place recovery): keep committed step `step` (None: whatever step is committed) in
-        this process for the next plan, and let go of this plan's stage and groups. Only a rank that proves it
-        holds exactly that step is kept: its stage's committed step is `step`, no update was under way and no
-        overlapped restore or update failed; or the stage never got state and the step kept from before is
-        `step`. None: this process is not to be reused (the group replaces it)."""
-        e, kept = self.engine, None
+        """After a failure (in-place recovery): keep committed step `step` in this process for the next plan
+        (workers/restore.py `Kept.keep` says which step a rank may keep), and let go of this plan's stage and
+        groups. None: this process is not to be reused (the group replaces it)."""
         try:
-            if e is not None and e.module is not None and not e.updating and e.incomplete is None \
-                    and step in (None, e.committed_step):
-                with self.state_lock:
-                    shards = to_numpy(export_shards(e)) if e.committed_step >= 0 else {}  # settles; may raise
-                kept = (e.committed_step, shards)
-            elif self.kept.state is not None and step in (None, self.kept.state[0]):
-                kept = self.kept.state
+            with self.state_lock:
+                self.kept.keep(self.engine, step)
         except Exception as err:  # an overlapped update or restore failed: its state is no step's
             self.log.warning("not kept for the next plan: %s", err)
-        if e is not None:
+            self.kept.state = None
+        if self.engine is not None:
             self._close_engine()
-        self.kept.state = kept
         return self.kept.report()
 
     def held(self) -> list[HeldRow]:
@@ -289,18 +299,18 @@ class TrainWorker:
         self.kept.state = None
 
     def needs(self) -> list[NeedRow]:
-        return needs(self.engine)
+        return needs(self.running)
 
     def load_state(self, step: int, optimizer_steps: float, transfers: list[Fetch], s3: CheckpointLocation | None,
                    overlap: bool = True) -> LoadReport:
         """Pull this rank's state of `step` from its sources and load it (workers/restore.py `Restore.load`)."""
-        return self.restores.load(self.engine, step, optimizer_steps, transfers, s3, overlap)
+        return self.restores.load(self.running, step, optimizer_steps, transfers, s3, overlap)
 
     @ray.method(concurrency_group="control")
     def settle_restore(self) -> bool:
         """Wait for an overlapped restore's moments (before their source keepers are cleared); False: they failed."""
         try:
-            self.engine.await_restore()
+            self.running.await_restore()
             return True
         except Exception as e:
             self.log.warning("the overlapped restore failed: %s", e)
@@ -311,14 +321,14 @@ class TrainWorker:
         self.faults.fail_at(step_index, kind)
 
     def export_state(self) -> dict:
-        return export_shards(self.engine)
+        return export_shards(self.running)
 
     def import_state(self, full: dict, optimizer_steps: float, step: int = -1) -> None:
-        import_full(self.engine, full, optimizer_steps)
-        self.engine.committed_step = step
+        import_full(self.running, full, optimizer_steps)
+        self.running.committed_step = step
 
     def where(self) -> str:
-        return self.engine.where
+        return self.running.where
 
     def close(self) -> None:
-        self.engine.close()
+        self.running.close()

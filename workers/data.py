@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from workers.data_validation import DataError, check_data, check_window, min_tokens
+from workers.data_validation import DataError, TokenArray, check_data, check_window, min_tokens
 from workers.s3_data import CacheConfig, S3Array, is_s3
 
 _MIX = 0x9E3779B97F4A7C15
@@ -58,7 +58,7 @@ class _Windowed:
     """Fixed-length windows at pseudo-random offsets of a flat token array; every window is checked
     against the vocabulary as it is read (workers/data_validation.py)."""
 
-    def __init__(self, tokens: np.ndarray, vocab_size: int, seq_len: int, seed: int, source: str):
+    def __init__(self, tokens: TokenArray, vocab_size: int, seq_len: int, seed: int, source: str):
         if len(tokens) < min_tokens(seq_len):
             raise DataError(f"{source} has {len(tokens)} tokens; need at least seq_len + 2 = {min_tokens(seq_len)}")
         self.tokens, self.vocab_size, self.seq_len, self.seed = tokens, vocab_size, seq_len, seed
@@ -119,6 +119,7 @@ class TextFile(_Windowed):
 
     def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256, endpoint_url: str | None = None,
                  cache: CacheConfig | None = None):
+        tokens: TokenArray
         if is_s3(path):
             tokens = S3Array(path, "uint8", endpoint_url, cache=cache)
         else:
@@ -131,8 +132,8 @@ class TokenFile(_Windowed):
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0,
                  endpoint_url: str | None = None, cache: CacheConfig | None = None):
-        tokens = (S3Array(path, dtype, endpoint_url, cache=cache) if is_s3(path)
-                  else np.memmap(path, dtype=np.dtype(dtype), mode="r"))
+        tokens: TokenArray = (S3Array(path, dtype, endpoint_url, cache=cache) if is_s3(path)
+                              else np.memmap(path, dtype=np.dtype(dtype), mode="r"))
         super().__init__(tokens, vocab_size, seq_len, seed, path)
 
 
@@ -142,6 +143,8 @@ def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: 
     window with its own GET."""
     if kind == "synthetic":
         return SyntheticCorpus(vocab_size, seq_len, seed)
+    if path is None:
+        raise DataError(f"data.kind {kind!r} reads a file: set data.path to it (a local path or s3://bucket/key)")
     if kind == "text":
         if not is_s3(path):  # a local file is read whole here anyway; S3 windows are checked as they are read
             check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError

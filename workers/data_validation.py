@@ -10,11 +10,22 @@ vocabulary can never reach the embedding as an opaque IndexError.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from workers.data_errors import DataError  # noqa: F401  (raised here; callers import it from this module)
+
+
+class TokenArray(Protocol):
+    """A flat token array as the datasets read it: a numpy array or memory map, or an S3 object read by ranged
+    GETs (workers/s3_data.py `S3Array`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, sl: slice) -> Any: ...
 
 FULL_SCAN_TOKENS = 1 << 24  # 16M tokens: read whole; larger files are sampled
 SAMPLE_WINDOWS, WINDOW_TOKENS = 256, 4096
@@ -36,13 +47,16 @@ def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype
         from workers.s3_data import S3Array
 
         s3 = S3Array(path, "uint8" if kind == "text" else dtype, endpoint_url)
-        size, open_tokens = s3.size_bytes, lambda: s3
+        size = s3.size_bytes
+        open_tokens: Callable[[], TokenArray] = lambda: s3  # noqa: E731
     else:
         p = _readable(path)
         size = p.stat().st_size
-        open_tokens = lambda: np.memmap(p, dtype=np.uint8 if kind == "text" else np.dtype(dtype), mode="r")  # noqa: E731
+        item = np.uint8 if kind == "text" else np.dtype(dtype)
+        open_tokens = lambda: np.memmap(p, dtype=item, mode="r")  # noqa: E731
     if size == 0:
-        raise DataError(f"data.path {path!r} is empty; point it at a non-empty {'text' if kind == 'text' else dtype} file")
+        raise DataError(f"data.path {path!r} is empty; point it at a non-empty "
+                        f"{'text' if kind == 'text' else dtype} file")
     if size % itemsize:
         raise DataError(f"data.path {path!r} has {size:,} bytes, not a multiple of {itemsize} ({dtype}); "
                         f"it is not a flat {dtype} token file: check data.dtype (uint16 or uint32) or the file")
@@ -81,7 +95,7 @@ def _readable(path: str | None) -> Path:
     return p
 
 
-def _max_token(tokens: np.ndarray) -> tuple[int, int]:
+def _max_token(tokens: TokenArray) -> tuple[int, int]:
     """(largest id, its index) over the whole file if small, else over evenly spaced windows."""
     n = len(tokens)
     if n <= FULL_SCAN_TOKENS:

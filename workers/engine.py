@@ -42,6 +42,7 @@ from planner.plan_types import Plan
 from planner.schedule import op_order
 from planner.specs import ModelSpec, TrainSpec
 from workers.data import Dataset
+from workers.engine_parts import grad as grad_of
 from workers.grad_sync import GradSync
 from workers.model import Stage
 from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
@@ -100,7 +101,6 @@ class Engine(GradSync, OptimizerState):
         self.last = self.info.stage == len(self.pipe.stages) - 1
         self.where = (f"rank {rank} (pipeline {self.info.pipeline}, stage {self.info.stage}, "
                       f"TP rank {self.info.tp_rank}, {self.stage_spec.gpu_type} on {self.info.node})")
-        self.module: Stage | None = None
         self.tp_group, self.grad_groups = None, []
         self._groups_lock, self._aborted = threading.Lock(), False
         self.committed_step = -1  # the newest step whose update is applied (set by restores too)
@@ -141,7 +141,8 @@ class Engine(GradSync, OptimizerState):
         self.separate = self.offload_opt or self.mixed  # masters apart from the compute copies
         pin = self.device.type == "cuda"
         self.opt_params = {
-            n: (torch.nn.Parameter(p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().to("cpu", copy=True))
+            n: (torch.nn.Parameter(p.detach().to("cpu", copy=True).pin_memory() if pin
+                                   else p.detach().to("cpu", copy=True))
                 if self.offload_opt else torch.nn.Parameter(p.detach().clone()) if self.mixed else p)
             for n, p in self.module.params.items()
         }
@@ -150,14 +151,14 @@ class Engine(GradSync, OptimizerState):
                 for p in self.module.params.values():
                     p.data = p.data.to(self.dtype)
         self.meter = DeviceMeter(self.device_budget, self.meter_memory, self.device)
-        self.store = None
+        self.store: ParamStore | None = None
         if st.offload.offload_params:
             # Parameter offload: block weights leave the device; the module reads them through the store.
             blocks = {n for n, spec in self.module.specs.items() if isinstance(spec.layer, int)}
             for n in blocks:
                 self.module.params[n] = self.opt_params[n]
                 self.module.register_parameter(n.replace(".", "__"), self.opt_params[n])
-            self.store = ParamStore({n: self.opt_params[n] for n in blocks}, lambda n: self.module.specs[n].layer,
+            self.store = ParamStore({n: self.opt_params[n] for n in blocks}, lambda n: int(self.module.specs[n].layer),
                                     list(range(st.layer_start, st.layer_end)), self.device,
                                     st.offload.prefetch_depth, self.meter, self.dtype)
             self.module.store = self.store
@@ -193,10 +194,11 @@ class Engine(GradSync, OptimizerState):
         self.incomplete: str | None = None  # why that half failed: this rank's state is not a step's, nor exported
 
     def close(self) -> None:
-        if getattr(self, "updater", None) is not None:
-            self.updater.join()
-        if getattr(self, "store", None) is not None:
-            self.store.close()
+        updater, store = getattr(self, "updater", None), getattr(self, "store", None)
+        if updater is not None:
+            updater.join()
+        if store is not None:
+            store.close()
         self.drop_groups()
 
     def drop_groups(self) -> None:
@@ -211,7 +213,7 @@ class Engine(GradSync, OptimizerState):
             for h in getattr(self, "_sync_hooks", ()):
                 h.remove()
             self._sync_hooks = []
-            if self.module is not None:
+            if self.built:
                 self.module.tp_group = None
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -243,7 +245,8 @@ class Engine(GradSync, OptimizerState):
                     continue
                 try:
                     w = dist.irecv(torch.empty(1), group=g, group_src=r, tag=ABORT_TAG)
-                    w.wait(timeout=timedelta(milliseconds=1))
+                    if w is not None:
+                        w.wait(timeout=timedelta(milliseconds=1))
                 except Exception:  # noqa: BLE001 - the timeout (or an already closed pair) is the point
                     pass
 
@@ -311,6 +314,7 @@ class Engine(GradSync, OptimizerState):
                 if kind == "F":
                     tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device) if reads else None
                     if self.first:
+                        assert tokens is not None  # (the first stage reads the batch)
                         inp = tokens[:, :-1]
                     else:
                         inp = torch.empty(sizes[j], seq, h, dtype=self.dtype, device=self.device)
@@ -319,6 +323,7 @@ class Engine(GradSync, OptimizerState):
                     with self._saved_hooks():
                         out = self.module(inp)
                     if self.last:
+                        assert tokens is not None  # (the last stage reads the batch)
                         out = self.module.loss_sum(out, tokens[:, 1:]) / big_b
                         loss_total += out.item()
                         if self.loss_scale != 1.0:  # fp16: gradients scaled up past fp16's underflow
@@ -339,7 +344,7 @@ class Engine(GradSync, OptimizerState):
                     out.backward(grad)
                     out = grad = None  # the micro-batch's graph (and a checkpoint's leftovers) go now
                     if not self.first:
-                        g = inp.grad.contiguous()
+                        g = grad_of(inp).contiguous()
                         pending += [dist.isend(g, dst=d, tag=2 * j + 1) for d in send_grad]
                     inp = None
                     if self.store is not None:
@@ -381,7 +386,8 @@ class Engine(GradSync, OptimizerState):
             self.updater.join()
         self.await_restore()
         if self.incomplete:
-            raise RuntimeError(f"{self.where}: its state is incomplete (an overlapped restore failed: {self.incomplete})")
+            raise RuntimeError(f"{self.where}: its state is incomplete (an overlapped restore failed: "
+                               f"{self.incomplete})")
 
     def await_restore(self, raise_error: bool = True) -> float:
         """Wait for the moments of an overlapped restore (workers/state.py `import_moments`); the seconds waited.

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from planner.layout import extended_layer
+from workers.engine_parts import EngineParts, grad
 
 
-class GradSync:
+class GradSync(EngineParts):
     def _plan_sync(self) -> None:
         """Buckets: per (segment, TP rank) group (AutoHet §4, layer-wise sync across asymmetric replicas),
         one flat all-reduce per extended layer, last layer first, the order backward finishes them.
@@ -65,7 +66,7 @@ class GradSync:
     def _launch(self, bucket, async_op: bool) -> None:
         layer, group, names = bucket
         params = [self.grad_params[n] for n in names]
-        flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self.device)  # host grads: via the device
+        flat = torch.cat([grad(p).reshape(-1) for p in params]).to(self.device)  # host grads: via the device
         self.sync_trace.append(("launch", layer, time.perf_counter()))
         work = dist.all_reduce(flat, group=group, async_op=async_op)
         self._inflight.append((id(bucket), work, flat, params))
@@ -109,9 +110,9 @@ class GradSync:
         if self.info.pipeline == 0:
             for name, p in self.grad_params.items():
                 if self.module.specs[name].shard_dim is not None or self.info.tp_rank == 0:
-                    sq += p.grad.double().pow(2).sum().to(self.device)
+                    sq += grad(p).double().pow(2).sum().to(self.device)
         dist.all_reduce(sq)
         coef = self.train.grad_clip / (float(sq.sqrt()) + 1e-6)
         if coef < 1.0:
             for p in self.grad_params.values():
-                p.grad.mul_(coef)
+                grad(p).mul_(coef)

@@ -67,7 +67,8 @@ def _gpt_from_hf(t: dict[str, torch.Tensor], m: ModelSpec) -> dict[str, torch.Te
         for j, n in enumerate("qkv"):
             out[p + f"attn.{n}.weight"], out[p + f"attn.{n}.bias"] = w[j * h:(j + 1) * h], b[j * h:(j + 1) * h]
         for ours, theirs in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            out[p + ours + ".weight"], out[p + ours + ".bias"] = get(q + theirs + ".weight").t(), get(q + theirs + ".bias")
+            out[p + ours + ".weight"] = get(q + theirs + ".weight").t()
+            out[p + ours + ".bias"] = get(q + theirs + ".bias")
         for n in ("ln_1", "ln_2"):
             out[p + n + ".weight"], out[p + n + ".bias"] = get(q + n + ".weight"), get(q + n + ".bias")
     return {k: v.contiguous() for k, v in out.items()}
@@ -110,7 +111,8 @@ def write(directory: str | Path, m: ModelSpec, state: dict[str, torch.Tensor], m
     if len(shards) == 1:
         save_file(shards[0], str(out / SINGLE), metadata={"format": "pt"})
         return [out / CONFIG, out / SINGLE]
-    files, weight_map = [], {}
+    files: list = []
+    weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards, 1):
         f = out / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(f), metadata={"format": "pt"})

@@ -20,7 +20,9 @@ stage that chains blocks between an optional embedding and an optional head.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,8 +145,9 @@ class Stage(torch.nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.tp_group = tp_group if tp_size > 1 else None
         self.recompute = recompute_layers
-        self.store = None  # a workers.offload.ParamStore when block weights live in host memory
-        self.before_layer = None  # called with -1 (embedding), a block index, or num_layers (head) before use
+        self.store: Any = None  # a workers.offload.ParamStore when block weights live in host memory
+        # called with -1 (embedding), a block index, or num_layers (head) before use
+        self.before_layer: Callable[[int], None] | None = None
         specs = (embed_params(model) if first else []) + [p for i in self.layers for p in block_params(model, i)]
         specs += head_params(model) if last else []
         self.specs = {s.name: s for s in specs}

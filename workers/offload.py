@@ -30,7 +30,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,7 +76,7 @@ class DeviceMeter:
         self._storages: dict[int, list] = {}  # storage ptr -> [refs, bytes]
         self._lock = threading.Lock()
 
-    def set_static(self, tensors: list[torch.Tensor]) -> None:
+    def set_static(self, tensors: Sequence[torch.Tensor]) -> None:
         """The state that stays on the device all step (counted once, views of it never again)."""
         self.static_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
         self.static = sum(t.untyped_storage().nbytes() for t in tensors)
@@ -252,7 +252,9 @@ class ParamStore:
 
     def _ahead(self, direction: str, layer: int) -> list[int]:
         i = self.layers.index(layer)
-        nxt = self.layers[i + 1:i + 1 + self.depth] if direction == "fwd" else self.layers[max(0, i - self.depth):i][::-1]
+        if direction == "fwd":
+            return self.layers[i + 1:i + 1 + self.depth]
+        nxt = self.layers[max(0, i - self.depth):i][::-1]
         return nxt
 
     def weights(self, layer: int) -> dict[str, torch.Tensor]:

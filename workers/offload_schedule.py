@@ -86,7 +86,7 @@ def schedule(num_layers: int, t: StageTimes, offload_optimizer: bool, offload_pa
 
     def ready_at(key) -> float | None:
         ts = [done.get(k) for k in deps(*key)]
-        return None if any(x is None for x in ts) else max(ts, default=0.0)
+        return None if any(x is None for x in ts) else max((x for x in ts if x is not None), default=0.0)
 
     durations = {"fwd": t.fwd_s, "bwd": t.bwd_s, "h2d_fwd": t.h2d_s, "h2d_bwd": t.h2d_s,
                  "d2h_grad": t.d2h_s, "adam": t.adam_s, "h2d_update": t.h2d_s}
@@ -107,15 +107,15 @@ def schedule(num_layers: int, t: StageTimes, offload_optimizer: bool, offload_pa
             if r is not None:
                 best = (max(r, lanes_free["compute"]), 0, "compute", compute[c])
         for lane_i, lane in enumerate(("h2d", "d2h", "cpu"), start=1):
-            ready = [(k, ready_at(k)) for k in pending if lane_of[k[0]] == lane]
-            ready = [(k, r) for k, r in ready if r is not None]
+            at = {k: ready_at(k) for k in pending if lane_of[k[0]] == lane}
+            ready = [(k, r) for k, r in at.items() if r is not None]
             if not ready:
                 continue
             start = max(min(r for _, r in ready), lanes_free[lane])
             # Among ops ready by the time the lane is free, the one needed soonest goes first.
             eligible = [k for k, r in ready if r <= start] or [min(ready, key=lambda kr: kr[1])[0]]
             key = min(eligible, key=lambda k: (need(k), k))
-            cand = (max(ready_at(key), lanes_free[lane]), lane_i, lane, key)
+            cand = (max(dict(ready)[key], lanes_free[lane]), lane_i, lane, key)
             if best is None or cand[:2] < best[:2]:
                 best = cand
         assert best is not None, "schedule deadlock"  # programmer invariant

@@ -10,8 +10,10 @@ import contextlib
 
 import torch
 
+from workers.engine_parts import EngineParts
 
-class OptimizerState:
+
+class OptimizerState(EngineParts):
     def _adamw(self, params: list) -> torch.optim.AdamW:
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -28,6 +30,7 @@ class OptimizerState:
         pause = self.meter.paused if self.offload_opt else contextlib.nullcontext  # host bytes are not the device's
 
         def hook(p: torch.Tensor) -> None:
+            assert p.grad is not None  # (a post-accumulate-grad hook: the gradient is there)
             with pause():
                 g = p.grad if p.grad.device == master.device else p.grad.to(master.device)  # D2H in compute dtype
                 if master.grad is None:
@@ -52,18 +55,18 @@ class OptimizerState:
             self.updater.start()
             return
         if not self._skip:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
         if self.mixed:  # the compute copies take the new master weights
             with torch.no_grad():
                 for n, p in self.module.params.items():
                     p.copy_(self.opt_params[n])
         if self.meter.enabled and not self._moments_counted:
             self._moments_counted = True
-            self.meter.set_static(self._device_state() + [t for st in self.optimizer.state.values()
+            self.meter.set_static(self._device_state() + [t for st in self.adamw.state.values()
                                                           for t in st.values() if torch.is_tensor(t) and t.dim() > 0])
 
-    def _device_state(self) -> list[torch.Tensor]:
+    def _device_state(self) -> list[torch.nn.Parameter]:
         """Tensors that stay on the device between steps: the compute copies, and fp32 masters when mixed."""
         masters = list(self.opt_params.values()) if self.mixed and not self.offload_opt else []
         return list(self.resident.values()) + masters
@@ -74,7 +77,7 @@ class OptimizerState:
         if not self.offload_opt:
             return 0
         masters = sum(p.numel() * p.element_size() for p in self.opt_params.values())
-        states = self.updater.states() if self.updater is not None else self.optimizer.state.values()
+        states = self.updater.states() if self.updater is not None else self.adamw.state.values()
         moments = sum(t.numel() * t.element_size() for st in states for t in st.values()
                       if torch.is_tensor(t) and t.dim() > 0)
         return 2 * masters + moments
@@ -90,13 +93,13 @@ class OptimizerState:
 
     def optimizer_states(self):
         """AdamW's per-parameter state dicts (host optimizer's under offload)."""
-        return self.updater.states() if self.updater is not None else self.optimizer.state.values()
+        return self.updater.states() if self.updater is not None else self.adamw.state.values()
 
     def optimizer_state(self, q: torch.Tensor) -> dict:
-        return self.updater.state_of(q) if self.updater is not None else self.optimizer.state.get(q, {})
+        return self.updater.state_of(q) if self.updater is not None else self.adamw.state.get(q, {})
 
     def set_optimizer_state(self, q: torch.Tensor, state: dict) -> None:
         if self.updater is not None:
             self.updater.set_state(q, state)
         else:
-            self.optimizer.state[q] = state
+            self.adamw.state[q] = state

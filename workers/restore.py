@@ -16,9 +16,18 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from workers.state import KEYS, MOMENTS, answer, import_moments, import_pieces, shard_nbytes
+from workers.state import (
+    KEYS,
+    MOMENTS,
+    answer,
+    export_shards,
+    import_moments,
+    import_pieces,
+    shard_nbytes,
+)
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
@@ -36,7 +45,6 @@ from workers.transfer import (
 if TYPE_CHECKING:
     from workers.engine import Engine
 
-PULL_TIMEOUT_S = 300.0  # one source's answer to a rank's requests
 
 
 def serve(requests: list, keys: tuple[str, ...] | None, shard_of: Callable[[Any], dict],
@@ -52,6 +60,25 @@ class Kept:
 
     def __init__(self) -> None:
         self.state: tuple[int, dict] | None = None  # (step, shards)
+
+    def keep(self, engine: Engine | None, step: int | None) -> KeptState | None:
+        """After a failure: keep committed step `step` (None: whatever step is committed) of `engine`, whose stage
+        is let go of next (the caller closes it). Only a rank that proves it holds exactly that step is kept: its
+        stage's committed step is `step`, no update was under way and no overlapped restore or update failed; or
+        the stage never got state and the step kept from before is `step`. An overlapped update or restore that
+        failed raises (its state is no step's); the caller keeps nothing then.
+
+        The shards kept are the engine's own tensors where they live in host memory, not a copy (the engine is
+        closed and never updates them again; the next plan's stage loads them from here, tier in_place, and
+        peers read them through `answer`); a stage on a device leaves a host copy."""
+        e, kept = engine, None
+        if e is not None and e.built and not e.updating and e.incomplete is None \
+                and step in (None, e.committed_step):
+            kept = (e.committed_step, export_shards(e, copy=False) if e.committed_step >= 0 else {})  # settles
+        elif self.state is not None and step in (None, self.state[0]):
+            kept = self.state
+        self.state = kept
+        return self.report()
 
     def report(self) -> KeptState | None:
         if self.state is None:
@@ -76,7 +103,16 @@ class Kept:
         if bad:
             raise TypeError(f"a kept process answers KeptRequest, not {bad[0]}")
         shards = held[1]
-        return list(serve(requests, keys, lambda r: shards[r.unit], lambda r: tier))
+        pieces = serve(requests, keys, lambda r: shards[r.unit], lambda r: tier)
+        if tier == Tier.IN_PLACE:  # this process's own loader: the kept tensors as they are
+            return list(pieces)
+        return [replace(p, tensors={k: _host_array(v) for k, v in p.tensors.items()}) for p in pieces]
+
+
+def _host_array(t: Any) -> Any:
+    """A kept tensor as Ray moves it to another process without pickling its data: a numpy array (the tensor's
+    own memory where it is in host memory)."""
+    return t.detach().cpu().numpy() if hasattr(t, "detach") else t
 
 
 class Restore:
@@ -84,8 +120,9 @@ class Restore:
     the rank makes of its own process (nothing moves). `get(answer, timeout)` waits for a source's answer (the
     actor passes `ray.get`: only the actor adapter imports Ray)."""
 
-    def __init__(self, kept: Kept, get: Callable[..., Any]):
+    def __init__(self, kept: Kept, get: Callable[..., Any], timeout_s: float = 300.0):
         self.kept, self.get = kept, get
+        self.timeout_s = timeout_s  # one source's answer to a rank's requests (runtime.timeouts.transfer_s)
         self._pool: ThreadPoolExecutor | None = None
 
     def load(self, engine: Engine, step: int, optimizer_steps: float, transfers: list[Fetch],
@@ -129,7 +166,7 @@ class Restore:
         nbytes, deferred = dict.fromkeys(Tier, 0), dict.fromkeys(Tier, 0)
         got: dict[int, dict] = {}
         for reqs, fut in futures:
-            answers = fut if isinstance(fut, list) else self.get(fut, timeout=PULL_TIMEOUT_S)
+            answers = fut if isinstance(fut, list) else self.get(fut, timeout=self.timeout_s)
             if answers and isinstance(answers[0], Refused):
                 return answers[0], nbytes, deferred
             for (i, _), a in zip(reqs, answers, strict=True):

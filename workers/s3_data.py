@@ -42,7 +42,7 @@ _URI = re.compile(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.+)")
 
 
 def is_s3(path: str | None) -> bool:
-    return bool(path) and path.startswith("s3://")
+    return path is not None and path.startswith("s3://")
 
 
 class S3Array:
@@ -180,13 +180,13 @@ class BlockCache:
 
     def _fetch(self, b: int) -> bytes:
         with self._lock:
-            fut = self._fetching.get(b)
-            mine = fut is None
-            if mine:
-                fut = self._fetching[b] = Future()
+            theirs = self._fetching.get(b)
+            if theirs is None:
+                fut: Future = Future()
+                self._fetching[b] = fut
                 self.misses += 1
-        if not mine:
-            return fut.result()
+        if theirs is not None:
+            return theirs.result()
         try:
             body = self.array.get_range(b * self.block, min(self.array.size_bytes, (b + 1) * self.block))
             tmp = self.dir / f".{b}.{os.getpid()}.{threading.get_ident()}.tmp"

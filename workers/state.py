@@ -22,9 +22,14 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's: needed only at a step's update, 
 KEYS = ("param", *MOMENTS)
 
 
-def export_shards(engine: Engine) -> dict[str, dict]:
-    """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state."""
+def export_shards(engine: Engine, copy: bool = True) -> dict[str, dict]:
+    """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state.
+
+    `copy=False` (an in-place survivor keeping its own committed step, workers/restore.py `Kept.keep`): the
+    tensors are the engine's own where they live in host memory (nothing copied; the engine must not update
+    them again) and a host copy only of those on a device."""
     engine.settle()
+    host = (lambda t: t.detach().cpu()) if not copy else (lambda t: t.detach().cpu().clone())
     out = {}
     steps = {float(st["step"]) for st in engine.optimizer_states() if "step" in st}
     for name in engine.module.params:
@@ -34,9 +39,9 @@ def export_shards(engine: Engine) -> dict[str, dict]:
         out[name] = {
             "shape": spec.shape, "shard_dim": spec.shard_dim,
             "slice": [(s.start or 0, s.stop if s.stop is not None else spec.shape[d]) for d, s in enumerate(sl)],
-            "param": engine.opt_params[name].detach().cpu().clone(),  # the master (fp32 under mixed precision)
-            "exp_avg": st["exp_avg"].cpu().clone() if "exp_avg" in st else None,
-            "exp_avg_sq": st["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in st else None,
+            "param": host(engine.opt_params[name]),  # the master (fp32 under mixed precision)
+            "exp_avg": host(st["exp_avg"]) if "exp_avg" in st else None,
+            "exp_avg_sq": host(st["exp_avg_sq"]) if "exp_avg_sq" in st else None,
             "optimizer_steps": max(steps) if steps else 0.0,
         }
     return out
@@ -78,8 +83,8 @@ def cut(shard: dict, region, keys: tuple[str, ...] = KEYS) -> dict:
     whole = all(tuple(r) == tuple(s) for r, s in zip(region, shard["slice"], strict=True))
     out = {}
     for k in keys:
-        if whole and isinstance(shard.get(k), np.ndarray):  # all of it: no copy here (Ray copies it once)
-            out[k] = shard[k]
+        if whole and isinstance(shard.get(k), (np.ndarray, torch.Tensor)):  # all of it: no copy here (Ray copies
+            out[k] = shard[k]                                                 # it once; a loader copies it in)
             continue
         t = shard.get(k)
         out[k] = None if t is None else t[idx].clone() if isinstance(t, torch.Tensor) else np.ascontiguousarray(t[idx])
@@ -144,7 +149,9 @@ def _local(engine: Engine, name: str, pieces: list[tuple]) -> dict:
                 continue
             if local.get(k) is None:
                 local[k] = torch.empty(shape, dtype=t.dtype)
-            local[k][idx] = t
+            dest = local[k]
+            assert dest is not None
+            dest[idx] = t
     return local
 
 
@@ -192,7 +199,7 @@ def assemble(shards: list[dict[str, dict]], key: str = "param") -> dict[str, tor
     return full
 
 
-def full_state(shards: list[dict[str, dict]]) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+def full_state(shards: list[dict[str, dict]]) -> tuple[dict[str, dict[str, torch.Tensor | None]], float]:
     """{name: {"param", "exp_avg", "exp_avg_sq"}} of full tensors, and the optimizer step count."""
     parts = {k: assemble(shards, k) for k in KEYS}
     steps = max((s["optimizer_steps"] for shard in shards for s in shard.values()), default=0.0)

@@ -1,4 +1,5 @@
-"""`hetspot checkpoints list|verify|rm|export URI`: a job's S3 steps (registered as a sub-app by orchestrator/cli/main.py)."""
+"""`hetspot checkpoints list|verify|rm|export URI`: a job's S3 steps (registered as a sub-app by
+orchestrator/cli/main.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _store(uri: str, endpoint_url: str | None):
     try:
         return check_access(uri, endpoint_url)
     except ValueError as e:
-        raise ConfigError(str(e).replace("checkpoint.uri", "URI").replace("checkpoint.endpoint_url", "--endpoint-url")) from None
+        message = str(e).replace("checkpoint.uri", "URI").replace("checkpoint.endpoint_url", "--endpoint-url")
+        raise ConfigError(message) from None
 
 
 @contextlib.contextmanager
@@ -122,7 +124,8 @@ def verify(
         if not as_json:
             typer.echo(f"step {s}: " + ("ok" if not result[s] else "BAD: " + "; ".join(result[s])))
     if as_json:
-        sys.stdout.write(json.dumps([{"step": s, "ok": not p, "problems": p} for s, p in result.items()], indent=2) + "\n")
+        rows = [{"step": s, "ok": not p, "problems": p} for s, p in result.items()]
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     if any(result.values()):
         raise typer.Exit(1)
 
@@ -149,7 +152,8 @@ def rm(
         raise ConfigError(f"no step {step} under {uri}/; `hetspot checkpoints list {uri}` shows the steps")
     steps = sorted(infos, reverse=True) if all_steps else [step]
     what = (f"{len(steps)} step(s) under {uri}/ ({', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}; "
-            f"{sum(infos[s].num_objects for s in steps)} object(s), {sum(infos[s].nbytes for s in steps) / 2**20:.2f} MiB)")
+            f"{sum(infos[s].num_objects for s in steps)} object(s), "
+            f"{sum(infos[s].nbytes for s in steps) / 2**20:.2f} MiB)")
     if dry_run or not steps:
         if as_json:
             sys.stdout.write(json.dumps({"deleted": [], "would_delete": steps}) + "\n")

@@ -1,4 +1,5 @@
-"""`hetspot deploy render`: spot-fleet configs for your GPU mix (registered as a sub-app by orchestrator/cli/main.py)."""
+"""`hetspot deploy render`: spot-fleet configs for your GPU mix (registered as a sub-app by
+orchestrator/cli/main.py)."""
 
 from __future__ import annotations
 

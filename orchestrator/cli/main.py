@@ -162,13 +162,15 @@ def submit(
     job_file: str = typer.Argument(..., help="job YAML"),
     address: str | None = _address_option(False),
     token_file: str | None = _token_option(),
-    plan_file: str | None = typer.Option(None, "--plan", help="a plan JSON (from `hetspot plan --json`); local runs only"),
+    plan_file: str | None = typer.Option(None, "--plan",
+                                         help="a plan JSON (from `hetspot plan --json`); local runs only"),
     steps: int | None = typer.Option(None, "--steps", min=1, help="optimizer steps (default: the job's steps)"),
     resume: bool = typer.Option(False, "--resume", help="go on from the newest complete step under checkpoint.uri"),
     restore_from: str | None = typer.Option(None, "--restore-from", help="nearest (survivors, peer memory, then S3; "
                                             "the default) or s3 (S3 only, for comparison)"),
     replan_on_loss: bool = typer.Option(False, "--replan-on-loss",
-                                        help="with --plan: after a node loss, re-plan on the survivors instead of failing"),
+                                        help="with --plan: after a node loss, re-plan on the survivors instead "
+                                        "of failing"),
     follow: bool = typer.Option(False, "--follow", help="with --address: stream the job's logs until it ends"),
     as_json: bool = typer.Option(False, "--json", help="print the result (local) or the job id (--address) as JSON"),
 ) -> None:
@@ -221,7 +223,8 @@ def submit(
     if as_json:
         _print_json(result)
     else:
-        console.print(f"trained steps {result['first_step']}-{result['first_step'] + len(result['losses']) - 1} in {result['wall_s']:.1f} s "
+        last = result["first_step"] + len(result["losses"]) - 1
+        console.print(f"trained steps {result['first_step']}-{last} in {result['wall_s']:.1f} s "
                       f"(start-up {result['startup_s']:.1f} s): loss {result['losses'][0]:.4f} -> "
                       f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s over the step times, "
                       f"{result['restarts']} re-plans")
@@ -254,8 +257,9 @@ def status(
 
     if is_location(job):
         rec = read_record(job, endpoint_url)
-        st = {"job_id": rec["job_id"], "status": rec["state"], "message": rec.get("error") or "", "phase": rec.get("phase"),
-              "progress": rec["progress"], "events": rec["events"], "summary": rec["summary"], "run_record": job}
+        st = {"job_id": rec["job_id"], "status": rec["state"], "message": rec.get("error") or "",
+              "phase": rec.get("phase"), "progress": rec["progress"], "events": rec["events"],
+              "summary": rec["summary"], "run_record": job}
         location = job
     else:
         st = _jobs(address, token_file).status(job, endpoint_url)
@@ -372,7 +376,8 @@ def inventory(
     token_file: str | None = _token_option(),
     job_file: str | None = typer.Option(None, "--job", help="show the embedded test cluster of this job file"),
     ec2_region: str | None = typer.Option(None, "--ec2-region", help="read EC2 facts for nodes with an instance id"),
-    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help="EC2 endpoint (default: AWS_ENDPOINT_URL or AWS)"),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url",
+                                            help="EC2 endpoint (default: AWS_ENDPOINT_URL or AWS)"),
     as_json: bool = typer.Option(False, "--json", help="print the discovered ClusterSpec and nodes as JSON"),
 ) -> None:
     """List the GPUs of a Ray cluster: type, count, market, zone, price."""

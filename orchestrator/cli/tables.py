@@ -49,9 +49,9 @@ def fleet_table(fleet: dict[str, Any], console: Console) -> None:
     for col in ("", "instances", "$/h", "tokens/s", "delivered", "$ per M tokens", "time lost"):
         t.add_column(col, overflow="fold")
     for o in fleet["options"]:
-        t.add_row(o["label"], " + ".join(f"{x['nodes']}x {x['type']}" for x in o["fleet"]), f"{o['price_per_hour']:.2f}",
-                  f"{o['tokens_per_s']:,.0f}", f"{o['effective_tokens_per_s']:,.0f}", _usd(o["cost_per_mtok"]),
-                  f"{o['preemption_loss'] * 100:.1f}%")
+        t.add_row(o["label"], " + ".join(f"{x['nodes']}x {x['type']}" for x in o["fleet"]),
+                  f"{o['price_per_hour']:.2f}", f"{o['tokens_per_s']:,.0f}", f"{o['effective_tokens_per_s']:,.0f}",
+                  _usd(o["cost_per_mtok"]), f"{o['preemption_loss'] * 100:.1f}%")
     console.print(_whole_words(t, console))
     console.print("delivered: tokens/s after the expected preemptions; time lost: the share of time they cost")
 
@@ -174,7 +174,8 @@ def print_status(ref: str, st: dict, console: Console) -> None:
     if summ:
         eta = f", ETA {summ['eta_s']:.0f} s" if summ.get("eta_s") is not None else ""
         goodput = f"{summ['goodput'] * 100:.1f}%" if summ.get("goodput") is not None else "-"
-        console.print(f"  {summ['committed_steps']} steps committed, {summ['steps_left']} left{eta}; goodput {goodput}, "
+        console.print(f"  {summ['committed_steps']} steps committed, {summ['steps_left']} left{eta}; "
+                      f"goodput {goodput}, "
                       f"{summ['recovering_s']:.1f} s recovering over {summ['re_plans']} re-plans and {summ['drains']} "
                       f"drains, {summ['lost_steps']} steps redone")
     if st.get("run_record"):

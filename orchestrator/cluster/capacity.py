@@ -37,7 +37,8 @@ def unservable(fleet, node_types: dict) -> list[str]:
 
     out = []
     for t in fleet.types:
-        same = {name: nt for name, nt in node_types.items() if (nt.get("labels") or {}).get(LABEL_GPU_TYPE) == t.gpu_type}
+        same = {name: nt for name, nt in node_types.items()
+                if (nt.get("labels") or {}).get(LABEL_GPU_TYPE) == t.gpu_type}
         fits = [name for name, nt in same.items() if nt.get("resources", {}).get("GPU", 0) >= t.gpus_per_node
                 and nt.get("max_workers", 0) > 0]
         if not fits:

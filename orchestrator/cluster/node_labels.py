@@ -31,7 +31,8 @@ def ec2_identity(base: str = IMDS, timeout_s: float = 2.0) -> tuple[str, str]:
 
 
 def labels_argument(instance_id: str, instance_type: str) -> str:
-    return f"--labels={LABEL_INSTANCE_ID}={instance_id},{LABEL_INSTANCE_TYPE}={instance_type},{LABEL_NODE}={instance_id}"
+    return (f"--labels={LABEL_INSTANCE_ID}={instance_id},{LABEL_INSTANCE_TYPE}={instance_type},"
+            f"{LABEL_NODE}={instance_id}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,10 @@ from planner import ClusterSpec
 
 
 class DeclaredNodes:
-    def __init__(self, declared: ClusterSpec):
+    def __init__(self, declared: ClusterSpec | None):
+        if declared is None:
+            raise ValueError("the job file declares no cluster: add `cluster: {nodes: [...]}` to it, or run on a live "
+                             "Ray cluster")
         self.declared = declared
         self.notes: dict[str, str] = {}
 

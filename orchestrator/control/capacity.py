@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("hetspot.capacity")
 
@@ -61,7 +62,7 @@ class CapacityView:
 
 @dataclass
 class Capacity:
-    fleet: object  # job_spec.FleetSpec
+    fleet: Any  # job_spec.FleetSpec (control/ does not import the job file's schema)
     count_up: Callable[[], dict[str, int]]  # nodes up per GPU type
     request: Callable[[dict[str, int]], None]  # ask for these nodes per GPU type (replaces the last request)
     now: Callable[[], float]
@@ -73,7 +74,7 @@ class Capacity:
     dry: set[str] = field(default_factory=set)  # types short of max_nodes past substitute_after_s
     dried: dict[str, int] = field(default_factory=dict)  # how often each type went dry
     asked: dict[str, int] | None = None
-    rechoose: Callable[[dict[str, int]], object | None] | None = None  # fleet.auto: {dry type: nodes that came}
+    rechoose: Callable[[dict[str, int]], Any] | None = None  # fleet.auto: {dry type: nodes that came}
     # -> a new FleetSpec among what is left, or None
 
     def tick(self) -> CapacityView:
@@ -101,7 +102,7 @@ class Capacity:
 
     def _choose_again(self, new: list[tuple[str, str, int]], now: float) -> str | None:
         """A type just went dry in a chosen fleet: choose the fleet again among what is left."""
-        if not new:
+        if not new or self.rechoose is None:
             return None
         fleet = self.rechoose({t: self.peak.get(t, 0) for t in self.dried})
         if fleet is None:

@@ -43,7 +43,7 @@ from orchestrator.control.protocols import (
 from orchestrator.control.replan import choose_replan, consider_joined, joined_nodes
 from orchestrator.control.snapshots import MemorySnapshots
 from orchestrator.errors import CheckpointError, WorkerFailure
-from planner import Plan, PlanningError
+from planner import ClusterSpec, Plan, PlanningError
 from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
@@ -95,7 +95,9 @@ class Controller:
         self.on_phase = on_phase or (lambda phase: None)
         self.planner = Planner(model, train)  # keeps its cost caches across re-plans
         self.progress = Progress()
-        self.cluster, self.group, self.error = None, None, None  # ClusterSpec, WorkerGroup, str
+        self.cluster: ClusterSpec | None = None
+        self.group: WorkerGroup | None = None
+        self.error: str | None = None
         self.exit_code = 0  # 1 for a failed job; 2 when the fleet's minimum never came up (a user's fix)
         self.capacity = capacity  # cluster/capacity.Capacity: the fleet's standing demand; None: take what is there
         self.sleep = sleep or time.sleep
@@ -116,11 +118,38 @@ class Controller:
         if capacity is not None and first_plan is None:
             self.state = State.WAITING
 
+    # The state machine's invariants, typed: from launch until the group is released there is a group, a plan and
+    # the cluster it was chosen for; a drain event is open from a notice until the new plan's first step.
+    @property
+    def workers(self) -> WorkerGroup:
+        if self.group is None:
+            raise RuntimeError(f"no worker group is running (state {self.state.value})")
+        return self.group
+
+    @property
+    def running_plan(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeError(f"no plan is chosen (state {self.state.value})")
+        return self.plan
+
+    @property
+    def running_cluster(self) -> ClusterSpec:
+        if self.cluster is None:
+            raise RuntimeError(f"no cluster is discovered (state {self.state.value})")
+        return self.cluster
+
+    @property
+    def _drain_event(self) -> dict:
+        if self._draining is None:
+            raise RuntimeError("no drain is in progress")
+        return self._draining
+
     # -- the state machine -------------------------------------------------------
     def step(self) -> State:
         """Run one transition and return the new state."""
         handler = {
-            State.WAITING: self._wait_for_capacity, State.DISCOVERING: self._discover, State.PLANNING: self._plan, State.LAUNCHING: self._launch,
+            State.WAITING: self._wait_for_capacity, State.DISCOVERING: self._discover, State.PLANNING: self._plan,
+            State.LAUNCHING: self._launch,
             State.TRAINING: self._train, State.RECOVERING: self._recover, State.DRAINING: self._drain,
         }.get(self.state)
         if handler is not None:
@@ -164,8 +193,9 @@ class Controller:
                         + ", ".join(f"{n}x {t}" for t, n in view.demand.items() if n),
                         dry=view.rechosen, fleet=dict(view.demand))
         for dry, sub, n in view.substituted:
-            self._event("substitute", f"{dry} stayed short of its max_nodes for {self.capacity.fleet.substitute_after_s:.0f}"
-                        f" s: asking for {n} {sub} node(s) instead", dry=dry, substitute=sub, nodes=n)
+            self._event("substitute", f"{dry} stayed short of its max_nodes for "
+                        f"{self.capacity.fleet.substitute_after_s:.0f} s: asking for {n} {sub} node(s) instead",
+                        dry=dry, substitute=sub, nodes=n)
 
     def _discover(self) -> State:
         self._phase("discovering GPUs")
@@ -175,13 +205,14 @@ class Controller:
         return State.PLANNING
 
     def _plan(self) -> State:
-        self._phase(f"planning on {self.cluster.num_gpus} GPUs")
+        self._phase(f"planning on {self.running_cluster.num_gpus} GPUs")
         try:  # a re-plan weighs the planner's top plans by throughput minus migration (orchestrator/control/replan.py)
-            self.plan, choice = choose_replan(self.planner, self.model, self.train, self.plan, self.cluster,
+            self.plan, choice = choose_replan(self.planner, self.model, self.train, self.plan, self.running_cluster,
                                               self.steps - self.progress.committed - 1, self._launch_s)
         except PlanningError as e:
-            return self._fail(f"no plan on the {self.cluster.num_gpus} GPUs left: {e}")
-        log.info("planned %d pipelines, predicted %.0f tokens/s", len(self.plan.pipelines), self.plan.estimate.tokens_per_s)
+            return self._fail(f"no plan on the {self.running_cluster.num_gpus} GPUs left: {e}")
+        log.info("planned %d pipelines, predicted %.0f tokens/s", len(self.plan.pipelines),
+                 self.plan.estimate.tokens_per_s if self.plan.estimate else float("nan"))
         if choice and self.progress.events:
             self.progress.events[-1]["plan_choice"] = choice  # the re-plan's or drain's event
         self._mark("plan_s")
@@ -190,8 +221,8 @@ class Controller:
         return State.LAUNCHING
 
     def _launch(self) -> State:
-        self._phase(f"placing {len(self.plan.devices())} workers and joining their process group")
-        self.group = self.make_group(self.plan)
+        self._phase(f"placing {len(self.running_plan.devices())} workers and joining their process group")
+        self.group = self.make_group(self.running_plan)
         try:
             t0 = self.clock.now()
             self.group.start()
@@ -217,7 +248,7 @@ class Controller:
         s = self.progress.committed + 1
         if s >= self.steps:
             self.store.flush()  # the last checkpoint upload completes (from the workers' copies) before the end
-            self.group.shutdown()
+            self.workers.shutdown()
             self._close_interruptions()
             self._withdraw()
             self._end_drain("the job ended before the switch")
@@ -231,15 +262,15 @@ class Controller:
             t0 = self.clock.now()
             if self.progress.startup_s is None:
                 self.progress.startup_s = t0 - self.started_at
-            loss = self.group.step(s)
+            loss = self.workers.step(s)
             self.progress.step_time_s[s] = self.clock.now() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
             self.progress.samples[s] = list(getattr(self.group, "last_samples", []))
             self._mark("first_step_s")
-            if self.store.after_step(self.group, s, self.doomed):
+            if self.store.after_step(self.workers, s, self.doomed):
                 self.progress.snapshot_step = s
             if s == self._plan_from - 1:  # the plan's first step: idle kept processes are gone, their GPUs free
-                self.group.warm_spares(self.cluster or self.nodes.discover().without_nodes(self.doomed))
+                self.workers.warm_spares(self.cluster or self.nodes.discover().without_nodes(self.doomed))
             if self.scale_check_every and (s + 1) % self.scale_check_every == 0 and s + 1 < self.steps \
                     and self._scale_up():
                 return State.LAUNCHING
@@ -257,8 +288,8 @@ class Controller:
             return False  # weighed once the running plan's speed is measured (2 steps): predictions alone mislead
         self._known_nodes = known
         if joined:  # a warm worker waits on the joined GPUs (runtime.warm_workers), whatever the choice
-            self.group.warm_spares(cluster)
-        got = joined and consider_joined(self.planner, self.model, self.train, self.plan, cluster,
+            self.workers.warm_spares(cluster)
+        got = joined and consider_joined(self.planner, self.model, self.train, self.running_plan, cluster,
                                          self.steps - self.progress.committed - 1, self._launch_s,
                                          self._measured_tokens_per_s())
         if not got:
@@ -267,8 +298,8 @@ class Controller:
         log.info("nodes joined (%s): %s, %s", joined, "moving" if d.move else "staying", d.reason)
         self._event("scale-up" if d.move else "scale-up-declined", f"nodes joined ({joined}): {d.reason}", **extra)
         if d.move:
-            self.store.drain(self.group, self.progress.committed, set())  # the committed step, kept on its nodes
-            self.group.release()
+            self.store.drain(self.workers, self.progress.committed, set())  # the committed step, kept on its nodes
+            self.workers.release()
             self.plan, self.cluster = new, cluster
         return d.move
 
@@ -285,8 +316,8 @@ class Controller:
         True: drain now; False: not now (staged, or too close: recovery when the node goes); None: no notice."""
         notices = [n for n in notices if n.node not in self.doomed]  # a source may repeat a notice it gave (a
         # Ray drain is reported at every poll while the node drains); a staged drain already heeds it
-        now, used = self.clock.now(), set(self.plan.nodes())
-        copy_s = lambda doomed: drain_copy_s(self.plan, self.model, self.train,  # noqa: E731
+        now, used = self.clock.now(), set(self.running_plan.nodes())
+        copy_s = lambda doomed: drain_copy_s(self.running_plan, self.model, self.train,  # noqa: E731
                                              self.cluster or self.nodes.discover(), self.doomed | doomed)
         got = notice_decision(notices, used, now, self.drain_margin_s, copy_s)
         if got is None:
@@ -319,10 +350,10 @@ class Controller:
                                          self.steps - self.progress.committed - 1, self._launch_s)
         except PlanningError:
             return True
-        started = self.group.prestage(plan)
-        self.store.prepare_drain(self.group, self.doomed)
+        started = self.workers.prestage(plan)
+        self.store.prepare_drain(self.workers, self.doomed)
         self._staged = (plan, cluster, choice)
-        self._draining["new_workers"] = started
+        self._drain_event["new_workers"] = started
         self._mark("staged_s")
         return self._switch_now()
 
@@ -331,7 +362,7 @@ class Controller:
         might not end before the deadline leaves time to drain (the switch then starts what is not ready)."""
         times = sorted(self.progress.step_time_s[s] for s in list(self.progress.step_time_s)[-5:])
         step_s = times[len(times) // 2] if times else 0.0
-        if self.group.staged_ready() and self.store.drain_ready():
+        if self.workers.staged_ready() and self.store.drain_ready():
             self._mark("ready_s")
             return True
         return self.clock.now() + 2 * step_s >= self._switch_by
@@ -355,11 +386,11 @@ class Controller:
         self._mark("switch_s")
         try:
             if self.progress.committed >= 0:
-                self.store.drain(self.group, self.progress.committed, self.doomed)
+                self.store.drain(self.workers, self.progress.committed, self.doomed)
                 self.progress.snapshot_step = self.progress.committed
         except WorkerFailure as e:
             return self._decide(e)
-        self.group.release()
+        self.workers.release()
         self._mark("snapshot_s")  # the doomed node's state is out: it may go now
         self.progress.drains += 1
         if self._staged is None:
@@ -367,13 +398,15 @@ class Controller:
         (self.plan, self.cluster, choice), self._staged = self._staged, None
         self._known_nodes = {n.name for n in self.cluster.nodes}
         if choice:
-            self._draining["plan_choice"] = choice
+            self._drain_event["plan_choice"] = choice
         self._mark("plan_s")
         return State.LAUNCHING
 
     def _recover(self) -> State:
         """After a failure the policy re-plans: survivors keep their committed state (tier "live") and their group
         goes; the next launch, on a new plan, restores the newest step the tiers hold and rolls progress to it."""
+        if self._failure is None:
+            raise RuntimeError("recovering without a failure")
         failure, detected_s = self._failure
         if self.group is not None:
             self._salvage()
@@ -410,7 +443,7 @@ class Controller:
 
     def _salvage(self) -> None:  # survivors keep their committed state (tier "live") before their group goes
         try:
-            self.store.salvage(self.group, self.doomed, self.progress.committed)
+            self.store.salvage(self.workers, self.doomed, self.progress.committed)
         except Exception as e:  # the other tiers still hold the state; a failed salvage costs bytes, not the job
             log.warning("salvaging survivors' state failed: %s", e)
 

@@ -45,7 +45,8 @@ def replicated_off(p: Plan, doomed: set[str]) -> bool:
     """Whether stages off the `doomed` nodes hold every layer the stages on them hold. A stage's TP ranks share
     one node, so a surviving stage holds whole layers: other replicas then cover everything the doomed nodes hold
     at the committed step (data-parallel replicas hold the same state after each step)."""
-    held, needed = set(), set()
+    held: set[int] = set()
+    needed: set[int] = set()
     for node, layers in stage_layers(p):
         (needed if node in doomed else held).update(layers)
     return needed <= held
@@ -59,5 +60,5 @@ def drain_copy_s(p: Plan, model: ModelSpec, train: TrainSpec, cluster: ClusterSp
     if replicated_off(p, doomed):
         return 0.0
     known = {n.name for n in cluster.nodes}
-    return max((b / bandwidths(cluster, n if n in known else None)["peer"] for n, b in node_bytes(p, model, train).items()),
-               default=0.0)
+    return max((b / bandwidths(cluster, n if n in known else None)["peer"]
+                for n, b in node_bytes(p, model, train).items()), default=0.0)

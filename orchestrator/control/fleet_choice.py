@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.errors import PlanningError
 from planner.fleet import Catalog, FleetChoice, choose_fleet
@@ -51,7 +52,7 @@ def describe(choice: FleetChoice, catalog: Catalog) -> str:
             + f": ${o.price_per_hour:.2f}/h, {o.tokens_per_s:,.0f} tokens/s, ${o.cost_per_mtok:.3g} per M tokens")
 
 
-def choose(job, catalog: Catalog | None = None) -> tuple[FleetChoice, object]:
+def choose(job, catalog: Catalog | None = None) -> tuple[FleetChoice, Any]:
     """The job's fleet chosen from its catalog (or `catalog`, what is left of it): (the choice, the job's
     FleetSpec with the chosen types). Raises PlanningError when the model fits no fleet."""
     auto = job.fleet.auto
@@ -64,7 +65,7 @@ def choose(job, catalog: Catalog | None = None) -> tuple[FleetChoice, object]:
 class Rechooser:
     """Chooses the fleet again when types do not come (Capacity's `rechoose` hook)."""
 
-    job: object  # job_spec.JobSpec with fleet.auto
+    job: Any  # job_spec.JobSpec with fleet.auto (control/ does not import the job file's schema)
     history: list[str] = field(default_factory=list)  # each choice, described
     on_new: Callable[[object], None] | None = None  # told each new FleetSpec (the executor learns its node shapes)
 

@@ -8,6 +8,7 @@ the fleet simulator (drills/) charge these figures. Pure: the planner's types an
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 
 from planner import ClusterSpec, Plan
@@ -36,7 +37,7 @@ def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
     return out
 
 
-def layer_sources(old: Plan | None, new: Plan, gone: set[str] = frozenset(), peer_of: dict[str, str] | None = None):
+def layer_sources(old: Plan | None, new: Plan, gone: Set[str] = frozenset(), peer_of: dict[str, str] | None = None):
     """Where each stage of `new` gets each extended layer it holds, as (node, layer, tier, redo): "live" when the
     node itself held the layer in `old` and survived, "peer" when another surviving node held it, or when only
     the peer snapshot of a lost holder survived (`peer_of`: the node keeping each node's snapshot; `redo` is then
@@ -107,8 +108,9 @@ def held_s(pulls: list[tuple[float, float]], window_s: float) -> float:
 
 def pull_held_s(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec, bw: dict[str, float]) -> float:
     """`held_s` of the move from `old` to `new` (`node_migration_bytes`), every node at the bandwidths `bw`."""
+    per_node = node_migration_bytes(old, new, model, train).values()
     pulls = [(WEIGHTS_SHARE * t, (1 - WEIGHTS_SHARE) * t) for t in
-             (sum(n / bw[tier] for tier, n in got.items()) for got in node_migration_bytes(old, new, model, train).values())]
+             (sum(n / bw[tier] for tier, n in got.items()) for got in per_node)]
     return held_s(pulls, overlap_window_s(new))
 
 
@@ -128,7 +130,7 @@ class Candidate:
     migration_bytes: dict[str, int]  # by tier ("live", "peer", "s3"): what the slowest node pulls (nodes pull at once)
     startup_s: float  # placing workers and joining their process group (0 for the plan running now)
     restore_s: float | None = None  # how long the pull holds training, where known (migration.held_s: the moments
-    plan: object = None  # the Plan itself (None for the running one): a decision carries it, not its name
+    plan: Plan | None = None  # the Plan itself (None for the running one): a decision carries it, not its name
 
 
 def migration_cost_s(c: Candidate, bandwidth: dict[str, float]) -> float:

@@ -38,7 +38,7 @@ class ScaleDecision:
     move: bool
     reason: str
     finish_s: dict[str, float]  # per candidate: migration plus the remaining steps, predicted
-    plan: object = None  # the chosen Plan (None: stay on the running one)
+    plan: Plan | None = None  # the chosen Plan (None: stay on the running one)
 
 
 def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: float,
@@ -51,7 +51,7 @@ def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: f
     """
     finish = {c.name: migration_cost_s(c, bandwidth) + tokens_left / c.tokens_per_s
               for c in [current, *candidates] if c.tokens_per_s > 0}
-    best = min(finish, key=finish.get)
+    best = min(finish, key=lambda name: finish[name])
     stay = finish.get(current.name, float("inf"))
     if best == current.name:
         others = [c for c in candidates if c.tokens_per_s > current.tokens_per_s]
@@ -61,8 +61,9 @@ def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: f
         gain = tokens_left / current.tokens_per_s - tokens_left / c.tokens_per_s
         return ScaleDecision(current.name, False, f"{c.name}: predicted gain {gain:.1f} s over the remaining work is "
                              f"below its migration cost {migration_cost_s(c, bandwidth):.1f} s", finish)
+    best_speed = next(c for c in candidates if c.name == best).tokens_per_s
     return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s (migration "
-                         f"{finish[best] - tokens_left / next(c for c in candidates if c.name == best).tokens_per_s:.1f} s "
+                         f"{finish[best] - tokens_left / best_speed:.1f} s "
                          f"included) against {stay:.1f} s on the running plan", finish, _plan_of(candidates, best))
 
 
@@ -74,7 +75,7 @@ def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: di
     """
     finish = {c.name: migration_cost_s(c, bandwidth) + tokens_left / c.tokens_per_s
               for c in candidates if c.tokens_per_s > 0}
-    best = min(finish, key=finish.get)
+    best = min(finish, key=lambda name: finish[name])
     fastest = max(candidates, key=lambda c: c.tokens_per_s).name
     why = "also the fastest" if best == fastest else (
         f"{fastest} is faster but finishes at {finish[fastest]:.1f} s with its migration")
@@ -153,8 +154,9 @@ def renamed(p: Plan, rename: dict[str, str]) -> Plan:
 
 def _candidates(plans: list[Plan], old: Plan | None, model: ModelSpec, train: TrainSpec,
                 startup_s: float, bw: dict[str, float]) -> list[Candidate]:
-    return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s, slowest_pull(old, p, model, train, bw), startup_s,
-                      pull_held_s(old, p, model, train, bw), p) for i, p in enumerate(plans)]
+    return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s if p.estimate else 0.0,
+                      slowest_pull(old, p, model, train, bw), startup_s, pull_held_s(old, p, model, train, bw), p)
+            for i, p in enumerate(plans)]
 
 
 def _numbers(d: ScaleDecision, cands: list[Candidate], steps_left: int) -> dict:
@@ -173,6 +175,8 @@ def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None,
     cands = _candidates(plans, old, model, train, startup_s, bw)
     d = replan_policy(cands, steps_left * tokens_per_step(model, train.global_batch), bw)
     log.info("re-plan: %s", d.reason)
+    if d.plan is None:  # every candidate carries its plan
+        raise RuntimeError(f"the re-plan chose {d.chosen}, which carries no plan")
     return d.plan, {"choice": d.reason} | _numbers(d, cands, steps_left)
 
 
@@ -198,6 +202,6 @@ def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, 
     left = steps_left * tokens_per_step(model, train.global_batch)
     stay = Candidate("running", now * scale, {}, 0.0)
     d = scale_policy(stay, cands, left, bw)
-    chosen = d.plan if d.move else running
+    chosen = d.plan if d.move and d.plan is not None else running
     extra = {"calibration": round(scale, 6)} if scale != 1.0 else {}
     return chosen, d, _numbers(d, [stay, *cands], steps_left) | extra

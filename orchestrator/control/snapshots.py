@@ -8,6 +8,7 @@ controller uses `state.tiers.TieredState` instead, which moves metadata only.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ class MemorySnapshots:
         self.every = every
         self._latest: tuple[int, Any, float] | None = None
 
-    def after_step(self, group, step: int, avoid: set[str] = frozenset()) -> bool:
+    def after_step(self, group, step: int, avoid: Set[str] = frozenset()) -> bool:
         if (step + 1) % self.every:
             return False
         self._save(group, step)
@@ -50,10 +51,10 @@ class MemorySnapshots:
         state, optimizer_steps = group.export_state()
         self._latest = (step, state, optimizer_steps)
 
-    def salvage(self, group, avoid: set[str] = frozenset(), step: int | None = None) -> None:
+    def salvage(self, group, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
         """Nothing to keep from a failed group: the snapshot is already here."""
 
-    def restore(self, group, avoid: set[str] = frozenset()) -> MemoryRestore | None:
+    def restore(self, group, avoid: Set[str] = frozenset()) -> MemoryRestore | None:
         if self._latest is None:
             return None
         step, state, optimizer_steps = self._latest

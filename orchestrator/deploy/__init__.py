@@ -1,1 +1,2 @@
-"""Spot-fleet configs: the fleet's makeup (fleet.py) and the renderers for Ray's AWS launcher and KubeRay (render.py)."""
+"""Spot-fleet configs: the fleet's makeup (fleet.py) and the renderers for Ray's AWS launcher and KubeRay
+(render.py)."""

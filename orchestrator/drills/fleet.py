@@ -201,7 +201,8 @@ class FleetSim:
         if r.name == "oracle":  # the faster of the planner's best and the running plan where it survived, free
             best, alive = self._best(cluster), {n.name for n in cluster.nodes}
             keep = r.plan if nodes_of(r.plan) <= alive else None
-            r.plan = max((p for p in (best, keep) if p is not None), key=lambda p: p.estimate.tokens_per_s, default=None)
+            r.plan = max((p for p in (best, keep) if p is not None), key=lambda p: p.estimate.tokens_per_s,
+                         default=None)
             return
         if kind == "add":
             self._join(r, now, cluster, left_s, tok)
@@ -273,7 +274,8 @@ class FleetSim:
         steps_left = int(left_s * r.tps / tok)
         got = consider_joined(self, self.model, self.train, r.plan, cluster, steps_left, self.a.startup_s)
         if got is not None and got[1].move:
-            move_s = relaunch_s(r.plan, got[0], set(), self.a) + restore_cost(r.plan, got[0], set(), cluster, self.model, self.train, self.a)[0]
+            move_s = relaunch_s(r.plan, got[0], set(), self.a) + restore_cost(
+                r.plan, got[0], set(), cluster, self.model, self.train, self.a)[0]
             self._charge(r, now, 0.0, move_s, got[0])
 
     def _first(self, r: Run, cluster: ClusterSpec) -> Plan | None:

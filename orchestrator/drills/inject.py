@@ -156,7 +156,8 @@ class FaultInjection:
             log.info("could not stall %s inside step %d (%s); killing without it", nodes, step, type(e).__name__)
 
     def _on_phase(self, phase: str) -> None:
-        if phase == "restoring state" and getattr(self, "recovery_armed", None) is not None and self.c.progress.restarts:
+        armed = getattr(self, "recovery_armed", None)
+        if phase == "restoring state" and armed is not None and self.c.progress.restarts:
             names = self.recovery_armed or sorted({s.node for p in self.c.plan.pipelines for s in p.stages})[:1]
             self.recovery_armed = None
             self.kill(names)

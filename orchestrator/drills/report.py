@@ -54,7 +54,8 @@ def drill_tables(r: dict, console: Console) -> None:
     lag = r.get("upload_lag") or {}
     if lag:
         console.print(f"S3 uploads: newest step {lag['newest_step']}, at most {lag['max_lag_steps']} steps behind and "
-                      f"{lag['max_backlog']} in flight or waiting at a commit, {lag['dropped']} dropped for a newer step")
+                      f"{lag['max_backlog']} in flight or waiting at a commit, {lag['dropped']} dropped for a newer "
+                      "step")
     console.print(f"goodput: {r['goodput'] * 100:.1f}% (useful step time {r['useful_s']:.1f} s of {r['wall_s']:.1f} s)")
     for bad in r["expect_failures"]:
         console.print(f"[red]expectation not met[/]: {bad}")
@@ -123,7 +124,8 @@ def run_plot(record: dict, rows: list[dict], path: str | Path) -> None:
     kinds: set[str] = set()
     for e in record["events"]:
         if e.get("kind") in ("re-plan", "drain", "scale-up"):
-            a.axvline(e["at_step"] + 1, color="tab:red", ls="--", lw=1, label=None if "ev" in kinds else "re-plan or drain")
+            a.axvline(e["at_step"] + 1, color="tab:red", ls="--", lw=1,
+                      label=None if "ev" in kinds else "re-plan or drain")
             kinds.add("ev")
     a.set_xlabel("step")
     a.set_ylabel("loss")

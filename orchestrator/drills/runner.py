@@ -188,7 +188,8 @@ class Drill(FaultInjection):
                             after_commit.remove((at, action))
                             action()
                     last = c.progress.committed
-                if until_s is not None and time.monotonic() - self.t0 >= until_s and c.steps > c.progress.committed + 1 \
+                if until_s is not None and time.monotonic() - self.t0 >= until_s \
+                        and c.steps > c.progress.committed + 1 \
                         and self._faults_settled(len(timed or []) + sum(f.at_s is not None for f in self.sc.faults),
                                                  commits, commits_after_faults):
                     c.finish_after(c.progress.committed + 1)
@@ -207,7 +208,8 @@ class Drill(FaultInjection):
                 reference = self.replayed(plans, steps) if replayed else self.reference(steps)[0]
         finally:
             self._release()
-        return self._result(steps, reference or [], commits, wall, error, tokens_per_step(c.model, c.train.global_batch))
+        return self._result(steps, reference or [], commits, wall, error,
+                            tokens_per_step(c.model, c.train.global_batch))
 
     def _faults_settled(self, num_timed: int, commits: list, after: int) -> bool:
         """Every timed fault has fired and `after` commits followed the last one (0: no wait)."""

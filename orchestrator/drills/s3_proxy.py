@@ -220,7 +220,8 @@ class S3FaultProxy:
             import boto3
 
             session = boto3.session.Session()
-            creds = {} if session.get_credentials() else {"aws_access_key_id": "proxy", "aws_secret_access_key": "proxy"}
+            creds = ({} if session.get_credentials()
+                     else {"aws_access_key_id": "proxy", "aws_secret_access_key": "proxy"})
             self._client = session.client("s3", endpoint_url=f"http://{self.target[0]}:{self.target[1]}",
                                           region_name="us-east-1", **creds)
         return self._client

@@ -52,7 +52,8 @@ class Fault(BaseModel):
     deadline_s: float = Field(default=20.0, gt=0, le=600, description="notice: seconds until the node is killed")
     then: list[str] = Field(default=[], description="preempt-during-recovery: killed while the first recovery "
                             "restores state; default: a node of the new plan")
-    for_s: float = Field(default=5.0, gt=0, le=600, description="s3-outage, s3-slowdown: seconds without S3, or of 503 SlowDown")
+    for_s: float = Field(default=5.0, gt=0, le=600,
+                         description="s3-outage, s3-slowdown: seconds without S3, or of 503 SlowDown")
     unit: str | None = Field(default=None, description="corrupt-s3: the unit to damage; default the first")
     line: int = 0  # the scenario line it came from (set by the loader)
 
@@ -167,7 +168,8 @@ def parse_scenario(data: object, source: str = "<scenario>", base: Path | None =
         raise ConfigError(f"{source}: 'faults:' must be a non-empty list of faults, each with kind: and at_step: "
                           "or at_s:")
     faults = [_fault(f, i, source) for i, f in enumerate(faults_raw)]
-    rest = {k: _strip_lines(v) for k, v in data.items() if k not in ("job", "faults", "checkpoint", "steps", "__line__")}
+    rest = {k: _strip_lines(v) for k, v in data.items()
+            if k not in ("job", "faults", "checkpoint", "steps", "__line__")}
     try:
         sc = Scenario(job=job, faults=faults, **rest)
     except ValidationError as e:
@@ -214,7 +216,8 @@ def check_against_job(sc: Scenario, source: str) -> None:
     names = [n.name for n in sc.job.cluster.nodes]
     added = sc.added_nodes()
     if not set(names) - added:
-        raise ConfigError(f"{source}: every node is added by an add-node fault; at least one must be there at the start")
+        raise ConfigError(f"{source}: every node is added by an add-node fault; at least one must be there at the "
+                          "start")
     for i, f in enumerate(sc.faults):
         where = f"{source}: line {f.line} (faults[{i}])"
         for n in f.nodes + f.then:

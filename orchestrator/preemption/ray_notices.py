@@ -125,7 +125,8 @@ class RayNotices:
                 out.append(self._to_notice(name, "ray-drain", deadline))
         for n in out:
             self.reported.add(n.node)
-            log.warning("notice: node %s will be taken (%s) in %.1f s", n.node, n.source, n.deadline_s - self.clock.now())
+            log.warning("notice: node %s will be taken (%s) in %.1f s", n.node, n.source,
+                        n.deadline_s - self.clock.now())
         return out
 
     def close(self) -> None:

@@ -5,8 +5,8 @@ head node (spot workers may vanish, the head stays): it discovers nodes, plans,
 places TrainWorkers, trains and re-plans after failures, while the caller only
 polls `step()`. Each committed step becomes a metrics row (loss, tokens/s from
 the step time, MFU, memory) published through `ray.util.metrics` and, when
-configured, TensorBoard, and goes to the job's run record (orchestrator/runtime/run_record.py). The actor is threaded (two calls at once) so `phase()`
-answers while a long `step()` (placing workers, restoring state) runs.
+configured, TensorBoard, and goes to the job's run record (orchestrator/runtime/run_record.py). The actor is
+threaded (two calls at once) so `phase()` answers while a long `step()` (placing workers, restoring state) runs.
 
 Callers: `hetspot submit` on the embedded test cluster (orchestrator/api.py)
 and the Ray Jobs entry point (orchestrator/driver.py).
@@ -84,7 +84,7 @@ def on_head() -> dict:
     return {"resources": {"node:__internal_head__": 0.001}}
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)  # type: ignore[call-overload]  # (Ray's stubs)
 class ControllerActor:
     def __init__(self, job_json: str, steps: int, job_id: str, embedded: bool, first_plan_json: str | None = None,
                  user_plan: bool = False, replan_user_plan: bool = False, checkpoint_run: str | None = None):
@@ -106,7 +106,7 @@ class ControllerActor:
                                           replan_user_plan=replan_user_plan, capacity=capacity,
                                           checkpoint_run=checkpoint_run)
         chooser = getattr(capacity, "rechoose", None)
-        if chooser is not None:  # fleet.auto: say which fleet was chosen
+        if capacity is not None and chooser is not None:  # fleet.auto: say which fleet was chosen
             self.controller._event("fleet", f"chose the fleet: {chooser.history[0]}", fleet=dict(
                 (t.gpu_type, t.max_nodes) for t in capacity.fleet.types))
         from orchestrator.runtime.run_record import RunRecordWriter, record_location
@@ -149,8 +149,8 @@ class ControllerActor:
         for s in range(self.reported + 1, c.progress.committed + 1):
             if s not in c.progress.losses:  # committed by an earlier run: a resume starts after its checkpoint
                 continue
-            row = step_row(c.model, c.plan, s, c.progress.losses[s], c.progress.step_time_s[s],
-                           c.group.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
+            row = step_row(c.model, c.running_plan, s, c.progress.losses[s], c.progress.step_time_s[s],
+                           c.workers.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
             if s == c.progress.committed:
                 row["stages"] = getattr(c.group, "last_stages", [])
                 row["peer_step"] = c.progress.snapshot_step  # the newest step copied to a peer keeper (or kept)

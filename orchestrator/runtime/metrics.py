@@ -80,7 +80,9 @@ class StepMetrics:
     def __init__(self, job_id: str):
         from ray.util.metrics import Gauge, Histogram
 
-        self.gauges, self.stage_gauges, self.observed = {}, {}, set()
+        self.gauges: dict = {}
+        self.stage_gauges: dict = {}
+        self.observed: set = set()
         for key, (name, desc) in GAUGES.items():
             g = Gauge(name, description=desc, tag_keys=("job",))
             g.set_default_tags({"job": job_id})
@@ -115,7 +117,8 @@ class TensorBoardLog:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise RuntimeError("runtime.tensorboard_dir needs tensorboardX: pip install 'hetspot[tensorboard]'") from None
+            raise RuntimeError("runtime.tensorboard_dir needs tensorboardX: "
+                               "pip install 'hetspot[tensorboard]'") from None
         self.writer = SummaryWriter(logdir=logdir)
 
     def record(self, row: dict) -> None:

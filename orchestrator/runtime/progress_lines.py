@@ -11,6 +11,7 @@ Pure: no Ray.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 PROGRESS = "hetspot-progress "
 PHASE = "hetspot-phase "
@@ -56,10 +57,11 @@ def events_line(events: list[dict]) -> str:
 
 def last_events(logs: str) -> list[dict]:
     """The job's re-plans, drains and restores with their timelines, from the newest events line."""
-    return _last(logs, EVENTS) or []
+    events = _last(logs, EVENTS)
+    return events if isinstance(events, list) else []
 
 
-def _last(logs: str, prefix: str) -> dict | None:
+def _last(logs: str, prefix: str) -> Any:
     for line in reversed(logs.splitlines()):
         i = line.find(prefix)
         if i >= 0:

@@ -18,6 +18,7 @@ never printed, logged, put into job metadata or the runtime env.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import secrets
@@ -49,7 +50,7 @@ def shipped_runtime_env(env_vars: dict[str, str] | None = None) -> dict:
     import planner
     import workers
 
-    mods = [str(Path(m.__file__).resolve().parent) for m in (planner, workers, orchestrator)]
+    mods = [str(Path(str(m.__file__)).resolve().parent) for m in (planner, workers, orchestrator)]
     return {"py_modules": mods, "excludes": ["__pycache__", "*.pyc"]} | ({"env_vars": env_vars} if env_vars else {})
 log = logging.getLogger("hetspot.ray_jobs")
 TAIL_LINES = 3000  # `status` reads this much of a job's log at most (the driver repeats its events line within it)
@@ -225,8 +226,8 @@ class RayJobs:
         if not node_id:
             return None
         try:
-            r = requests.get(f"{self.url}/api/v0/logs/file", headers=self.headers, timeout=30, params={
-                "submission_id": job_id, "node_id": node_id, "lines": lines, "timeout": 30})
+            params: dict[str, str | int] = {"submission_id": job_id, "node_id": node_id, "lines": lines, "timeout": 30}
+            r = requests.get(f"{self.url}/api/v0/logs/file", headers=self.headers, timeout=30, params=params)
         except OSError as e:
             log.info("no log tail from %s (%s); reading the whole log", self.url, type(e).__name__)
             return None
@@ -270,12 +271,13 @@ class RayJobs:
         return sorted(rows, key=lambda r: r["start_time"] or 0)
 
     # -- nodes ----------------------------------------------------------------
-    def nodes(self) -> list[dict]:
+    def nodes(self) -> builtins.list[dict]:  # (`list` here is RayJobs.list)
         """Alive nodes in `ray.nodes()` form, from the State API (for discovery over HTTP)."""
         from ray.util.state.api import StateApiClient
         from ray.util.state.common import ListApiOptions, StateResource
 
-        client = self._call(lambda: StateApiClient(self.url, headers=self.headers | {"Content-Type": "application/json"}))
+        headers = self.headers | {"Content-Type": "application/json"}
+        client = self._call(lambda: StateApiClient(self.url, headers=headers))
         states = self._call(lambda: client.list(StateResource.NODES, ListApiOptions(detail=True, limit=10_000),
                                                 raise_on_missing_output=False))
         out = []

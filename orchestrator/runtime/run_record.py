@@ -84,7 +84,8 @@ class RunRecordWriter:
         self.files = _Files(location, endpoint_url)
         self.location, self.clock, self.flush_every_s = location, clock, flush_every_s
         self.record = {"format": FORMAT, "job_id": job_id, "job": job, "steps": steps, "started_at": clock(),
-                       "state": "running", "error": None, "phase": None, "plans": [], "events": [], "progress": None, "summary": {}}
+                       "state": "running", "error": None, "phase": None, "plans": [], "events": [], "progress": None,
+                       "summary": {}}
         self.rows: dict[int, dict] = {}  # step -> row (a rolled-back step is replaced by its redo)
         self.dirty: set[int] = set()  # chunks to rewrite
         self.redone = 0  # committed steps trained again after a rollback

@@ -8,7 +8,8 @@ and returns; only then are all told to commit (apply the optimizer update), so
 a failure mid-step leaves every survivor at the last committed step. The first
 worker error, dead actor or timeout ends the run at once with a `WorkerFailure`
 naming the rank and stage (runtime/detect.py: where a lost node is detected);
-the remaining actors are killed so no survivor waits out a collective timeout. `RayWorkerGroup` is the controller's `WorkerGroup` over it.
+the remaining actors are killed so no survivor waits out a collective timeout. `RayWorkerGroup` is the
+controller's `WorkerGroup` over it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -45,6 +47,9 @@ from workers.transfer import (
     payload_bytes,
 )
 
+if TYPE_CHECKING:
+    from workers.actor import WorkerConfig
+
 log = logging.getLogger("hetspot.runner")
 
 
@@ -60,7 +65,7 @@ class TrainResult:
     real_gpus: bool = False  # every worker computed on CUDA (else fake GPUs: no MFU)
 
 
-def slowdowns(plan: Plan, emulate: bool | str, declared: set[str] = frozenset(),
+def slowdowns(plan: Plan, emulate: bool | str, declared: Set[str] = frozenset(),
               fake_nodes: set[str] | None = None) -> tuple[dict[str, float], str | None]:
     """Per node of the plan: how much slower its GPUs run than the fastest type of the plan or of the job's
     declared nodes (so a plan on slow GPUs runs slower than one that adds a fast node later), by catalog TFLOPS;
@@ -96,8 +101,8 @@ def stage_rows(plan: Plan, ranks: list, time_s: list[float], mem: list[int]) -> 
 class Kept:
     """A worker process kept from one plan for the next (in-place recovery), with what it held."""
 
-    actor: object
-    pg: object  # its placement group (one GPU on its node): removing it would end the process
+    actor: Any  # its TrainWorker handle
+    pg: Any  # its placement group (one GPU on its node): removing it would end the process
     node: str
     span: tuple[int, int]  # the extended layers its last stage held
     pid: int
@@ -171,14 +176,21 @@ def torch_threads(job: JobSpec, node) -> int:
 
 def _new_worker(job: JobSpec, pg, plan_json: str | None, rank: int, slowdown: float, threads: int = 1):
     """A TrainWorker process in placement group `pg`: rank `rank` of `plan_json`, or warm (no plan) with None."""
-    from workers.actor import TrainWorker, WorkerConfig
+    from workers.actor import TrainWorker
 
-    config = WorkerConfig(job.model_spec.model_dump_json(), job.train.model_dump_json(), job.data.model_dump(),
-                          job.runtime.dtype, job.runtime.log_every, job.runtime.meter_memory,
-                          job.runtime.overlap_grad_sync, threads)
-    return TrainWorker.options(
+    return cast(Any, TrainWorker).options(  # Ray's actor classes are untyped
         num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    ).remote(plan_json, rank, config, slowdown)
+    ).remote(plan_json, rank, worker_config(job, threads), slowdown)
+
+
+def worker_config(job: JobSpec, threads: int = 1) -> WorkerConfig:
+    """What every worker of `job` is built with, from the job file (workers/ reads no job file)."""
+    from workers.actor import WorkerConfig
+
+    rt = job.runtime
+    return WorkerConfig(job.model_spec.model_dump_json(), job.train.model_dump_json(), job.data.model_dump(),
+                        rt.dtype, rt.log_every, rt.meter_memory, rt.overlap_grad_sync, threads,
+                        control_timeout_s=rt.timeouts.control_s, transfer_timeout_s=rt.timeouts.transfer_s)
 
 
 def _end(actor, pg) -> None:
@@ -192,6 +204,7 @@ def _end(actor, pg) -> None:
 class PlanRun:
     def __init__(self, job: JobSpec, plan: Plan):
         self.job, self.plan = job, plan
+        self.timeouts = job.runtime.timeouts  # how long each kind of call to the workers may take
         self.ranks = layout.ranks(plan)
         self.workers: list = []
         self.pgs: list = []  # per worker: its placement group (one GPU, pinned to the plan's node)
@@ -199,7 +212,7 @@ class PlanRun:
         self.pids: list[int] = []  # per worker: its process id, once joined
         self.received_bytes = 0  # what this process took in from the workers (state stays out of it)
 
-    def start(self, timeout_s: float = 120.0, pool: WorkerPool | None = None) -> None:
+    def start(self, pool: WorkerPool | None = None) -> None:
         """Place the plan's workers and join them in one process group. With a `pool`, a rank on a node with a kept
         process (or a warm worker) becomes that process (`reconfigure`: no process start, no imports, the device
         context kept); only the other ranks start one."""
@@ -215,7 +228,8 @@ class PlanRun:
         by_name = {d.name: d for d in found}
         missing = sorted(set(self.plan.nodes()) - set(ids))
         if missing:
-            raise WorkerFailure("start-up", f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this cluster "
+            raise WorkerFailure("start-up", f"the plan's node(s) {', '.join(missing)} are not alive GPU nodes of this "
+                                "cluster "
                             f"(it has {', '.join(sorted(ids)) or 'none'})", FailureKind.NODE_LOST)
         declared = {n.gpu_type for n in self.job.cluster.nodes} if self.job.cluster else set()
         slow, warning = slowdowns(self.plan, self.job.runtime.emulate_speed, declared,
@@ -245,14 +259,14 @@ class PlanRun:
             log.info("%d of %d workers stay in their processes, %d take a warm worker; %d start",
                      len(joined) - warm, len(self.workers), warm, len(self.workers) - len(joined))
         t0 = time.perf_counter()
-        self._await_placement(timeout_s, node_ids)
+        self._await_placement(self.timeouts.startup_s, node_ids)
         if joined:
-            self._gather(joined, "start-up", timeout_s)  # the kept processes' stages are built
+            self._gather(joined, "start-up", self.timeouts.startup_s)  # the kept processes' stages are built
         t1 = time.perf_counter()
         # Inside _gather, so an error in a worker's constructor names the rank and is classified.
-        init = self._gather([self.workers[0].rendezvous_address.remote()], "start-up", timeout_s)[0]
+        init = self._gather([self.workers[0].rendezvous_address.remote()], "start-up", self.timeouts.startup_s)[0]
         self.pids = self._gather([w.connect.remote(init, self.job.runtime.collective_timeout_s)
-                                  for w in self.workers], "start-up", timeout_s)
+                                  for w in self.workers], "start-up", self.timeouts.startup_s)
         log.info("workers placed and configured in %.2f s, joined their group in %.2f s", t1 - t0,
                  time.perf_counter() - t1)
 
@@ -270,7 +284,8 @@ class PlanRun:
                                     "being placed", FailureKind.NODE_LOST, nodes=gone)
             if pending and time.monotonic() > until:
                 raise WorkerFailure("start-up", f"could not place the plan's {len(self.workers)} workers within "
-                                    f"{timeout_s:.0f} s; are the plan's nodes and GPUs in the cluster?",
+                                    f"{timeout_s:.0f} s (runtime.timeouts.startup_s); are the plan's nodes and "
+                                    "GPUs in the cluster?",
                                     FailureKind.TIMEOUT)
 
     def run(self, steps: int, first_step: int = 0,
@@ -281,14 +296,15 @@ class PlanRun:
         for s in range(first_step, first_step + steps):
             t0 = time.perf_counter()
             outs = self._gather([w.step.remote(s) for w in self.workers], f"step {s}", self.job.runtime.step_timeout_s)
-            self._gather([w.commit.remote(s) for w in self.workers], f"commit of step {s}", 60.0)
+            self._gather([w.commit.remote(s) for w in self.workers], f"commit of step {s}", self.timeouts.commit_s)
             dt = time.perf_counter() - t0
             loss = sum(o.loss for o in outs if o.loss is not None)
             result.losses.append(loss)
             result.samples.append(sorted(tuple(r) for o in outs for r in o.extra.get("samples", [])))
             result.step_time_s.append(dt)
             # the meter's device bytes when on, else the allocator's peak (CUDA) or RSS (CPU)
-            mem = [o.extra.get("device_peak_bytes") if self.job.runtime.meter_memory else o.peak_mem_bytes for o in outs]
+            metered = self.job.runtime.meter_memory
+            mem = [o.extra.get("device_peak_bytes") if metered else o.peak_mem_bytes for o in outs]
             result.peak_mem_bytes.append(max(mem))
             result.stages.append(stage_rows(self.plan, self.ranks, [o.time_s for o in outs], mem))
             result.real_gpus = all(o.extra.get("device") == "cuda" for o in outs)
@@ -300,11 +316,12 @@ class PlanRun:
         return result
 
     def export_states(self) -> list[dict]:
-        return self._gather([w.export_state.remote() for w in self.workers], "state export", 120.0)
+        return self._gather([w.export_state.remote() for w in self.workers], "state export", self.timeouts.transfer_s)
 
     def import_state(self, full: dict, optimizer_steps: float) -> None:
         ref = ray.put(full)
-        self._gather([w.import_state.remote(ref, optimizer_steps) for w in self.workers], "state import", 120.0)
+        self._gather([w.import_state.remote(ref, optimizer_steps) for w in self.workers], "state import",
+                     self.timeouts.transfer_s)
 
     def _gather(self, futures: list, what: str, timeout_s: float) -> list:
         """Results in rank order; the first failure ends the run with the rank's identity and kind (detect.py)."""
@@ -377,18 +394,21 @@ class RayWorkerGroup:
         beside training; the receipts' ObjectRefs (metadata; waited on only when the copy must be complete)."""
         if keepers != self.keepers:
             self.run._gather([w.set_keeper.remote(k) for w, k in zip(self.run.workers, keepers, strict=True)],
-                             "choosing peer keepers", 60.0)
+                             "choosing peer keepers",
+                             self.run.timeouts.control_s)
             self.keepers = keepers
         # Awaited: an actor with concurrency groups does not promise to run calls in the order sent, and
         # the clone must be of `step`, before the next commit. The transfer itself is not waited for.
-        self.run._gather([w.snapshot.remote(step, pin) for w in self.run.workers], f"snapshot of step {step}", 60.0)
+        self.run._gather([w.snapshot.remote(step, pin) for w in self.run.workers], f"snapshot of step {step}",
+                         self.run.timeouts.control_s)
         return [w.receipt.remote(step) for w in self.run.workers]
 
-    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[Receipt | None]:
+    def hand_over(self, keepers: list, timeout_s: float | None = None) -> list[Receipt | None]:
         """Survivors give their committed state to their node's keeper; None for ranks that cannot."""
-        refs = [w.hand_over.remote(k) if k is not None else None for w, k in zip(self.run.workers, keepers, strict=True)]
+        refs = [w.hand_over.remote(k) if k is not None else None
+                for w, k in zip(self.run.workers, keepers, strict=True)]
         live = [r for r in refs if r is not None]
-        ray.wait(live, num_returns=len(live), timeout=timeout_s)
+        ray.wait(live, num_returns=len(live), timeout=self.run.timeouts.hand_over_s if timeout_s is None else timeout_s)
         out = []
         for r in refs:
             try:
@@ -399,19 +419,20 @@ class RayWorkerGroup:
         return out
 
     def needs(self) -> list[list[NeedRow]]:
-        return self.run._gather([w.needs.remote() for w in self.run.workers], "restore planning", 60.0)
+        return self.run._gather([w.needs.remote() for w in self.run.workers], "restore planning",
+                                self.run.timeouts.control_s)
 
     def load(self, per_rank: list[list[Fetch]], step: int, optimizer_steps: float, s3: CheckpointLocation | None,
              overlap: bool = True) -> list[LoadReport]:
         return self.run._gather([w.load_state.remote(step, optimizer_steps, t, s3, overlap)
                                  for w, t in zip(self.run.workers, per_rank, strict=True)], f"restore of step {step}",
-                                300.0)
+                                self.run.timeouts.transfer_s)
 
-    def settle_restore(self, timeout_s: float = 60.0) -> None:
+    def settle_restore(self, timeout_s: float | None = None) -> None:
         """Wait for the ranks' overlapped restores to finish pulling (a rank that cannot: its state comes from
         another tier)."""
         refs = [w.settle_restore.remote() for w in self.run.workers]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ray.wait(refs, num_returns=len(refs), timeout=self.run.timeouts.transfer_s if timeout_s is None else timeout_s)
 
     @property
     def received_bytes(self) -> int:
@@ -420,7 +441,7 @@ class RayWorkerGroup:
     def import_state(self, state: dict, optimizer_steps: float) -> None:
         self.run.import_state(state, optimizer_steps)
 
-    def retain(self, step: int | None, avoid: set[str] = frozenset(),
+    def retain(self, step: int | None, avoid: Set[str] = frozenset(),
                grace_s: float | None = None) -> list[KeptState | None]:
         """After a failure or before a move: each survivor off `avoid` keeps committed step `step` in its own
         memory (TrainWorker.retain); per rank what it kept, None for a rank that did not prove it holds exactly
@@ -450,10 +471,13 @@ class RayWorkerGroup:
     def held(self) -> list[ProcessHolding]:
         """The state kept in worker processes, per process: its rank in this plan (None for an idle kept process),
         node, handle and rows (inventory rows as a keeper's)."""
-        procs = [(i, w, r.node) for i, (w, r) in enumerate(zip(self.run.workers, self.run.ranks, strict=True))
-                 if self.run.kept and self.run.kept[i] is not None and self.run.kept[i].step >= 0]
+        kept = self.run.kept or [None] * len(self.run.workers)
+        procs: list[tuple[int | None, Any, str]] = [
+            (i, w, r.node) for i, (w, r, k) in enumerate(zip(self.run.workers, self.run.ranks, kept, strict=True))
+            if k is not None and k.step >= 0]
         procs += [(None, k.actor, k.node) for k in (self.pool.idle if self.pool else []) if k.step >= 0]
-        rows = self.run._gather([w.held.remote() for _, w, _ in procs], "listing kept state", 60.0) if procs else []
+        rows = self.run._gather([w.held.remote() for _, w, _ in procs], "listing kept state",
+                                 self.run.timeouts.control_s) if procs else []
         return [ProcessHolding(i, n, w, tuple(r)) for (i, w, n), r in zip(procs, rows, strict=True)]
 
     def drop_retained(self) -> None:
@@ -502,19 +526,21 @@ class RayWorkerGroup:
         """Start up to `most` warm workers so that each node has `want[node]` processes of this job."""
         from orchestrator.cluster.discovery import RayInventory
 
-        if most <= 0:  # runtime.warm_workers: 0 (the default), or as many as asked already wait: no cluster query
+        pool = self.pool
+        # runtime.warm_workers: 0 (the default), or as many as asked already wait: no cluster query
+        if most <= 0 or pool is None:
             return 0
         found = {d.name: d for d in RayInventory().discover()}
         ids = {name: d.node_id for name, d in found.items()}
         have = Counter(r.node for r in self.run.ranks if self.run.workers) + Counter(
-            k.node for k in self.pool.idle + self.pool.warm)
+            k.node for k in pool.idle + pool.warm)
         started = 0
         for node, n in sorted(want.items()):
             for _ in range(n - have[node]):
                 if started >= most or node not in ids:
                     break
-                self.pool.start_warm(self.run.job, node, ids[node], torch_threads(self.run.job, found[node]))
+                pool.start_warm(self.run.job, node, ids[node], torch_threads(self.run.job, found[node]))
                 started += 1
         if started:
-            log.info("started %d warm worker(s) on %s", started, ", ".join(sorted({k.node for k in self.pool.warm})))
+            log.info("started %d warm worker(s) on %s", started, ", ".join(sorted({k.node for k in pool.warm})))
         return started

@@ -156,7 +156,7 @@ class LocalGroup:
         return [k.put.remote(Tier.PEER, step, i, self.shards[i], pin) if self._alive(i) else
                 self.calls.handle(self, self.ranks[i].node).gone.remote() for i, k in enumerate(keepers)]
 
-    def hand_over(self, keepers: list, timeout_s: float = 30.0) -> list[Receipt | None]:
+    def hand_over(self, keepers: list, timeout_s: float | None = None) -> list[Receipt | None]:
         return [self.calls.get(k.put.remote(Tier.LIVE, self.step, i, self.shards[i])) if k is not None else None
                 for i, k in enumerate(keepers)]
 
@@ -192,7 +192,7 @@ class LocalGroup:
         self.shards, self.step, self.holds_state = shards, step, True
         return out
 
-    def settle_restore(self, timeout_s: float = 60.0) -> None:
+    def settle_restore(self, timeout_s: float | None = None) -> None:
         return None
 
     # -- in place --

@@ -200,4 +200,5 @@ class KeeperStore:
         return out
 
 
-Keeper = ray.remote(num_cpus=0, max_concurrency=4)(KeeperStore)  # type: ignore[call-overload]  # one per node, pinned there by tiers.py
+# one per node, pinned there by tiers.py
+Keeper = ray.remote(num_cpus=0, max_concurrency=4)(KeeperStore)  # type: ignore[call-overload]

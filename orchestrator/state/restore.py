@@ -161,7 +161,8 @@ class Restorer:
             if isinstance(o, ProcessSource):
                 fetch = Fetch(unit, t.region, None if o.rank == t.need.rank else o.handle, KeptRequest(unit, t.region))
             elif isinstance(o, KeeperSource):
-                fetch = Fetch(unit, t.region, self.keepers.keepers[o.node], ShardRequest(o.tier, o.rank, unit, t.region))
+                fetch = Fetch(unit, t.region, self.keepers.keepers[o.node],
+                              ShardRequest(o.tier, o.rank, unit, t.region))
             elif isinstance(o, S3Source):
                 fetch = Fetch(unit, t.region, self.keepers.on([t.need.node], ids)[0], S3Request(o.piece, t.region))
             else:

@@ -730,7 +730,8 @@ def check_access(uri: str, endpoint_url: str | None = None, timeout_s: float = 5
         code = s3_code(e)
         if code in ("404", "NoSuchBucket", "NotFound"):
             raise ValueError(f"checkpoint.uri: bucket {bucket!r} does not exist at "
-                             f"{endpoint_url or 'AWS'}; create it (`aws s3 mb s3://{bucket}`) or fix the name") from None
+                             f"{endpoint_url or 'AWS'}; create it (`aws s3 mb s3://{bucket}`) or fix the "
+                             "name") from None
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             raise ValueError(f"checkpoint.uri: access to bucket {bucket!r} was refused ({code}); check the "
                              "credentials and the bucket policy") from None

@@ -1,10 +1,11 @@
 """`TieredState`: the controller's state plane on Ray. It moves metadata only.
 
 Three tiers hold the committed training state (README.md, "When a node is lost"): 1. live: survivors'
-shards, handed to their own node's keeper after a failure (`salvage`); 2. peer: every `peer_every` steps (the job's `runtime.snapshot_every`) each worker
-copies its shards to a keeper on another node (`after_step`; placement by `restore_plan.peer_placement`, again when
-nodes join or go); 3. S3: every `s3_every` steps (a multiple of `peer_every`), the keepers upload one object per unit slice (a cover chosen
-by the restore planner, so replicas are not uploaded twice), then the controller writes the manifest, last and once.
+shards, handed to their own node's keeper after a failure (`salvage`); 2. peer: every `peer_every` steps (the
+job's `runtime.snapshot_every`) each worker copies its shards to a keeper on another node (`after_step`;
+placement by `restore_plan.peer_placement`, again when nodes join or go); 3. S3: every `s3_every` steps (a
+multiple of `peer_every`), the keepers upload one object per unit slice (a cover chosen by the restore planner,
+so replicas are not uploaded twice), then the controller writes the manifest, last and once.
 The cover is of the job's whole model (`model_units`), not of whatever the keepers still answer for: when a node's
 loss took every copy of some unit, that step is not written (a step that exists is whole). One uploader thread
 works the newest step only: a step due while another uploads waits in a single slot, and a newer one replaces it
@@ -168,7 +169,8 @@ class TieredState:
         try:
             keepers = self._targets(group, frozenset(avoid))
         except self.calls.lost as e:  # a keeper's node went while
-            self.keeper_set.call_all("ping")  # this copy was placed: skip it (other tiers hold the step), forget the dead
+            # this copy was placed: skip it (other tiers hold the step), forget the dead
+            self.keeper_set.call_all("ping")
             self._placed = None  # keepers, and place the next snapshot afresh
             log.warning("peer snapshot of step %d skipped: a keeper's node went (%s)", step, type(e).__name__)
             return
