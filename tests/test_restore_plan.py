@@ -135,3 +135,65 @@ def test_a_unit_sharded_on_its_second_dimension_is_cut_along_that_dimension(new_
                 assert na <= a < b <= nb and sa <= a and b <= sb, (t.region, n.region, t.source.region)
         assert sum((t.region[1][1] - t.region[1][0]) for t in mine) == n.region[1][1] - n.region[1][0]
         assert all(t.region[0] == (0, shape[0]) for t in mine)
+
+
+def _sweep_every_piece(needs: list[Need], holdings: list[Holding]):
+    """The planner as it was written first, for reference: every need's cover swept over every holding of its unit
+    at the step (quadratic in the replicas; the planner now looks at a few pieces per region and tier)."""
+    from orchestrator.state.restore_plan import RestorePlan, _cover, _transfers
+
+    by_unit: dict = {}
+    for h in holdings:
+        by_unit.setdefault(h.unit, []).append(h)
+    for step in sorted({h.step for h in holdings}, reverse=True):
+        out = []
+        for n in needs:
+            pieces = [h for h in by_unit.get(n.unit, ()) if h.step == step]
+            d = next((d for p in pieces for d, (a, b) in enumerate(p.region) if (a, b) != n.region[d]), 0)
+            cover = _cover(n, pieces, d)
+            if cover is None:
+                break
+            out += _transfers(n, cover, d)
+        else:
+            return RestorePlan(step, out)
+    return RestorePlan(None, [], sorted({n.unit for n in needs} - set(by_unit)))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data())
+def test_the_planner_picks_what_a_sweep_over_every_holding_picks(data):
+    """Many replicas of a unit on a few nodes, in every tier, TP-sliced two ways, at two steps, some kept processes
+    with the new plan's ranks: the grouped planner's transfers are the full sweep's, source for source."""
+    nodes = ["a", "b", "c", "d", "e", "f"][:data.draw(st.integers(1, 6))]
+    units = ["u0", "u1"]
+    holdings = []
+    for _ in range(data.draw(st.integers(0, 60))):
+        kind = data.draw(st.sampled_from(["live", "peer", "s3"]))
+        unit, step = data.draw(st.sampled_from(units)), data.draw(st.integers(1, 2))
+        tp = data.draw(st.sampled_from([1, 1, 2, 4]))
+        k = data.draw(st.integers(0, tp - 1))
+        r0, r1 = k * ROWS // tp, (k + 1) * ROWS // tp
+        if kind == "live":
+            holdings.append(live(data.draw(st.integers(0, 11)), data.draw(st.sampled_from(nodes)), step, unit, r0, r1))
+        elif kind == "peer":
+            holdings.append(peer(data.draw(st.sampled_from(nodes)), step, unit, r0, r1))
+        else:
+            holdings.append(s3(step, unit, r0, r1))
+    tp = data.draw(st.sampled_from([1, 2]))
+    needs = [need(r, data.draw(st.sampled_from(nodes)), u, (r % tp) * ROWS // tp, (r % tp + 1) * ROWS // tp)
+             for r in range(data.draw(st.integers(1, 12))) for u in units]
+    got, want = plan_restore(needs, holdings), _sweep_every_piece(needs, holdings)
+    assert got.step == want.step and got.missing == want.missing
+    assert [(t.need, t.source, t.region, t.nbytes) for t in got.transfers] == \
+        [(t.need, t.source, t.region, t.nbytes) for t in want.transfers]
+
+
+def test_among_replicas_the_first_of_the_cheapest_class_is_taken():
+    """Replicas of one region: other nodes' first, then the need's node's, then the need's own rank's; the pick
+    is the cheapest class (own rank, else own node, else another node), live before a peer copy within a class,
+    and the first of those in the holdings' order."""
+    holdings = [peer("x", 1), live(5, "y", 1), live(6, "y", 1), peer("a", 1), live(3, "a", 1), live(4, "a", 1),
+                live(2, "z", 1), live(2, "b", 1)]
+    assert plan_restore([need(9, "a")], holdings).transfers[0].source == holdings[4]  # own node, live, first
+    assert plan_restore([need(2, "a")], holdings).transfers[0].source == holdings[6]  # own rank, wherever it is
+    assert plan_restore([need(9, "q")], holdings).transfers[0].source == holdings[1]  # another node: live, first

@@ -79,3 +79,18 @@ def test_a_piece_request_is_one_of_three_records_and_tiers_equal_their_names():
     piece = transfer.S3Piece.of({"key": "k", "region": [[0, 2], [0, 3]], "bytes": 9, "sha256": "ab",
                                  "tensors": {"param": "F32"}, "optimizer_steps": 2.0})
     assert piece.region == ((0, 2), (0, 3)) and transfer.S3Piece.of(piece.entry()) == piece
+
+
+def test_payload_bytes_counts_data_by_its_bytes_and_containers_by_their_parts():
+    """What the controller counts as received (its `received_bytes`): tensors and arrays by their data, strings by
+    their length, every scalar 8 bytes, dicts by keys and values, records by their fields, nested to the bottom."""
+    import numpy as np
+    import torch
+
+    from workers.transfer import HeldRow, payload_bytes
+
+    row = HeldRow("h.0.w", ((0, 4), (0, 3)), 7, (4, 3), 2.0)  # and its defaults: tier "live", rank, nbytes
+    assert payload_bytes(row) == 5 + 4 * 8 + 8 + 2 * 8 + 8 + 4 + 8 + 8
+    mixed = {"a": torch.zeros(3, dtype=torch.float32), "bb": np.zeros(2, dtype=np.int64), "c": [None, 1.5, True],
+             "rows": [row, row]}
+    assert payload_bytes(mixed) == (1 + 12) + (2 + 16) + (1 + 3 * 8) + (4 + 2 * payload_bytes(row))

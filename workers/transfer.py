@@ -277,21 +277,44 @@ class UploadRecord:
     error: str | None = None
 
 
+_SCALARS = (int, float, bool, type(None))
+
+
 def payload_bytes(obj) -> int:
     """Bytes of a value as it crosses a process boundary: tensors by their data, containers by their parts."""
     import numpy as np
     import torch
 
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
+    return _payload_bytes(obj, (torch.Tensor, np.ndarray))
+
+
+def _payload_bytes(obj, arrays: tuple) -> int:
+    if type(obj) in _SCALARS:  # most of a report's fields: counted as 8 bytes, without the checks below
+        return 8
+    if isinstance(obj, arrays):
         return obj.nbytes
     if isinstance(obj, (bytes, bytearray, str)):
         return len(obj)
     if isinstance(obj, dict):
-        return sum(payload_bytes(k) + payload_bytes(v) for k, v in obj.items())
+        return _parts_bytes(obj.keys(), arrays) + _parts_bytes(obj.values(), arrays)
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return sum(payload_bytes(x) for x in obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        return sum(payload_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+        return _parts_bytes(obj, arrays)
+    fields = _FIELDS.get(type(obj))
+    if fields is None and hasattr(obj, "__dataclass_fields__"):
+        fields = _FIELDS[type(obj)] = tuple(obj.__dataclass_fields__)
+    if fields is not None:
+        return _parts_bytes([getattr(obj, f) for f in fields], arrays)
     if hasattr(obj, "__dict__"):
-        return payload_bytes(vars(obj))
+        return _payload_bytes(vars(obj), arrays)
     return 8
+
+
+def _parts_bytes(parts, arrays: tuple) -> int:
+    """The bytes of a container's parts, scalars inline (an inventory of thousands of rows is mostly scalars)."""
+    n = 0
+    for x in parts:
+        n += 8 if type(x) in _SCALARS else _payload_bytes(x, arrays)
+    return n
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by class

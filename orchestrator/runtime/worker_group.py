@@ -120,15 +120,19 @@ class WorkerPool:
         self.idle: list[Kept] = []
         self.warm: list[Kept] = []  # warm workers: processes started ahead of need, holding no state
 
-    def take(self, node: str, span: tuple[int, int]) -> Kept | None:
-        """The kept process on `node` that held the most of `span`, else a warm worker there, else None."""
-        kept = take_kept(self.idle, node, span)
-        if kept is not None:
-            return kept
-        warm = [k for k in self.warm if k.node == node]
-        if warm:
-            self.warm.remove(warm[0])
-        return warm[0] if warm else None
+    def take(self, wants: list[tuple[str, tuple[int, int]]]) -> list[Kept | None]:
+        """Per (node, span) a new group's ranks want, in rank order: the kept process on the node that held the most
+        of the span (state/recovery.take_kept), else a warm worker there, else None."""
+        out = take_kept(self.idle, wants)
+        warm: dict[str, list[Kept]] = {}
+        for k in self.warm:
+            warm.setdefault(k.node, []).append(k)
+        for i, (node, _) in enumerate(wants):
+            if out[i] is None and warm.get(node):
+                out[i] = warm[node].pop(0)
+        taken = {id(k) for k in out if k is not None}
+        self.warm = [k for k in self.warm if id(k) not in taken]
+        return out
 
     def start_warm(self, job: JobSpec, node: str, node_id: str, threads: int = 1) -> None:
         """Start a worker on one GPU of `node` that joins no group yet (TrainWorker with no plan): its process,
@@ -238,12 +242,14 @@ class PlanRun:
             log.warning(warning)
         plan_json = self.plan.model_dump_json()
         spans = layout.rank_spans(self.plan)
+        wants = [(r.node, spans[i][1:]) for i, r in enumerate(layout.ranks(self.plan))]
+        taken = pool.take(wants) if pool is not None else [None] * len(wants)
         joined = []
         for p in self.plan.pipelines:
             for st in p.stages:
                 for _ in range(st.tp):
                     rank = len(self.workers)
-                    kept = pool.take(st.node, spans[rank][1:]) if pool is not None else None
+                    kept = taken[rank]
                     self.kept.append(kept)
                     if kept is not None:
                         self.workers.append(kept.actor)

@@ -108,8 +108,8 @@ class LocalPool:
     def __init__(self) -> None:
         self.idle: list[LocalProcess] = []
 
-    def take(self, node: str, span: tuple[int, int]) -> LocalProcess | None:
-        return take_kept(self.idle, node, span)
+    def take(self, wants: list[tuple[str, tuple[int, int]]]) -> list[LocalProcess | None]:
+        return take_kept(self.idle, wants)
 
 
 class LocalGroup:
@@ -128,8 +128,9 @@ class LocalGroup:
         self.regions = [tp_region(r.tp_rank, tp) for r, tp in zip(self.ranks, tps, strict=True)]
         self.procs: list[LocalProcess] = []
         self.kept: list[bool] = []  # per rank: its process was kept from an earlier group
-        for r, (_, a, b) in zip(self.ranks, spans, strict=True):
-            p = pool.take(r.node, (a, b)) if pool is not None else None
+        wants = [(r.node, (a, b)) for r, (_, a, b) in zip(self.ranks, spans, strict=True)]
+        taken = pool.take(wants) if pool is not None else [None] * len(wants)
+        for r, (_, a, b), p in zip(self.ranks, spans, taken, strict=True):
             self.kept.append(p is not None)
             self.procs.append(p or LocalProcess(r.node))
             self.procs[-1].span = (a, b)

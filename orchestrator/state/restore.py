@@ -108,7 +108,8 @@ class Restorer:
         refused = self._refused
         while True:  # each turn refuses one more S3 step: it ends after the steps that exist
             usable = [h for h in holdings if not (h.tier == Tier.S3 and h.step in refused)]
-            rp = plan_restore(needs, usable, only)
+            # the keepers' plan stands when nothing was added to what it was made from (no S3 listed, no refusal)
+            rp = near if near is not None and not sh and only is None else plan_restore(needs, usable, only)
             if rp.step is None:
                 if holdings:
                     log.warning("no step has every unit (missing at every step: %s); starting from step 0",

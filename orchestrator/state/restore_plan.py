@@ -101,15 +101,6 @@ def _contains(outer: Region, inner: Region, skip: int | None = None) -> bool:
         d == skip or (a <= c and d_ >= e) for d, ((a, d_), (c, e)) in enumerate(zip(outer, inner, strict=True)))
 
 
-def _shard_dim(need: Need, pieces: list[Holding]) -> int:
-    """The dimension along which pieces split the unit (a canonical unit is sharded on at most one)."""
-    for p in pieces:
-        for d, (a, b) in enumerate(p.region):
-            if (a, b) != need.region[d]:
-                return d
-    return 0
-
-
 def _cover(need: Need, pieces: list[Holding], d: int) -> list[tuple[Holding, tuple[int, int]]] | None:
     """Cheapest pieces covering the need along its sharded dimension `d`, or None.
 
@@ -150,13 +141,65 @@ def _transfers(need: Need, cover: list[tuple[Holding, tuple[int, int]]], d: int)
     return out
 
 
-def _plan_at(step: int, needs: list[Need], by_unit: dict[str, list[Holding]]) -> list[Transfer] | None:
+class _Group:
+    """One unit's holdings at one step with the same region and tier, in the holdings' order (`pieces`: (index,
+    holding) pairs). Its pieces differ for a need only in their cost class (0: the need's rank, 1: its node, 2:
+    another node, 3: S3), so the one `_cover` could pick is the first of the best class the group has for that
+    need: the first with the need's rank, else the first on its node, else the first of all (of another node then;
+    for S3, of any)."""
+
+    def __init__(self, pieces: list[tuple[int, Holding]]) -> None:
+        self.first = pieces[0]
+        self.by_node = {h.node: (i, h) for i, h in reversed(pieces)}  # the first on each node
+        self.by_rank = {h.rank: (i, h) for i, h in reversed(pieces)  # the first of each rank (class 0: cost_class)
+                        if h.rank is not None and h.tier == Tier.LIVE}
+
+    def pick(self, need: Need) -> tuple[int, Holding]:
+        return self.by_rank.get(need.rank) or self.by_node.get(need.node) or self.first
+
+
+class _Index:
+    """One unit's holdings at one step, grouped by (region, tier) so that a need's cover looks at one piece per
+    group instead of every replica's (at thousands of ranks a unit has thousands of holders: the sweep over all of
+    them for every need grew with the square of the ranks). `candidates(need)` keeps the holdings' order, so the
+    cover is the one the sweep over every piece gives."""
+
+    def __init__(self, pieces: list[Holding]) -> None:
+        by_key: dict[tuple[Region, Tier], list[tuple[int, Holding]]] = {}
+        for i, h in enumerate(pieces):
+            by_key.setdefault((h.region, h.tier), []).append((i, h))
+        self.groups = {key: _Group(ps) for key, ps in by_key.items()}
+        self.regions = list(dict.fromkeys(r for r, _ in self.groups))  # distinct, in first-appearance order
+
+    def candidates(self, need: Need, d: int) -> list[Holding]:
+        """The pieces `_cover` could use for `need` along `d`: per group whose region holds the need's extent in the
+        other dimensions and meets it along `d` (no other piece can be swept over), the one it would pick."""
+        if not need.region:
+            return []
+        a, b = need.region[d]
+        picks = sorted(g.pick(need) for (r, _), g in self.groups.items()
+                       if r[d][0] < b and a < r[d][1] and _contains(r, need.region, skip=d))
+        return [h for _, h in picks]
+
+
+def _shard_dim(need: Need, regions: list[Region]) -> int:
+    """The dimension along which the pieces' regions split the unit (a canonical unit is sharded on at most one):
+    the first dimension in which one of them differs from the need's."""
+    for r in regions:
+        for d, (a, b) in enumerate(r):
+            if (a, b) != need.region[d]:
+                return d
+    return 0
+
+
+def _plan_at(step: int, needs: list[Need], by_unit: dict[str, dict[int, _Index]]) -> list[Transfer] | None:
     """Transfers restoring every need at `step`, cheapest class first; None if some need is not coverable."""
     out = []
+    empty = _Index([])
     for need in needs:
-        pieces = [h for h in by_unit.get(need.unit, ()) if h.step == step]
-        d = _shard_dim(need, pieces)
-        cover = _cover(need, pieces, d)
+        index = by_unit.get(need.unit, {}).get(step, empty)
+        d = _shard_dim(need, index.regions)
+        cover = _cover(need, index.candidates(need, d), d)
         if cover is None:
             return None
         out += _transfers(need, cover, d)
@@ -167,9 +210,10 @@ def plan_restore(needs: list[Need], holdings: list[Holding], only_tiers: Set[str
     """The newest step at which every need is available, and the cheapest transfers for it."""
     if only_tiers is not None:
         holdings = [h for h in holdings if h.tier in only_tiers]
-    by_unit: dict[str, list[Holding]] = {}
+    pieces: dict[str, dict[int, list[Holding]]] = {}
     for h in holdings:
-        by_unit.setdefault(h.unit, []).append(h)
+        pieces.setdefault(h.unit, {}).setdefault(h.step, []).append(h)
+    by_unit = {u: {step: _Index(hs) for step, hs in steps.items()} for u, steps in pieces.items()}
     for step in sorted({h.step for h in holdings}, reverse=True):
         got = _plan_at(step, needs, by_unit)
         if got is not None:
