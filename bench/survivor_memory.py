@@ -7,10 +7,11 @@ place: the survivor keeps its process across every recovery; its peer is a new p
 process that imported torch once) that joins, trains one step, and dies without closing anything. Each recovery
 the survivor builds its stage anew (the engine a kept TrainWorker's `reconfigure` builds), joins a new group, trains
 a step, is blocked in the next step's gradient sync by its dead peer, fails, aborts its groups
-(Engine.abort_groups, as TrainWorker.abort does) and closes the stage (Engine.close, as `retain` does). The
-survivor's resident memory is read after each recovery; the figure is the growth from the 5th recovery (imports and
-allocator pools settled) to the last, and the median seconds a recovery took here. Progress on stderr, the table
-on stdout.
+(Engine.abort_groups, as TrainWorker.abort does), keeps its committed step and closes the stage (workers/restore.py
+`Kept.keep` and Engine.close, as `retain` does); the next stage loads the kept step from the process's own memory
+(`Restore.load`, tier in_place) before it trains. The survivor's resident memory is read after each recovery; the
+figure is the growth from the 5th recovery (imports and allocator pools settled) to the last, and the median
+seconds a recovery took here. Progress on stderr, the table on stdout.
 """
 
 from __future__ import annotations
@@ -58,20 +59,33 @@ def _engine(rank: int):
 def _survivor(ports: list[int], out) -> None:
     import torch
 
+    from workers.restore import Kept, Restore
+    from workers.state import local_region
+    from workers.transfer import Fetch, KeptRequest
+
     torch.set_num_threads(1)
     rows = []
+    kept = Kept()  # what this process keeps across plans (TrainWorker.kept)
+    restore = Restore(kept, lambda answer, timeout=None: answer)
     for i, port in enumerate(ports):
         t0 = time.perf_counter()
         e = _engine(0)
         e.connect(f"tcp://127.0.0.1:{port}", 30)
-        e.step(0)
+        if kept.state is not None:  # the step it kept, loaded where it lies (tier in_place, nothing moved)
+            step, shards = kept.state
+            fetches = [Fetch(n, local_region(e, n), None, KeptRequest(n, local_region(e, n))) for n in sorted(shards)]
+            opt = max(sh["optimizer_steps"] for sh in shards.values())
+            restore.load(e, step, opt, fetches, None, overlap=False)
+        s = e.committed_step + 1
+        e.step(s)
         try:
-            e.step(1)  # its peer is gone: the gradient sync fails
+            e.step(s + 1)  # its peer is gone: the gradient sync fails
             raise RuntimeError("the step after the peer died did not fail")
         except RuntimeError as err:
             if "did not fail" in str(err):
                 raise
         e.abort_groups()
+        kept.keep(e, None)  # as TrainWorker.retain: the committed step kept (the stage's own tensors), then closed
         e.close()
         del e
         rows.append((_rss(), time.perf_counter() - t0))

@@ -245,21 +245,28 @@ class PlanRun:
         wants = [(r.node, spans[i][1:]) for i, r in enumerate(layout.ranks(self.plan))]
         taken = pool.take(wants) if pool is not None else [None] * len(wants)
         joined = []
-        for p in self.plan.pipelines:
-            for st in p.stages:
-                for _ in range(st.tp):
-                    rank = len(self.workers)
-                    kept = taken[rank]
-                    self.kept.append(kept)
-                    if kept is not None:
-                        self.workers.append(kept.actor)
-                        self.pgs.append(kept.pg)
-                        joined.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.node]))
-                        continue
-                    pg = _gpu_pg(ids[st.node])
-                    self.pgs.append(pg)
-                    self.workers.append(_new_worker(self.job, pg, plan_json, rank, slow[st.node],
-                                                    torch_threads(self.job, by_name.get(st.node))))
+        try:
+            for p in self.plan.pipelines:
+                for st in p.stages:
+                    for _ in range(st.tp):
+                        rank = len(self.workers)
+                        kept = taken[rank]
+                        self.kept.append(kept)
+                        if kept is not None:
+                            self.workers.append(kept.actor)
+                            self.pgs.append(kept.pg)
+                            joined.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.node]))
+                            continue
+                        pg = _gpu_pg(ids[st.node])
+                        self.pgs.append(pg)
+                        self.workers.append(_new_worker(self.job, pg, plan_json, rank, slow[st.node],
+                                                        torch_threads(self.job, by_name.get(st.node))))
+        except BaseException:  # the processes taken for ranks not reached go back to the pool, not astray
+            if pool is not None:
+                rest = [k for k in taken[len(self.kept):] if k is not None]
+                pool.warm += [k for k in rest if k.ready is not None]
+                pool.idle += [k for k in rest if k.ready is None]
+            raise
         if joined:
             warm = sum(1 for k in self.kept if k is not None and k.ready is not None)
             log.info("%d of %d workers stay in their processes, %d take a warm worker; %d start",
