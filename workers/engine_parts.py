@@ -1,7 +1,7 @@
 """What the parts of a rank's Engine (workers/engine.py) share: the attributes `Engine` sets that its mixins
 (workers/grad_sync.py `GradSync`, workers/optim_state.py `OptimizerState`) read, declared once for the type
-checker. Nothing here runs; torchtitan keeps such parts as components of one trainer, and this is their
-common view of it.
+checker, and the few accessors they share (`grad`, `adamw`, `built`). torchtitan keeps such parts as components
+of one trainer; this is their common view of it.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from orchestrator.control.drain import drain_copy_s, notice_decision
 from orchestrator.control.failure import Replan, failure_policy
@@ -48,6 +49,7 @@ from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
+T = TypeVar("T")
 
 
 class State(enum.Enum):
@@ -122,27 +124,19 @@ class Controller:
     # the cluster it was chosen for; a drain event is open from a notice until the new plan's first step.
     @property
     def workers(self) -> WorkerGroup:
-        if self.group is None:
-            raise RuntimeError(f"no worker group is running (state {self.state.value})")
-        return self.group
+        return _present(self.group, "worker group is running", self.state)
 
     @property
     def running_plan(self) -> Plan:
-        if self.plan is None:
-            raise RuntimeError(f"no plan is chosen (state {self.state.value})")
-        return self.plan
+        return _present(self.plan, "plan is chosen", self.state)
 
     @property
     def running_cluster(self) -> ClusterSpec:
-        if self.cluster is None:
-            raise RuntimeError(f"no cluster is discovered (state {self.state.value})")
-        return self.cluster
+        return _present(self.cluster, "cluster is discovered", self.state)
 
     @property
     def _drain_event(self) -> dict:
-        if self._draining is None:
-            raise RuntimeError("no drain is in progress")
-        return self._draining
+        return _present(self._draining, "drain is in progress", self.state)
 
     # -- the state machine -------------------------------------------------------
     def step(self) -> State:
@@ -479,3 +473,10 @@ class Controller:
         self._phase("failed")
         log.error("job failed: %s", reason)
         return State.FAILED
+
+
+def _present(value: T | None, what: str, state: State) -> T:
+    """`value`, which the state machine holds in `state`; its absence is a bug in the controller, said as such."""
+    if value is None:
+        raise RuntimeError(f"no {what} (state {state.value})")
+    return value
