@@ -60,6 +60,13 @@ ROWS = [
         "5,762 tokens/s per GPU (33-39% MFU with or without torch.compile); H100 at a 500 W limit",
         _nodes("H100-SXM", 8, 1, 50.0), _seq("llama-8b", 8192), TrainSpec(global_batch=16), "tokens/s/GPU",
         5762.0, "the 500 W power limit (the catalog's H100 runs at its 700 W datasheet peak) and FSDP's gathers"),
+    Row("GPT 1.3B, one H200, seq 2048, global batch 8 (measured here)",
+        "hetspot's own engine on an NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130), `python "
+        "bench/gpu_check.py --steps 8`, session 18 (2026-11-27): one stage holding the whole `gpt-1.3b` preset "
+        "in bf16 mixed precision, micro-batch 8, median step 0.294 s after the first, 51.1% MFU of the 989 TFLOPS "
+        "bf16 peak (docs/benchmarks.md, GPU runs)",
+        _nodes("H200", 1, 1, 50.0), ModelSpec.preset("gpt-1.3b"), TrainSpec(global_batch=8), "mfu", 0.511,
+        "H200's own efficiency: it had H100's 0.45 (held to torchtitan's H100 run at a 500 W limit)"),
     Row("Llama 3 8B, 64 A100-80GB (8 nodes), seq 8192, global batch 64",
         "torchtitan docs/performance.md (Llama 3 on 64 A100): FSDP2, local batch 1, selective layer "
         "checkpointing: 2,876 tokens/s per GPU, 56.3% MFU",

@@ -1,26 +1,37 @@
 """The GPU checklist (`make gpu-check`, docs/gpu.md): what to run on a CUDA machine, in one command.
 
-    python bench/gpu_check.py [--model gpt-1.3b] [--steps 10] [--precision bf16] [--skip-tests]
+    python bench/gpu_check.py [--model gpt-1.3b] [--steps 10] [--precision bf16] [--skip-tests] [--json F]
 
 1. the `gpu`-marked tests (`pytest -m gpu`: CUDA equivalence and the device memory meter);
-2. `bench/offload.py` (its GPU section runs when CUDA is present);
+2. `bench/offload.py` (its memory and overlap items run on CUDA when it is present), and the offloaded step of
+   item 3's model (optimizer and parameters on the host) against the physical bound
+   max(compute, H2D, D2H, CPU AdamW), each term measured on this machine;
 3. a single-GPU run of the engine (bf16 mixed precision by default): tokens/s and MFU of one plan stage
-   holding the whole model,
-   with the step's FLOPs from the planner's cost model and the catalog's peak for this GPU;
+   holding the whole model, with the step's FLOPs from the planner's cost model and the catalog's peak for
+   this GPU, next to the planner's predicted step time and memory for the same stage; the torch profiler's
+   top kernels of one step say where the time goes;
 4. the profiling pass (orchestrator/cluster/profiling.py) against the catalog: measured bf16
-   matmul TFLOPS and pinned H2D/D2H bandwidth next to the datasheet figures.
-Prints one table per item; paste them into docs/benchmarks.md with the device named.
+   matmul TFLOPS and pinned H2D/D2H bandwidth next to the datasheet figures;
+5. a cold worker start, to the simulator's `startup_s`: a new Python process importing torch and the
+   worker's modules, the CUDA context, item 3's stage built, its state loaded from pinned host memory
+   (workers/state.py import_full, the restore path) and its first step.
+Each item prints a table and, with `--json`, adds its figures to one JSON file as it ends (a run cut short
+keeps what it finished); an item that fails is reported and the next one runs.
 Exits 2 on a machine without CUDA (nothing here can be measured on a CPU).
+
+Needs torch, numpy and pydantic (planner/); no Ray, no moto, no boto3.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +39,11 @@ sys.path[0] = str(ROOT)
 
 import torch  # noqa: E402
 
-from planner import ModelSpec, Pipeline, Plan, Stage, TrainSpec, cost  # noqa: E402
+from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost  # noqa: E402
 from planner.catalog import gpu_info  # noqa: E402
+
+GPU_TESTS = ["tests/test_offload_engine.py"]  # the files holding `gpu`-marked tests (the rest import Ray or moto)
+OFFLOAD = {"offload_optimizer": True, "offload_params": True}
 
 
 def _gpu_type() -> str:
@@ -45,38 +59,278 @@ def _gpu_type() -> str:
     raise SystemExit(f"unknown GPU {name!r}: add it to planner/catalog.py to measure MFU against its peak")
 
 
-def mfu(model_name: str, steps: int, batch: int, precision: str = "bf16") -> dict:
-    from workers.actor import DTYPES, compute_dtype
-    from workers.data import make_dataset
-    from workers.engine import Engine
-
-    gpu = _gpu_type()
-    m = ModelSpec.preset(model_name)
-    train = TrainSpec(global_batch=batch, precision=precision)
-    st = Stage(layer_start=0, layer_end=m.num_layers, gpu_type=gpu, node="local", devices=["local/0"])
-    plan = Plan(model_name=m.name, num_layers=m.num_layers, global_batch=batch, pipelines=[
-        Pipeline(num_samples=batch, micro_batch_size=batch, num_micro_batches=1, stages=[st])])
+def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def one_stage(m: ModelSpec, gpu: str, batch: int, offload: dict | None = None) -> Plan:
+    st = Stage(layer_start=0, layer_end=m.num_layers, gpu_type=gpu, node="local", devices=["local/0"],
+               offload=offload or {})
+    return Plan(model_name=m.name, num_layers=m.num_layers, global_batch=batch, pipelines=[
+        Pipeline(num_samples=batch, micro_batch_size=batch, num_micro_batches=1, stages=[st])])
+
+
+def build(m: ModelSpec, gpu: str, batch: int, precision: str, device: str, offload: dict | None = None):
+    """One engine stage holding the whole model, connected (gloo, world size 1), as a job's worker builds it."""
+    from workers.data import make_dataset
+    from workers.engine import DTYPES, Engine, compute_dtype
+
+    train = TrainSpec(global_batch=batch, precision=precision)
     dtype = DTYPES[compute_dtype("auto", precision, gpu)]  # bf16 mixed precision (fp16 on T4/V100), as a job trains
-    e = Engine(plan, 0, m, train, make_dataset("synthetic", m.seq_len, m.vocab_size, 0), dtype, device="cuda")
-    e.connect(f"tcp://127.0.0.1:{port}", 120)
+    e = Engine(one_stage(m, gpu, batch, offload), 0, m, train, make_dataset("synthetic", m.seq_len, m.vocab_size, 0),
+               dtype, device=device)
+    e.connect(f"tcp://127.0.0.1:{_port()}", 120)
+    return e
+
+
+def _step_times(e, steps: int, device: str) -> list[float]:
+    times = []
+    for s in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        e.step(s)
+        e.settle()  # an offloaded stage's host update overlaps the next step: count it in this one
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def predicted(m: ModelSpec, gpu: str, batch: int, precision: str, offload: dict | None = None) -> dict:
+    """The planner's cost model for the same stage on this GPU type: step time, device and host memory."""
+    from planner.estimate import closed_form
+
+    cluster = ClusterSpec(nodes=[NodeSpec(name="local", gpu_type=gpu, num_gpus=1)])
+    est = closed_form(one_stage(m, gpu, batch, offload), cluster, m, TrainSpec(global_batch=batch,
+                                                                              precision=precision))
+    return {"step_s": est.step_time_s, "mem_gib": max(est.memory_gib.values()), "mfu": est.mfu,
+            "host_gib": sum(est.host_gib.values()), "bottleneck": est.bottleneck}
+
+
+def top_kernels(e, step: int, device: str, n: int = 12) -> dict[str, list[dict]]:
+    """The torch profiler over one step: the kernels with the most device time, and the host ops with the most
+    time of their own (where an offloaded step's host side goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        e.step(step)
+        e.settle()
+        _sync(device)
+    ops = [k for k in prof.key_averages() if not k.key.startswith("ProfilerStep")]
+
+    def rows(attr: str) -> list[dict]:
+        total = sum(getattr(k, attr, 0.0) for k in ops)
+        top = sorted(ops, key=lambda k: getattr(k, attr, 0.0), reverse=True)[:n]
+        return [{"op": k.key[:90], "ms": getattr(k, attr) / 1e3, "calls": k.count,
+                 "share": getattr(k, attr) / total if total else 0.0} for k in top]
+
+    return {"device": rows("device_time_total" if device.startswith("cuda") else "cpu_time_total"),
+            "host_self": rows("self_cpu_time_total")}
+
+
+def mfu(model_name: str, steps: int, batch: int, precision: str = "bf16", device: str = "cuda",
+        gpu: str | None = None) -> dict:
+    gpu = gpu or _gpu_type()
+    m = ModelSpec.preset(model_name)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    e = build(m, gpu, batch, precision, device)
     try:
-        times = []
-        for s in range(steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            e.step(s)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        times = _step_times(e, steps, device)
+        peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
+        kernels = top_kernels(e, steps, device)
     finally:
         e.close()
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     flops = batch * cost.model_flops_per_sample(m) / step
-    return {"gpu": gpu, "precision": precision, "model": m.name, "params_b": m.num_params / 1e9, "step_s": step,
-            "tokens_per_s": batch * m.seq_len / step, "tflops": flops / 1e12,
-            "mfu_vs_bf16_peak": flops / (gpu_info(gpu).peak_tflops * 1e12)}
+    want = predicted(m, gpu, batch, precision)
+    return {"gpu": gpu, "precision": precision, "model": m.name, "params_b": m.num_params / 1e9, "batch": batch,
+            "seq_len": m.seq_len, "step_s": step, "step_times_s": times, "tokens_per_s": batch * m.seq_len / step,
+            "tflops": flops / 1e12, "mfu_vs_bf16_peak": flops / (gpu_info(gpu).peak_tflops * 1e12),
+            "peak_mem_gib": peak / 2**30, "predicted": want, "top_kernels": kernels}
+
+
+def host_adamw_rate(params: float = 50e6, repeats: int = 5) -> float:
+    """Parameters per second of the host AdamW the engine runs under optimizer offload (torch's fused AdamW on
+    fp32 host tensors), on this machine's CPU."""
+    ps = [torch.nn.Parameter(torch.randn(int(params) // 8)) for _ in range(8)]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+    opt.step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return params / statistics.median(times)
+
+
+def offload_bound(model_name: str, steps: int, batch: int, precision: str, compute_s: float, h2d_gb_s: float,
+                  d2h_gb_s: float, device: str = "cuda", gpu: str | None = None) -> dict:
+    """The offloaded step (optimizer and parameters on the host, prefetch one layer ahead) against
+    max(compute, H2D, D2H, CPU AdamW): compute is the resident step measured in item 3; the weights cross
+    H2D twice a step (forward and backward) in the compute dtype, the gradients cross D2H once in fp32 (the
+    host masters' dtype), and the host AdamW updates every parameter at the rate measured here."""
+    gpu = gpu or _gpu_type()
+    m = ModelSpec.preset(model_name)
+    e = build(m, gpu, batch, precision, device, OFFLOAD)
+    try:
+        times = _step_times(e, steps, device)
+        profiled = top_kernels(e, steps, device)
+    finally:
+        e.close()
+    step = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    pb = TrainSpec(global_batch=batch, precision=precision).param_bytes
+    rate = host_adamw_rate()
+    terms = {"compute_s": compute_s, "h2d_s": 2 * m.num_params * pb / (h2d_gb_s * 1e9),
+             "d2h_s": m.num_params * 4 / (d2h_gb_s * 1e9), "cpu_adamw_s": m.num_params / rate}
+    bound = max(terms.values())
+    return {"model": m.name, "step_s": step, "step_times_s": times, "bound_s": bound, "ratio": step / bound,
+            "terms": terms, "host_adamw_params_per_s": rate, "top_ops": profiled,
+            "predicted": predicted(m, gpu, batch, precision, OFFLOAD)}
+
+
+COLD = r"""
+import sys, time
+t = {"spawned": time.time()}
+import torch
+t["import_torch"] = time.time()
+sys.path.insert(0, sys.argv[1])
+from bench.gpu_check import build
+from planner import ModelSpec
+from workers.state import KEYS, export_shards, import_full
+t["import_hetspot"] = time.time()
+dev = sys.argv[5]
+if dev.startswith("cuda"):
+    torch.zeros(1, device=dev); torch.cuda.synchronize()
+t["cuda_context"] = time.time()
+m = ModelSpec.preset(sys.argv[2])
+e = build(m, sys.argv[3], int(sys.argv[4]), "bf16", dev)
+e.step(0); e.settle()  # allocates the AdamW state, as a worker that has loaded a step holds it
+if dev.startswith("cuda"):
+    torch.cuda.synchronize()
+t["built_and_state_allocated"] = time.time()
+pin = (lambda v: v.pin_memory()) if dev.startswith("cuda") else (lambda v: v)
+held = {n: {k: pin(s[k]) for k in KEYS if s[k] is not None}
+        for n, s in export_shards(e).items()}  # what a peer or the host would hold
+t0 = time.time()
+import_full(e, held, 1.0)
+if dev.startswith("cuda"):
+    torch.cuda.synchronize()
+t["state_loaded"] = time.time() - t0 + t["built_and_state_allocated"]
+t0 = time.time()
+e.step(1); e.settle()
+if dev.startswith("cuda"):
+    torch.cuda.synchronize()
+t["first_step"] = time.time() - t0 + t["state_loaded"]
+e.close()
+print("COLD " + repr(t), flush=True)
+"""
+
+
+def cold_start(model_name: str, batch: int, trials: int, device: str = "cuda", gpu: str | None = None) -> dict:
+    """A worker process from nothing to its first step, in segments (medians over trials), seconds from the
+    parent's spawn."""
+    gpu = gpu or _gpu_type()
+    runs = []
+    for _ in range(trials):
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-c", COLD, str(ROOT), model_name, gpu, str(batch), device],
+                             capture_output=True, text=True, timeout=600, cwd=ROOT)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("COLD ")]
+        if out.returncode or not line:
+            raise RuntimeError(f"the cold-start child failed ({out.returncode}): {out.stderr[-2000:]}")
+        t = eval(line[0][5:])  # a dict of floats printed by repr in the child
+        runs.append({k: v - t0 for k, v in t.items()})
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {"model": model_name, "trials": trials, "median_s": med, "runs": runs,
+            "to_ready_s": med["state_loaded"], "to_first_step_s": med["first_step"]}
+
+
+def measure_links(gpu: str) -> dict:
+    from orchestrator.cluster.profiling import measure
+
+    got = measure(gpu)
+    info = gpu_info(gpu)
+    return {"matmul_tflops": got.matmul_tflops, "catalog_peak_tflops": info.peak_tflops,
+            "matmul_share_of_peak": got.matmul_tflops / info.peak_tflops, "h2d_gb_s": got.h2d_gb_s,
+            "d2h_gb_s": got.d2h_gb_s}
+
+
+def _device() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        driver = "unknown"
+    return {"name": torch.cuda.get_device_name(0), "memory_gib": p.total_memory / 2**30, "sms": p.multi_processor_count,
+            "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+
+
+class Report:
+    """The figures so far, written after every item (a run cut short keeps what it finished)."""
+
+    def __init__(self, path: str | None):
+        self.path, self.data = path, {}
+
+    def item(self, key: str, fn, *args, **kw):
+        print(f"\n== {key}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            self.data[key] = fn(*args, **kw)
+        except Exception as exc:  # noqa: BLE001 - one item's failure is reported and the next item runs
+            traceback.print_exc()
+            self.data[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        self.data.setdefault("seconds", {})[key] = time.perf_counter() - t0
+        if self.path:
+            Path(self.path).write_text(json.dumps(self.data, indent=1, default=str))
+        return self.data[key]
+
+
+def _run(cmd: list[str], timeout: int) -> dict:
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    out = subprocess.run(cmd, cwd=ROOT, timeout=timeout)
+    return {"command": " ".join(cmd[1:]), "returncode": out.returncode}
+
+
+def _print_tables(d: dict) -> None:
+    r = d.get("mfu", {})
+    if "step_s" in r:
+        p = r["predicted"]
+        print("\n| GPU | model | precision | params | step s (planner) | tokens/s | TFLOPS | MFU (of bf16 peak) "
+              "| peak GiB (planner) |\n|---|---|---|---|---|---|---|---|---|")
+        print(f"| {r['gpu']} | {r['model']} | {r['precision']} | {r['params_b']:.2f}B | {r['step_s']:.3f} "
+              f"({p['step_s']:.3f}) | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['mfu_vs_bf16_peak']:.1%} "
+              f"| {r['peak_mem_gib']:.1f} ({p['mem_gib']:.1f}) |")
+        print("\n| kernel | ms | calls | share |\n|---|---|---|---|")
+        for k in r["top_kernels"]["device"]:
+            print(f"| `{k['op']}` | {k['ms']:.2f} | {k['calls']} | {k['share']:.1%} |")
+    o = d.get("offload", {})
+    if "step_s" in o:
+        t = o["terms"]
+        print("\n| offloaded step s (planner) | compute | H2D | D2H | CPU AdamW | bound | step / bound |\n"
+              "|---|---|---|---|---|---|---|")
+        print(f"| {o['step_s']:.3f} ({o['predicted']['step_s']:.3f}) | {t['compute_s']:.3f} | {t['h2d_s']:.3f} "
+              f"| {t['d2h_s']:.3f} | {t['cpu_adamw_s']:.3f} | {o['bound_s']:.3f} | {o['ratio']:.2f}x |")
+    g = d.get("links", {})
+    if "matmul_tflops" in g:
+        print("\n| bf16 matmul TFLOPS (measured / catalog) | H2D GB/s | D2H GB/s |\n|---|---|---|")
+        print(f"| {g['matmul_tflops']:.0f} / {g['catalog_peak_tflops']:.0f} | {g['h2d_gb_s']:.1f} "
+              f"| {g['d2h_gb_s']:.1f} |")
+    c = d.get("cold_start", {})
+    if "median_s" in c:
+        print(f"\n| cold start, s from spawn (median of {c['trials']}) | |\n|---|---|")
+        for k, v in c["median_s"].items():
+            print(f"| {k} | {v:.2f} |")
 
 
 def main() -> None:
@@ -85,29 +339,33 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="item 3's train.precision")
-    ap.add_argument("--skip-tests", action="store_true", help="only the measurements (items 3 and 4)")
+    ap.add_argument("--skip-tests", action="store_true", help="only the measurements (items 3-5)")
+    ap.add_argument("--cold-trials", type=int, default=2, help="item 5's worker starts (0: skip it)")
+    ap.add_argument("--json", help="write the figures here, after every item")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("error: no CUDA device: the GPU checklist needs one (docs/gpu.md); on this machine run `make test`",
               file=sys.stderr)
         raise SystemExit(2)
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    rep = Report(args.json)
+    dev = rep.item("device", _device)
+    print(dev)
     if not args.skip_tests:
-        for cmd in ([sys.executable, "-m", "pytest", "-q", "-m", "gpu"], [sys.executable, "bench/offload.py"]):
-            print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-            subprocess.run(cmd, cwd=ROOT, check=True)
-    r = mfu(args.model, args.steps, args.batch, args.precision)
-    print("\n| GPU | model | precision | params | step s | tokens/s | TFLOPS | MFU (of bf16 peak) |\n"
-          "|---|---|---|---|---|---|---|---|")
-    print(f"| {r['gpu']} | {r['model']} | {r['precision']} | {r['params_b']:.2f}B | {r['step_s']:.3f} "
-          f"| {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['mfu_vs_bf16_peak']:.1%} |")
-    from orchestrator.cluster.profiling import measure
-
-    got = measure(r["gpu"])
-    info = gpu_info(r["gpu"])
-    print("\n| GPU | bf16 matmul TFLOPS (measured / catalog) | H2D GB/s | D2H GB/s |\n|---|---|---|---|")
-    print(f"| {r['gpu']} | {got.matmul_tflops:.0f} / {info.peak_tflops:.0f} | {got.h2d_gb_s:.1f} "
-          f"| {got.d2h_gb_s:.1f} |")
+        rep.item("gpu_tests", _run, [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TESTS], 300)
+        rep.item("offload_bench", _run, [sys.executable, "bench/offload.py"], 300)
+    gpu = _gpu_type()
+    links = rep.item("links", measure_links, gpu)
+    r = rep.item("mfu", mfu, args.model, args.steps, args.batch, args.precision)
+    if "step_s" in r and "h2d_gb_s" in links:
+        rep.item("offload", offload_bound, args.model, max(3, args.steps // 2), args.batch, args.precision,
+                 r["step_s"], links["h2d_gb_s"], links["d2h_gb_s"])
+    if args.cold_trials:
+        rep.item("cold_start", cold_start, args.model, args.batch, args.cold_trials)
+    _print_tables(rep.data)
+    failed = [k for k, v in rep.data.items() if isinstance(v, dict) and ("error" in v or v.get("returncode"))]
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ from tests.net import free_port
 
 
 def one_device_losses(job: JobSpec, steps: int) -> list[float]:
-    from workers.actor import DTYPES
     from workers.data import make_dataset
-    from workers.engine import Engine
+    from workers.engine import DTYPES, Engine
 
     m, t = job.model_spec, job.train
     plan = Plan(model_name=m.name, num_layers=m.num_layers, global_batch=t.global_batch, pipelines=[Pipeline(

@@ -17,9 +17,8 @@ import torch
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost
 from tests.net import free_port
-from workers.actor import compute_dtype
 from workers.data import make_dataset
-from workers.engine import Engine
+from workers.engine import Engine, compute_dtype
 
 pytestmark = pytest.mark.unit
 B, MB = 8, 4
@@ -129,3 +128,16 @@ def test_policy_counts_the_state_bytes_a_restore_moves(precision, dtype):
     finally:
         e.close()
     assert asked == sum(layer_bytes(MODEL, train, x) for x in range(-1, MODEL.num_layers + 1))
+
+
+def test_the_engine_names_a_cuda_device_with_its_index(monkeypatch):
+    """A tensor on the current CUDA device reports `cuda:0`, and `cuda` compares unequal to it: an engine built
+    for `cuda` that kept the bare name found none of its parameters resident, registered no hook moving
+    gradients to the masters, and failed its first mixed-precision or offloaded step on the first GPU it met."""
+    from workers.engine import resolved_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert torch.device("cuda") != torch.device("cuda", 0)
+    assert resolved_device("cuda") == torch.device("cuda", 0)
+    assert resolved_device("cuda:1") == torch.device("cuda", 1)
+    assert resolved_device("cpu") == torch.device("cpu")

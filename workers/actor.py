@@ -13,13 +13,12 @@ import ray
 import torch
 from torch.distributed import TCPStore
 
-from planner.catalog import gpu_info
 from planner.cost import device_budget_bytes
 from planner.layout import ranks
 from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
 from workers.data import make_dataset
-from workers.engine import Engine, StepResult
+from workers.engine import DTYPES, Engine, StepResult, compute_dtype
 from workers.faults import FaultInjector
 from workers.logs import structured_logger
 from workers.restore import Kept, Restore
@@ -43,18 +42,6 @@ from workers.transfer import (
     Refused,
     Tier,
 )
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def compute_dtype(runtime_dtype: str, precision: str, gpu_type: str) -> str:
-    """The stage's compute dtype: runtime.dtype when forced, else train.precision's; bf16 becomes fp16 (with a
-    loss scale) on a GPU type without bf16 (T4, V100: the catalog's `bf16`)."""
-    if runtime_dtype != "auto":
-        return runtime_dtype
-    if precision == "bf16":
-        return "bfloat16" if gpu_info(gpu_type).bf16 else "float16"
-    return {"fp16": "float16", "fp32": "float32", "fp64": "float64"}[precision]
 
 
 def _warm_up(device: str) -> None:

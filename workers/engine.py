@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from planner import layout
+from planner.catalog import gpu_info
 from planner.contract import check_runtime_plan
 from planner.layout import extended_layer
 from planner.plan_types import Plan
@@ -66,6 +67,29 @@ class StepError(RuntimeError):
         return (StepError, (str(self), self.cause_type))
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(runtime_dtype: str, precision: str, gpu_type: str) -> str:
+    """The stage's compute dtype: runtime.dtype when forced, else train.precision's; bf16 becomes fp16 (with a
+    loss scale) on a GPU type without bf16 (T4, V100: the catalog's `bf16`)."""
+    if runtime_dtype != "auto":
+        return runtime_dtype
+    if precision == "bf16":
+        return "bfloat16" if gpu_info(gpu_type).bf16 else "float16"
+    return {"fp16": "float16", "fp32": "float32", "fp64": "float64"}[precision]
+
+
+def resolved_device(device: str) -> torch.device:
+    """The device with its index: a tensor on the current CUDA device reports `cuda:0`, never `cuda`, and the
+    two compare unequal, so the engine's tests of where a tensor lives (which parameters are resident, what the
+    device meter counts) need the index spelled out."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 @dataclass
 class StepResult:
     step: int
@@ -86,7 +110,7 @@ class Engine(GradSync, OptimizerState):
         self.overlap_update, self.overlap_sync = overlap_update, overlap_sync
         check_runtime_plan(plan, model)  # the plan contract (planner/contract.py), checked on every rank
         self.plan, self.rank, self.model, self.train, self.data = plan, rank, model, train, dataset
-        self.dtype, self.slowdown, self.device = dtype, slowdown, torch.device(device)
+        self.dtype, self.slowdown, self.device = dtype, slowdown, resolved_device(device)
         # Mixed precision (train.precision bf16 or fp16): the stage computes in `dtype`; fp32 masters,
         # fp32 gradient accumulation and reduction, and AdamW on the masters (the planner's model:
         # 2-byte weights, 4-byte gradients, 12 bytes of optimizer state per parameter). fp16, on GPUs

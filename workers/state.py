@@ -181,7 +181,7 @@ def _set_moments(engine: Engine, name: str, src: dict, optimizer_steps: float) -
     if src.get("exp_avg") is not None and optimizer_steps > 0:
         q = engine.opt_params[name]
         engine.set_optimizer_state(q, {
-            "step": torch.tensor(optimizer_steps, dtype=torch.float32),
+            "step": torch.tensor(optimizer_steps, dtype=torch.float32, device=q.device),  # fused AdamW: with its params
             "exp_avg": src["exp_avg"].to(q.device, q.dtype).clone(),
             "exp_avg_sq": src["exp_avg_sq"].to(q.device, q.dtype).clone(),
         })
