@@ -12,17 +12,20 @@ over every unit slice, the fetches per rank, and each rank's loads). The model i
 GPUs of six types, round robin (bench/planner.py's warm re-plan set-up); the stand-in workers hold tiny arrays per
 unit, so the bytes are not the point: the work per rank is.
 
-Printed per size: CPU seconds (time.process_time, the garbage collector on, as in a controller) per phase of the
-controller, medians of `--trials` kills of a node in the middle of the list, each on a fresh job with the
-planner's caches warm from planning it. The restore's column leaves out the ranks' own loads (in a job each rank
-loads in its own process, in parallel); they are the next column. Last, the growth from the smallest size. These
-machines are shared and noisy.
+Printed per size: CPU seconds (time.process_time) per phase of the controller, the garbage collector paused from
+the failure to the restore as the controller pauses it (orchestrator/control/collection.py; `--collect` leaves it
+on), medians of `--trials` kills of a node in the middle of the list, each on a fresh job with the
+planner's caches warm from planning it. The controller's columns leave out what the ranks and keepers do on their
+own side (in a job each runs in its own process, in parallel: the ranks' loads, the keepers' inventories and the
+kept processes' rows, each answer pickled; the controller's unpickling stays in): that is the next column. Last,
+the growth from the smallest size. These machines are shared and noisy.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import pickle
 import statistics
 import sys
 import time
@@ -30,12 +33,14 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from orchestrator.control.collection import CollectionPause  # noqa: E402
 from orchestrator.control.failure import Replan, failure_policy  # noqa: E402
 from orchestrator.control.replan import choose_replan  # noqa: E402
 from orchestrator.errors import FailureKind, WorkerFailure  # noqa: E402
 from orchestrator.state import fakes  # noqa: E402
 from orchestrator.state.calls import LocalCalls  # noqa: E402
 from orchestrator.state.fakes import LocalGroup, LocalPool, model_units  # noqa: E402
+from orchestrator.state.keeper import KeeperStore  # noqa: E402
 from orchestrator.state.tiers import TieredState  # noqa: E402
 from planner import ClusterSpec, NodeSpec, layout  # noqa: E402
 from planner.search import Planner  # noqa: E402
@@ -57,6 +62,27 @@ class TimedGroup(LocalGroup):
             return super().load(*args, **kwargs)
         finally:
             self.loads_s += time.process_time() - t0
+class Remote:
+    """CPU spent answering the controller on the other side of a call: in a job the keepers' inventories and the
+    kept processes' rows are made on their own nodes, in parallel; here they run in this process, so their share
+    is timed apart. The answer still crosses as a pickle, and the controller's side of that (unpickling, as
+    Ray's `get` does) stays in its phase."""
+
+    s = 0.0
+
+
+def _answered_remotely(fn):
+    def call(self, *args, **kwargs):
+        t0 = time.process_time()
+        data = pickle.dumps(fn(self, *args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        Remote.s += time.process_time() - t0
+        return pickle.loads(data)
+
+    return call
+
+
+KeeperStore.inventory = _answered_remotely(KeeperStore.inventory)  # type: ignore[method-assign]
+fakes.LocalProcess.held = _answered_remotely(fakes.LocalProcess.held)  # type: ignore[method-assign]
 fakes.SHAPE = (24, 3)  # each stand-in unit: rows every TP degree the planner picks here (1-8) divides
 
 
@@ -65,7 +91,8 @@ def cluster_of(gpus: int) -> ClusterSpec:
                               for i in range(gpus // 8)])
 
 
-def trial(planner: Planner, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, plan, lost: str) -> dict:
+def trial(planner: Planner, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, plan, lost: str,
+          paused: bool = True) -> dict:
     """One node loss on a fresh job at step 0: CPU seconds per phase, and what the recovery did."""
     calls = LocalCalls([n.name for n in cluster.nodes])
     store = TieredState(1, calls=calls, model_units=model_units(model.num_layers))
@@ -78,22 +105,27 @@ def trial(planner: Planner, model: ModelSpec, train: TrainSpec, cluster: Cluster
     out: dict = {}
 
     def timed(name, fn):
-        t0, w0 = time.process_time(), time.perf_counter()
+        t0, w0, r0 = time.process_time(), time.perf_counter(), Remote.s
         got = fn()
-        out[name] = time.process_time() - t0
+        out[name] = time.process_time() - t0 - (Remote.s - r0)
+        out["remote"] = out.get("remote", 0.0) + Remote.s - r0
         out["wall"] = out.get("wall", 0.0) + time.perf_counter() - w0
         return got
 
     failure = WorkerFailure(f"rank 0 (node {lost})", "node lost", FailureKind.NODE_LOST, [lost])
     decision = timed("decide", lambda: failure_policy(failure, 0, 100))
     assert isinstance(decision, Replan), decision
+    collection = CollectionPause()  # as the controller: no automatic collection from the failure to the restore
+    if paused:
+        collection.pause()
     timed("salvage", lambda: (store.salvage(group, {lost}, 0), group.release()))  # the controller's two calls
     survivors = cluster.without_nodes({lost})
     new_plan, _ = timed("re-plan", lambda: choose_replan(planner, model, train, plan, survivors, 1000, 5.0))
     new = timed("assign", lambda: TimedGroup(new_plan, calls, pool))
     report = timed("restore", lambda: store.restore(new, {lost}))
+    collection.resume()
     out["restore"] -= new.loads_s
-    out["loads"] = new.loads_s
+    out["loads"] = new.loads_s + out["remote"]
     assert report is not None and report.step == 0 and new.step == 0, report
     out["ranks"], out["new ranks"] = len(layout.ranks(plan)), len(layout.ranks(new_plan))
     out["kept"] = sum(new.kept)
@@ -106,10 +138,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--collect", action="store_true", help="leave the garbage collector on over the recovery (the "
+                    "controller pauses it: orchestrator/control/collection.py)")
     args = ap.parse_args()
     model, train = ModelSpec.preset("175b"), TrainSpec(global_batch=2048)
     print("| ranks (GPUs) | ranks after | kept in place | (rank, unit) needs | "
-          + " | ".join(f"{p} CPU s" for p in PHASES) + " | total CPU s | ranks' loads CPU s | wall s | trials |")
+          + " | ".join(f"{p} CPU s" for p in PHASES)
+          + " | total CPU s | ranks' and keepers' own CPU s | wall s | trials |")
     print("|---" * (len(PHASES) + 8) + "|")
     rows = {}
     for gpus in args.sizes:
@@ -119,7 +154,7 @@ def main() -> None:
         lost = plan.pipelines[len(plan.pipelines) // 2].stages[0].node  # a node the plan uses
         trials = []
         for _ in range(args.trials):
-            trials.append(trial(planner, model, train, cluster, plan, lost))
+            trials.append(trial(planner, model, train, cluster, plan, lost, paused=not args.collect))
         med = {p: statistics.median(t[p] for t in trials) for p in PHASES}
         total = statistics.median(sum(t[p] for p in PHASES) for t in trials)
         last = trials[-1]

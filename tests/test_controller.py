@@ -243,3 +243,27 @@ def test_notice_with_a_copy_longer_than_the_deadline_falls_back_to_recovery():
     assert c.progress.drains == 0 and c.progress.restarts == 1
     assert c.progress.events[0]["kind"] == "notice-too-close"
     assert c.progress.losses == {s: 10.0 - s for s in range(5)}
+
+
+def test_a_recovery_runs_with_the_garbage_collector_paused_and_turns_it_back_on():
+    """From the failure to the new group's restore no automatic collection runs (at thousands of ranks they were a
+    third of a recovery's controller CPU: orchestrator/control/collection.py); training goes on with it on, and a
+    collector the caller disabled stays disabled."""
+    import gc
+
+    seen = []
+    c, _, _ = make(FakeNodes(BIG, SMALL), failures=[[2]], snapshot_every=1,
+                   on_phase=lambda phase: seen.append((phase.split()[0], gc.isenabled())))
+    assert gc.isenabled()
+    assert c.run() == State.DONE
+    assert gc.isenabled()
+    after = seen[[p for p, _ in seen].index("training") + 1:]  # the phases after the first training
+    assert after[0][0] == "discovering" and not any(on for p, on in after if p in ("discovering", "planning",
+                                                                                  "placing", "restoring"))
+    assert after[-1] == ("done", True)  # the steps trained after the restore ran with it on
+    gc.disable()
+    try:
+        c, _, _ = make(FakeNodes(BIG, SMALL), failures=[[2]], snapshot_every=1)
+        assert c.run() == State.DONE and not gc.isenabled()
+    finally:
+        gc.enable()

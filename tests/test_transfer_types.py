@@ -94,3 +94,12 @@ def test_payload_bytes_counts_data_by_its_bytes_and_containers_by_their_parts():
     mixed = {"a": torch.zeros(3, dtype=torch.float32), "bb": np.zeros(2, dtype=np.int64), "c": [None, 1.5, True],
              "rows": [row, row]}
     assert payload_bytes(mixed) == (1 + 12) + (2 + 16) + (1 + 3 * 8) + (4 + 2 * payload_bytes(row))
+    # inventory and need rows are counted without walking their fields (thousands per recovery): the walk's count
+    from dataclasses import fields
+
+    from workers.transfer import NeedRow, Tier, _parts_bytes
+
+    for r in (row, HeldRow("embed", ((0, 50304), (8, 16), (0, 1)), 12, (50304, 64, 1), 3.0, Tier.PEER, 17, 4096),
+              HeldRow("", (), 0, (), 0.0, Tier.S3), NeedRow("h.3.mlp", ((0, 24), (8, 16)), 1 << 40),
+              NeedRow("", (), 0)):
+        assert payload_bytes(r) == _parts_bytes([getattr(r, f.name) for f in fields(r)], (torch.Tensor, np.ndarray))

@@ -291,6 +291,11 @@ def payload_bytes(obj) -> int:
 def _payload_bytes(obj, arrays: tuple) -> int:
     if type(obj) in _SCALARS:  # most of a report's fields: counted as 8 bytes, without the checks below
         return 8
+    # The rows ranks and keepers report by the thousand: the count below, without walking each field.
+    if type(obj) is HeldRow:
+        return len(obj.unit) + 16 * len(obj.region) + 8 * len(obj.shape) + len(obj.tier) + 4 * 8  # 4 scalars
+    if type(obj) is NeedRow:
+        return len(obj.unit) + 16 * len(obj.region) + 8
     if isinstance(obj, arrays):
         return obj.nbytes
     if isinstance(obj, (bytes, bytearray, str)):

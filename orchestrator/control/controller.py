@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from orchestrator.control.collection import CollectionPause
 from orchestrator.control.drain import drain_copy_s, notice_decision
 from orchestrator.control.failure import Replan, failure_policy
 from orchestrator.control.protocols import (
@@ -64,6 +65,9 @@ class State(enum.Enum):
     DRAINING = "draining"  # a notice leaves time: the committed step is kept off the doomed nodes, then re-plan
     DONE = "done"  # every step committed, the last upload in S3, the fleet's demand withdrawn
     FAILED = "failed"  # the policy aborted (deterministic error, restarts spent) or no plan fits; `error` says why
+
+
+RECOVERY = (State.RECOVERING, State.DISCOVERING, State.PLANNING, State.LAUNCHING)  # a failure to the restore
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Controller:
         self._draining: dict | None = None  # the drain event in progress
         self._staged: tuple | None = None  # a notice's next (plan, cluster, choice), its new workers warming
         self._switch_by: float = 0.0  # a staged drain switches by then whether its workers are ready or not
+        self._collection = CollectionPause()  # the garbage collector's, over a recovery
         self.started_at = self.clock.now()
         # A first plan (checked against the job) skips discovery and planning; `user_plan`: from --plan.
         self.plan: Plan | None = first_plan
@@ -148,8 +153,18 @@ class Controller:
         }.get(self.state)
         if handler is not None:
             before = self.state
-            self.state = handler()
+            try:
+                self.state = handler()
+            except BaseException:
+                self._collection.resume()
+                raise
             self.progress.history.append(f"{before.value}->{self.state.value}")
+            # A failure's recovery runs with the garbage collector paused, up to the new group's restore
+            # (orchestrator/control/collection.py: at thousands of ranks its collections were a third of the CPU).
+            if self.state is State.RECOVERING:
+                self._collection.pause()
+            elif self.state not in RECOVERY:
+                self._collection.resume()
         return self.state
 
     def finish_after(self, step: int) -> None:  # end once `step` is committed (a trace replay ends with its trace)

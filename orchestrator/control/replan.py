@@ -122,8 +122,18 @@ def relabel(new: Plan, old: Plan | None, cluster: ClusterSpec, model: ModelSpec,
         had = [n for n in names if n in held]
         if not mine or not had:
             continue
-        pairs = sorted(((sum(weight[x] for x in wants[a] if x in held[b]), a, b) for a in mine for b in had),
-                       reverse=True)
+        # Bytes each (new node, old node) pair keeps in place, for the pairs sharing a layer only: the pairs of
+        # every node with every other of its kind grew with the square of the fleet (the rest keep nothing).
+        holders: dict[int, list[str]] = {}
+        for b in had:
+            for x in held[b]:
+                holders.setdefault(x, []).append(b)
+        kept_by: dict[tuple[str, str], int] = {}
+        for a in mine:
+            for x in wants[a]:
+                for b in holders.get(x, ()):
+                    kept_by[a, b] = kept_by.get((a, b), 0) + weight[x]
+        pairs = sorted(((kept, a, b) for (a, b), kept in kept_by.items()), reverse=True)
         free, got = set(names), {}
         for kept, a, b in pairs:
             if kept > 0 and a not in got and b in free:

@@ -170,16 +170,34 @@ class _Index:
             by_key.setdefault((h.region, h.tier), []).append((i, h))
         self.groups = {key: _Group(ps) for key, ps in by_key.items()}
         self.regions = list(dict.fromkeys(r for r, _ in self.groups))  # distinct, in first-appearance order
+        self._fits: dict[tuple[Region, int], list[_Group]] = {}  # by (a need's region, d): the groups it can use
+        self.own: dict[int, list[tuple[int, Holding]]] = {}  # by rank: its kept process's own pieces (class 0)
+        for g in self.groups.values():
+            for rank, piece in g.by_rank.items():
+                self.own.setdefault(rank, []).append(piece)
+
+    def in_place(self, need: Need) -> Holding | None:
+        """The rank's own kept piece that holds the whole need, if one does: then it alone is the cover (nothing is
+        cheaper than reading in place, and the sweep takes it from start to end), without looking at the others.
+        Most needs of a recovery in place are this one (a survivor keeping its layers)."""
+        whole = [(i, h) for i, h in self.own.get(need.rank, ()) if _contains(h.region, need.region)]
+        if len(whole) > 1:  # the sweep's choice among them: the one reaching farthest along d, then the first
+            d = _shard_dim(need, self.regions)
+            whole.sort(key=lambda ih: (-ih[1].region[d][1], ih[0]))
+        return whole[0][1] if whole else None
 
     def candidates(self, need: Need, d: int) -> list[Holding]:
         """The pieces `_cover` could use for `need` along `d`: per group whose region holds the need's extent in the
         other dimensions and meets it along `d` (no other piece can be swept over), the one it would pick."""
         if not need.region:
             return []
-        a, b = need.region[d]
-        picks = sorted(g.pick(need) for (r, _), g in self.groups.items()
-                       if r[d][0] < b and a < r[d][1] and _contains(r, need.region, skip=d))
-        return [h for _, h in picks]
+        key = (need.region, d)
+        fits = self._fits.get(key)
+        if fits is None:  # the many ranks needing the same slice (replicas, TP peers) share the regions' test
+            a, b = need.region[d]
+            fits = self._fits[key] = [g for (r, _), g in self.groups.items()
+                                      if r[d][0] < b and a < r[d][1] and _contains(r, need.region, skip=d)]
+        return [h for _, h in sorted(g.pick(need) for g in fits)]
 
 
 def _shard_dim(need: Need, regions: list[Region]) -> int:
@@ -198,6 +216,10 @@ def _plan_at(step: int, needs: list[Need], by_unit: dict[str, dict[int, _Index]]
     empty = _Index([])
     for need in needs:
         index = by_unit.get(need.unit, {}).get(step, empty)
+        own = index.in_place(need) if need.region else None
+        if own is not None:
+            out.append(Transfer(need, own, need.region, need.nbytes))
+            continue
         d = _shard_dim(need, index.regions)
         cover = _cover(need, index.candidates(need, d), d)
         if cover is None:
