@@ -302,35 +302,44 @@ def _run(cmd: list[str], timeout: int) -> dict:
     return {"command": " ".join(cmd[1:]), "returncode": out.returncode}
 
 
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    print("\n| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def _ops(rows: list[dict]) -> list[list[str]]:
+    return [[f"`{k['op']}`", f"{k['ms']:.2f}", str(k["calls"]), f"{k['share']:.1%}"] for k in rows]
+
+
 def _print_tables(d: dict) -> None:
     r = d.get("mfu", {})
     if "step_s" in r:
         p = r["predicted"]
-        print("\n| GPU | model | precision | params | step s (planner) | tokens/s | TFLOPS | MFU (of bf16 peak) "
-              "| peak GiB (planner) |\n|---|---|---|---|---|---|---|---|---|")
-        print(f"| {r['gpu']} | {r['model']} | {r['precision']} | {r['params_b']:.2f}B | {r['step_s']:.3f} "
-              f"({p['step_s']:.3f}) | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['mfu_vs_bf16_peak']:.1%} "
-              f"| {r['peak_mem_gib']:.1f} ({p['mem_gib']:.1f}) |")
-        print("\n| kernel | ms | calls | share |\n|---|---|---|---|")
-        for k in r["top_kernels"]["device"]:
-            print(f"| `{k['op']}` | {k['ms']:.2f} | {k['calls']} | {k['share']:.1%} |")
+        _table(["GPU", "model", "precision", "params", "step s (planner)", "tokens/s", "TFLOPS", "MFU (of bf16 peak)",
+                "peak GiB (planner)"],
+               [[r["gpu"], r["model"], r["precision"], f"{r['params_b']:.2f}B",
+                 f"{r['step_s']:.3f} ({p['step_s']:.3f})", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.1f}",
+                 f"{r['mfu_vs_bf16_peak']:.1%}",
+                 f"{r['peak_mem_gib']:.1f} ({p['mem_gib']:.1f})"]])
+        _table(["kernel", "ms", "calls", "share"], _ops(r["top_kernels"]["device"]))
     o = d.get("offload", {})
     if "step_s" in o:
         t = o["terms"]
-        print("\n| offloaded step s (planner) | compute | H2D | D2H | CPU AdamW | bound | step / bound |\n"
-              "|---|---|---|---|---|---|---|")
-        print(f"| {o['step_s']:.3f} ({o['predicted']['step_s']:.3f}) | {t['compute_s']:.3f} | {t['h2d_s']:.3f} "
-              f"| {t['d2h_s']:.3f} | {t['cpu_adamw_s']:.3f} | {o['bound_s']:.3f} | {o['ratio']:.2f}x |")
+        _table(["offloaded step s (planner)", "compute", "H2D", "D2H", "CPU AdamW", "bound", "step / bound"],
+               [[f"{o['step_s']:.3f} ({o['predicted']['step_s']:.3f})", f"{t['compute_s']:.3f}", f"{t['h2d_s']:.3f}",
+                 f"{t['d2h_s']:.3f}", f"{t['cpu_adamw_s']:.3f}", f"{o['bound_s']:.3f}", f"{o['ratio']:.2f}x"]])
+        _table(["offloaded step: host op (own time)", "ms", "calls", "share"], _ops(o["top_ops"]["host_self"]))
+        _table(["offloaded step: kernel", "ms", "calls", "share"], _ops(o["top_ops"]["device"]))
     g = d.get("links", {})
     if "matmul_tflops" in g:
-        print("\n| bf16 matmul TFLOPS (measured / catalog) | H2D GB/s | D2H GB/s |\n|---|---|---|")
-        print(f"| {g['matmul_tflops']:.0f} / {g['catalog_peak_tflops']:.0f} | {g['h2d_gb_s']:.1f} "
-              f"| {g['d2h_gb_s']:.1f} |")
+        _table(["bf16 matmul TFLOPS (measured / catalog)", "H2D GB/s", "D2H GB/s"],
+               [[f"{g['matmul_tflops']:.0f} / {g['catalog_peak_tflops']:.0f}", f"{g['h2d_gb_s']:.1f}",
+                 f"{g['d2h_gb_s']:.1f}"]])
     c = d.get("cold_start", {})
     if "median_s" in c:
-        print(f"\n| cold start, s from spawn (median of {c['trials']}) | |\n|---|---|")
-        for k, v in c["median_s"].items():
-            print(f"| {k} | {v:.2f} |")
+        _table([f"cold start, s from spawn (median of {c['trials']})", ""],
+               [[k, f"{v:.2f}"] for k, v in c["median_s"].items()])
 
 
 def main() -> None:

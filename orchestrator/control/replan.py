@@ -128,7 +128,7 @@ def relabel(new: Plan, old: Plan | None, cluster: ClusterSpec, model: ModelSpec,
         for b in had:
             for x in held[b]:
                 holders.setdefault(x, []).append(b)
-        kept_by: dict[tuple[str, str], int] = {}
+        kept_by: dict[tuple[str, str], float] = {}
         for a in mine:
             for x in wants[a]:
                 for b in holders.get(x, ()):
