@@ -13,7 +13,7 @@ GPUs of six types, round robin (bench/planner.py's warm re-plan set-up); the sta
 unit, so the bytes are not the point: the work per rank is.
 
 Printed per size: CPU seconds (time.process_time) per phase of the controller, the garbage collector paused from
-the failure to the restore as the controller pauses it (orchestrator/control/collection.py; `--collect` leaves it
+the failure to the restore as the controller pauses it (planner.search.CollectionPause; `--collect` leaves it
 on), medians of `--trials` kills of a node in the middle of the list, each on a fresh job with the
 planner's caches warm from planning it. The controller's columns leave out what the ranks and keepers do on their
 own side (in a job each runs in its own process, in parallel: the ranks' loads, the keepers' inventories and the
@@ -33,7 +33,6 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from orchestrator.control.collection import CollectionPause  # noqa: E402
 from orchestrator.control.failure import Replan, failure_policy  # noqa: E402
 from orchestrator.control.replan import choose_replan  # noqa: E402
 from orchestrator.errors import FailureKind, WorkerFailure  # noqa: E402
@@ -43,7 +42,7 @@ from orchestrator.state.fakes import LocalGroup, LocalPool, model_units  # noqa:
 from orchestrator.state.keeper import KeeperStore  # noqa: E402
 from orchestrator.state.tiers import TieredState  # noqa: E402
 from planner import ClusterSpec, NodeSpec, layout  # noqa: E402
-from planner.search import Planner  # noqa: E402
+from planner.search import CollectionPause, Planner  # noqa: E402
 from planner.specs import ModelSpec, TrainSpec  # noqa: E402
 
 TYPES = ["H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4"]
@@ -139,7 +138,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--collect", action="store_true", help="leave the garbage collector on over the recovery (the "
-                    "controller pauses it: orchestrator/control/collection.py)")
+                    "controller pauses it: planner.search.CollectionPause)")
     args = ap.parse_args()
     model, train = ModelSpec.preset("175b"), TrainSpec(global_batch=2048)
     print("| ranks (GPUs) | ranks after | kept in place | (rank, unit) needs | "

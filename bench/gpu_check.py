@@ -199,7 +199,7 @@ def offload_bound(model_name: str, steps: int, batch: int, precision: str, compu
 
 
 COLD = r"""
-import sys, time
+import json, sys, time
 t = {"spawned": time.time()}
 import torch
 t["import_torch"] = time.time()
@@ -232,7 +232,7 @@ if dev.startswith("cuda"):
     torch.cuda.synchronize()
 t["first_step"] = time.time() - t0 + t["state_loaded"]
 e.close()
-print("COLD " + repr(t), flush=True)
+print("COLD " + json.dumps(t), flush=True)
 """
 
 
@@ -248,7 +248,7 @@ def cold_start(model_name: str, batch: int, trials: int, device: str = "cuda", g
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("COLD ")]
         if out.returncode or not line:
             raise RuntimeError(f"the cold-start child failed ({out.returncode}): {out.stderr[-2000:]}")
-        t = eval(line[0][5:])  # a dict of floats printed by repr in the child
+        t = json.loads(line[0][5:])
         runs.append({k: v - t0 for k, v in t.items()})
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {"model": model_name, "trials": trials, "median_s": med, "runs": runs,

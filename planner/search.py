@@ -1034,20 +1034,39 @@ def kept_pipelines(last: Plan, cluster: ClusterSpec, model: ModelSpec, train: Tr
         return None
 
 
+class CollectionPause:
+    """Python's cyclic garbage collector paused and resumed across calls: a search pauses it for its own length
+    (`collector_paused`), the controller from a failure to the new group's restore (orchestrator/control/
+    controller.py: at 4,096 GPUs the collections over its heap were 0.7 of a recovery's 1.6 s of CPU,
+    bench/control_plane.py). Cycles made meanwhile wait for the next collection; reference counting frees the
+    rest as usual. A collector someone else disabled is left disabled."""
+
+    def __init__(self) -> None:
+        self.paused = False  # this pause disabled the collector (and only then turns it back on)
+
+    def pause(self) -> None:
+        if not self.paused and gc.isenabled():
+            gc.disable()
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            gc.enable()
+            self.paused = False
+
+
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off for the duration of a search. The search allocates hundreds of
-    thousands of short-lived objects beside its cost caches, so the collector runs its oldest generation
-    mid-search and walks every cached object: at 16,384 GPUs a warm re-plan took 1.22 s of CPU with it and
-    0.85 s without (medians of 5, bench/planner.py's case). The search makes no reference cycles that
-    must be freed before it ends; they are collected as usual once the collector is back on."""
-    was_on = gc.isenabled()
-    gc.disable()
+    """The collector off for the duration of a search. The search allocates hundreds of thousands of short-lived
+    objects beside its cost caches, so the collector runs its oldest generation mid-search and walks every cached
+    object: at 16,384 GPUs a warm re-plan took 1.22 s of CPU with it and 0.85 s without (medians of 5,
+    bench/planner.py's case). The search makes no reference cycles that must be freed before it ends."""
+    pause = CollectionPause()
+    pause.pause()
     try:
         yield
     finally:
-        if was_on:
-            gc.enable()
+        pause.resume()
 
 
 def plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, objective: str = "throughput") -> Plan:

@@ -247,7 +247,7 @@ def test_notice_with_a_copy_longer_than_the_deadline_falls_back_to_recovery():
 
 def test_a_recovery_runs_with_the_garbage_collector_paused_and_turns_it_back_on():
     """From the failure to the new group's restore no automatic collection runs (at thousands of ranks they were a
-    third of a recovery's controller CPU: orchestrator/control/collection.py); training goes on with it on, and a
+    third of a recovery's controller CPU: planner.search.CollectionPause); training goes on with it on, and a
     collector the caller disabled stays disabled."""
     import gc
 

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from orchestrator.control.collection import CollectionPause
 from orchestrator.control.drain import drain_copy_s, notice_decision
 from orchestrator.control.failure import Replan, failure_policy
 from orchestrator.control.protocols import (
@@ -46,7 +45,7 @@ from orchestrator.control.replan import choose_replan, consider_joined, joined_n
 from orchestrator.control.snapshots import MemorySnapshots
 from orchestrator.errors import CheckpointError, WorkerFailure
 from planner import ClusterSpec, Plan, PlanningError
-from planner.search import Planner
+from planner.search import CollectionPause, Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
@@ -160,7 +159,7 @@ class Controller:
                 raise
             self.progress.history.append(f"{before.value}->{self.state.value}")
             # A failure's recovery runs with the garbage collector paused, up to the new group's restore
-            # (orchestrator/control/collection.py: at thousands of ranks its collections were a third of the CPU).
+            # (planner.search.CollectionPause: at thousands of ranks its collections were a third of the CPU).
             if self.state is State.RECOVERING:
                 self._collection.pause()
             elif self.state not in RECOVERY:
