@@ -135,11 +135,11 @@ def _stage_order(groups: list[Group]) -> list[Group]:
 
 class _Search:
     def __init__(self, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
-                 pm_cache: dict | None = None, stage_cache: dict | None = None):
+                 pm_cache: dict | None = None, stage_cache: dict | None = None, order_cache: dict | None = None):
         self.cluster, self.model, self.train = cluster, model, train
         self._pm_cache: dict[tuple, PipelineModel] = {} if pm_cache is None else pm_cache
         self._stage_cache: dict = {} if stage_cache is None else stage_cache
-        self._order_cache: dict[tuple, list[int]] = {}
+        self._order_cache: dict[tuple, list[int]] = {} if order_cache is None else order_cache
         self._ceilings: dict[tuple, tuple[float, ...]] = {}
         self._pm_keys: dict[tuple, tuple] = {}
         self._pm_keys_hold: list[list[Group]] = []
@@ -169,11 +169,15 @@ class _Search:
         if len(groups) == 1:
             return groups
         groups = _stage_order(groups)
-        # Groups of one kind on one node are interchangeable: the answer, as positions, holds for any such.
-        key = (tuple((g.kind_id, g.node) for g in groups), num_pipelines, exact)
+        # Groups of one kind on one node are interchangeable, and so are nodes: the answer, as positions, holds
+        # for any groups of the same kinds whose nodes repeat in the same pattern (the pipeline model sees
+        # kinds and which neighbours share a node), at the same sync bandwidth. So the cache is keyed by node
+        # pattern, not name, and shared across the clusters a fleet search plans (`Planner.sharing_caches`).
+        names: dict[str, int] = {}
+        bw = self.sync_bw([groups])
+        key = (tuple((g.kind_id, names.setdefault(g.node, len(names))) for g in groups), num_pipelines, exact, bw)
         if key not in self._order_cache:
             n = max(1, self.train.global_batch // num_pipelines)
-            bw = self.sync_bw([groups])
             best, best_t = list(range(len(groups))), math.inf
             for cand in _distinct_orders(list(range(len(groups))), MAX_ORDERS, lambda i: groups[i].kind_id):
                 f = self.pipeline_model([groups[i] for i in cand], exact).finish(n, num_pipelines, bw)
@@ -724,11 +728,17 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float, host: str = "
             break  # sorted: no later template beats it either, alone or copied
         (groups,) = deal([list(template)])
         if lb < best:
-            order = search.best_order(groups, 1, True)
-            t, _, _ = search.score([order], True)
-            if t < math.inf:
-                best = min(best, t)
-                yield t, [order], None
+            # Under an even host split the fastest order is the one to keep. Where a stage may offload into
+            # its whole node's RAM, the fastest order alone may overflow the node once its stages share it
+            # (`share_node_host` then drops it), so every distinct order is offered and the caller keeps
+            # the fastest that settles (issue 46's sweep: TP1, TP2, TP1 on one node fits where TP2 first does not).
+            orders = [search.best_order(groups, 1, True)] if host == "even" else \
+                _distinct_orders(_stage_order(groups), MIXED_ORDERS, _by_kind_and_node)
+            for order in orders:
+                t, _, _ = search.score([order], True)
+                if t < math.inf:
+                    best = min(best, t) if host == "even" else best
+                    yield t, [order], None
         for copies in range(2, batch + 1):
             if lb / copies >= best:
                 continue
@@ -761,6 +771,7 @@ class Planner:
         self.model, self.train = model, train
         self._pm_cache: dict = {}
         self._stage_cache: dict = {}
+        self._order_cache: dict = {}  # `_Search.best_order`'s, by kinds and node pattern: holds on any cluster
         self._warm: dict[int, dict] = {}  # per TP degree, where the large-cluster search settled last time
         self._last: tuple[frozenset, dict[int, float]] | None = None  # GPU types and best score per degree
         self._last_plan: Plan | None = None  # the last throughput plan: a re-plan may keep its intact pipelines
@@ -773,7 +784,7 @@ class Planner:
         """A planner for the same job with these cost caches but no memory of earlier plans (no warm start,
         no TP degree skipped): a full search that costs less."""
         other = Planner(self.model, self.train)
-        other._pm_cache, other._stage_cache = self._pm_cache, self._stage_cache
+        other._pm_cache, other._stage_cache, other._order_cache = self._pm_cache, self._stage_cache, self._order_cache
         return other
 
     def plan(self, cluster: ClusterSpec, objective: str = "throughput") -> Plan:
@@ -864,7 +875,7 @@ class Planner:
         model, train = self.model, self.train
         if objective == "cost" and _kinds:
             return self._cheapest_kinds(cluster, k)
-        search = _Search(cluster, model, train, self._pm_cache, self._stage_cache)
+        search = _Search(cluster, model, train, self._pm_cache, self._stage_cache, self._order_cache)
         finalists = []
         keep = max(k, FINALISTS)
         degrees = tp_candidates(cluster, model)
@@ -933,13 +944,19 @@ class Planner:
             bound = min((f[0] for f in finalists), default=math.inf)
             singles = [Group(n.name, (d,), cost.make_slot(cluster, train, n.name, 1))
                        for n in cluster.nodes for d in n.device_ids()]
-            mixed = sorted(_mixed_sets(search, degrees, bound, self._host), key=lambda x: x[0])[:FINALISTS]
+            mixed = sorted(_mixed_sets(search, degrees, bound, self._host), key=lambda x: x[0])
+            mixed = mixed[:FINALISTS if self._host == "even" else FINALISTS * MIXED_ORDERS]
             # On a tie the plan of one TP degree wins (its degree sorts before inf).
             finalists += [(s, math.inf, i, pset, True, [], singles, prof) for i, (s, pset, prof) in enumerate(mixed)]
         # The surrogate ranks candidates across TP degrees; `evaluate` settles the best few.
         finalists.sort(key=lambda f: f[:3])
         ranked: list[tuple[tuple, int, Plan]] = []
-        for _, _, _, pset, exact, unused, groups, prof in finalists[:keep]:
+        # Under an even host split every finalist is a plan; under a pooled one some overflow a node once
+        # settled together and are dropped, so the loop goes on down the list until `keep` plans are made.
+        tries = finalists[:keep] if self._host == "even" else finalists[:keep * (MIXED_ORDERS + 1)]
+        for _, _, _, pset, exact, unused, groups, prof in tries:
+            if len(ranked) >= keep:
+                break
             plan_, used = search.build(pset, exact, unused, prof)
             why = "left out: adding it as a replica or stage does not speed up the step"
             idle = [UnusedDevice(device=d, reason=why) for g in groups if not set(g.devices) & used for d in g.devices]

@@ -145,10 +145,11 @@ def test_a_plan_whose_stages_mix_tp_degrees_may_pool_the_nodes_host_memory(node)
 
 @pytest.mark.sweep
 def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
-    """Issue 46, acceptance 2 in part: 100 clusters of 4 GPUs, host RAM of 12-120 GiB per node, against the
-    exhaustive enumerator counting host memory per node (tests/enumerator.py, host="node"): the planner
-    plans wherever a plan exists, never overflows a node, and is at the optimum on at least 95 of them
-    (what is still short is listed in the message)."""
+    """Issue 46, acceptance 2: 100 clusters of 4 GPUs, host RAM of 12-120 GiB per node, against the exhaustive
+    enumerator counting host memory per node (tests/enumerator.py, host="node"): the planner plans wherever a
+    plan exists, never overflows a node, and every plan is within 1% of the optimum. (Case 78, one A10G node
+    of 4 with 52 GiB, was at 0.986: the fastest order of a TP2 and two TP1 stages offloaded more than the node
+    holds once its stages shared it, and the order that fits, TP1 then TP2 then TP1, was never offered.)"""
     import random
 
     from tests.enumerator import best_plan
@@ -168,7 +169,7 @@ def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
             short.append((k, round(opt / got.estimate.step_time_s, 3)))
     assert exists >= 90
     assert not missed, f"no plan where one exists: cases {missed}"
-    assert len(short) <= 5, f"below 0.99 of the optimum: {short}"
+    assert not short, f"below 0.99 of the optimum: {short}"
 
 
 def test_a_refusal_for_host_memory_names_the_least_ram_that_plans():
