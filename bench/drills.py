@@ -1,8 +1,9 @@
 """Every scenario in drills/ on one embedded Ray cluster and one moto S3 server, as a table for
 docs/benchmarks.md: the oracle, the recovery timeline, bytes by tier, lost steps and goodput.
 
-Usage: python bench/drills.py [--all] [--recovery in-place|restart|both]
-(--all adds the `slow: true` scenarios; both: each scenario on each recovery path, one run)
+Usage: python bench/drills.py [--all] [--recovery in-place|restart|both] [--only NAME ...] [--repeat N]
+(--all adds the `slow: true` scenarios; both: each scenario on each recovery path, one run; --repeat N: each
+scenario N times on each path, the gap table then gives each path's median run)
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--recovery", default="in-place", help="in-place, restart, or both (each scenario on each path, "
                     "alternating, then a table of detect-to-first-step per path)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="only these scenarios (by name, e.g. add-node)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each scenario this many times (medians of its gaps)")
     args = ap.parse_args()
     paths = ["in-place", "restart"] if args.recovery == "both" else [args.recovery]
     for k, v in CREDS.items():
@@ -67,11 +70,11 @@ def main() -> None:
             if path.name.startswith("job-"):
                 continue
             sc = load_scenario(path)
-            if sc.slow and not args.all:
+            if (sc.slow and not args.all) or (args.only and sc.name not in args.only):
                 continue
             key = (sc.job.model_copy(update={"checkpoint": None, "name": ""}).model_dump_json(),
                    tuple(sorted(sc.added_nodes())))
-            for recovery in paths:
+            for recovery in [p for _ in range(args.repeat) for p in paths]:
                 job = sc.job.model_copy(update={"runtime": sc.job.runtime.model_copy(update={"recovery": recovery})})
                 if recovery != "in-place" and job.checkpoint is not None:  # its own S3 prefix: no resume of the
                     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(  # other path's steps
@@ -84,7 +87,7 @@ def main() -> None:
                 refs.setdefault(key, r.reference)
                 out = r.to_json()
                 times, g = _timeline(out)
-                gaps.setdefault(sc.name, {})[recovery] = g
+                gaps.setdefault(sc.name, {}).setdefault(recovery, []).append(g)
                 if r.error:
                     print(f"{sc.name} ({recovery}): {r.error}", flush=True)
                 b = out["bytes_by_tier"]
@@ -100,11 +103,14 @@ def main() -> None:
     if len(paths) == 2:
         print("\n| scenario | detect -> first step, in place (s) | restart (s) | restart / in place |")
         print("|---|---|---|---|")
-        for name, g in gaps.items():
+        for name, runs in gaps.items():  # per path, the median run's gaps (by their sum) over --repeat runs
+            g = {p: sorted(runs[p], key=sum)[len(runs[p]) // 2] for p in paths}
             a, b = sum(g["in-place"]), sum(g["restart"])
             print(f"| {name} | {' + '.join(f'{x:.2f}' for x in g['in-place']) or '-'} "
                   f"| {' + '.join(f'{x:.2f}' for x in g['restart']) or '-'} | {b / a:.1f}x |" if a else
                   f"| {name} | - | - | - |")
+        if args.repeat > 1:
+            print(f"(each path's median of {args.repeat} runs, by the sum of its recoveries' gaps)")
         print("(a drain counts its training stall at the switch, not the time from its notice)")
 
 

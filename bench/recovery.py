@@ -16,7 +16,9 @@ node loss, the same state restored into the same new plan by the restore
 planner (survivors' live state, peer memory) with the moments overlapped (the weights
 before training resumes, AdamW's moments beside the first step: also timed until they
 are in) and with every byte first, and from S3 only (moto's threaded server on
-127.0.0.1), in turn, for the small preset and a larger model. Last, an
+127.0.0.1), in turn, for the small preset and a larger model. Then an H100 node joins an L4 job
+(`--join-trials` times on each path): the move onto it, its tokens/s, and the training stall at the switch
+(in place the joined GPU is warmed at the join and the switch waits for it). Last, an
 AWS spot notice through the fake metadata service with a 20 s deadline, on each path:
 notice to drained (the doomed node's state is out) against the deadline, and the training stall at the
 switch (in place, the next plan is pre-staged while the doomed node trains).
@@ -194,16 +196,19 @@ def drain_trial(ec: EmbeddedCluster, recovery: str, deadline_s: float = 20.0) ->
             "stall_s": d["stall_s"], "staged": "staged_s" in d, "lost_steps": c.progress.restarts}
 
 
-def scale_up_trial(ec: EmbeddedCluster) -> dict:
-    """An L4-only job; an H100 node (declared) joins after step 4; tokens/s before and after the move."""
-    fast = NodeSpec(name="h100-join", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
-    j = parse_job(job(fast).model_dump() | {"runtime": job(fast).runtime.model_dump() | {
+def scale_up_trial(ec: EmbeddedCluster, recovery: str = "in-place", k: int = 0) -> dict:
+    """An L4-only job; an H100 node (declared) joins after step 4; tokens/s before and after the move, and what
+    training lost at the switch. In place the joined GPU gets a warm worker at the join and the move waits for it
+    (training goes on); on the restart path the switch starts every process."""
+    fast = NodeSpec(name=f"h100-join-{recovery}-{k}", gpu_type="H100-SXM", num_gpus=1, inter_node_bw_gb_s=100)
+    base = job(fast, recovery=recovery)
+    j = parse_job(base.model_dump() | {"runtime": base.runtime.model_dump() | {
         "emulate_speed": True, "scale_check_every": 1}})
     c = make_controller(j, steps=100000)
     until(c, lambda c: c.progress.committed >= 4)
     ec.nodes[fast.name] = ec.add(fast)
     t0 = time.perf_counter()
-    until(c, lambda c: any(e["kind"] == "scale-up" for e in c.progress.events) and c.state == State.TRAINING)
+    until(c, lambda c: any(e["kind"] == "scale-up" and "first_step_s" in e for e in c.progress.events))
     moved_s = time.perf_counter() - t0
     at = c.progress.committed
     until(c, lambda c: c.progress.committed >= at + 5)
@@ -214,9 +219,11 @@ def scale_up_trial(ec: EmbeddedCluster) -> dict:
     after = statistics.median(c.progress.step_time_s[s] for s in range(at + 1, at + 6))
     up = next(e for e in c.progress.events if e["kind"] == "scale-up")
     chosen = min(up["finish_s"], key=up["finish_s"].get)
-    return {"before": tokens / before, "after": tokens / after, "moved_s": moved_s, "lost": at - up["at_step"],
-            "predicted": {"running": up["predicted_tokens_per_s"]["running"],
-                          "new": up["predicted_tokens_per_s"][chosen]}, "candidates": len(up["finish_s"]) - 1}
+    # what the switch cost the job (`stall_s`: from the switch to ready to step, the re-form and the restore)
+    predicted = {"running": up["predicted_tokens_per_s"]["running"], "new": up["predicted_tokens_per_s"][chosen]}
+    return {"recovery": recovery, "before": tokens / before, "after": tokens / after, "moved_s": moved_s,
+            "stall_s": up["stall_s"], "lost": c.progress.restarts, "predicted": predicted,
+            "candidates": len(up["finish_s"]) - 1}
 
 
 def print_trials(title: str, trials: list[dict]) -> None:
@@ -243,9 +250,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--reshard-trials", type=int, default=3, help="layout-change kill trials per recovery path")
+    ap.add_argument("--join-trials", type=int, default=5, help="scale-up (a node joins) trials per recovery path")
     ap.add_argument("--big-hidden", type=int, default=384,
                     help="hidden size of the larger model of the tier comparison")
     ap.add_argument("--only-tiers", action="store_true", help="only the tier comparison (no kill, scale-up or notice)")
+    ap.add_argument("--only-joins", action="store_true", help="only the scale-up trials (a node joins)")
     ap.add_argument("-v", action="store_true", help="show moto's request log, Ray's echo of the injected failures "
                     "and hetspot's recovery warnings")
     args = ap.parse_args()
@@ -264,6 +273,8 @@ def main() -> None:
     ec = EmbeddedCluster(ClusterSpec(nodes=[STAY]), object_store_mb=1024)  # room for the larger model's copies
     ec.connect()
     try:
+        if args.only_joins:
+            args.trials = args.reshard_trials = 0
         kills = [] if args.only_tiers else [kill_trial(ec, i, r) for i in range(args.trials)
                                             for r in ("in-place", "restart")]  # interleaved: same load for both
         print_trials("kill trial (DP: the L4 holds every layer)", kills)
@@ -272,10 +283,11 @@ def main() -> None:
         if reshards:
             print("\nlayouts after the loss:", sorted({str(t["layout"]) for t in reshards}))
         print_trials("re-shard trial (TP-2 + 2 PP stages, last stage lost)", reshards)
-        print("\n| model | state MiB | first recovery: restored from | hetspot restore s (tiers) | moments in by s "
-              "| every byte first s | S3-only restore s | S3-only / hetspot |")
-        print("|---|---|---|---|---|---|---|---|")
-        for hidden in (None, args.big_hidden):
+        if not args.only_joins:
+            print("\n| model | state MiB | first recovery: restored from | hetspot restore s (tiers) | moments in by s "
+                  "| every byte first s | S3-only restore s | S3-only / hetspot |")
+            print("|---|---|---|---|---|---|---|---|")
+        for hidden in () if args.only_joins else (None, args.big_hidden):
             t = tier_restore(ec, endpoint, hidden)
             near, s3 = t["by_tier"]["nearest"], t["by_tier"]["s3"]
             tiers = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in near.items() if v)
@@ -284,12 +296,24 @@ def main() -> None:
                   f"| {t['s3_s']:.3f} | {t['s3_s'] / t['nearest_s']:.1f}x |")
         if args.only_tiers:
             return
-        u = scale_up_trial(ec)
+        ups = [scale_up_trial(ec, recovery, k) for k in range(args.join_trials) for recovery in ("in-place", "restart")]
+        print("\n| join trial | recovery | tokens/s before -> after | moved after the join s | stall at the switch s "
+              "| steps lost |")
+        print("|---|---|---|---|---|---|")
+        for i, u in enumerate(ups):
+            print(f"| {i // 2} | {u['recovery']} | {u['before']:,.0f} -> {u['after']:,.0f} | {u['moved_s']:.2f} "
+                  f"| {u['stall_s']:.2f} | {u['lost']} |")
+        u = ups[0]
         print(f"scale-up: an H100 joins an L4 job: {u['before']:,.0f} -> {u['after']:,.0f} tokens/s (measured, "
               f"emulated speeds; predicted {u['predicted']['running']:,} -> {u['predicted']['new']:,}, chosen among "
-              f"{u['candidates']} candidate plans), moved "
-              f"{u['moved_s']:.2f} s after the join, steps lost {u['lost']}")
+              f"{u['candidates']} candidate plans)")
         for recovery in ("in-place", "restart"):
+            got = [u for u in ups if u["recovery"] == recovery]
+            stall = statistics.median(u["stall_s"] for u in got)
+            moved = statistics.median(u["moved_s"] for u in got)
+            print(f"median of {len(got)} joins, {recovery}: stalled {stall:.2f} s at the switch, moved {moved:.2f} s "
+                  f"after the join, steps lost {sum(u['lost'] for u in got)}")
+        for recovery in () if args.only_joins else ("in-place", "restart"):
             d = drain_trial(ec, recovery)
             print(f"AWS notice, deadline {d['deadline_s']:.1f} s, {recovery}{' (pre-staged)' if d['staged'] else ''}: "
                   f"drained after {d['drained_s']:.2f} s, first step without the node after {d['first_step_s']:.2f} s,"

@@ -130,7 +130,11 @@ class RuntimeSpec(_Section):
         "the plan leaves idle or that joined (torch imported, device context made, in no group), so a re-plan that "
         "needs a new rank takes one instead of starting a process. Each costs one Python process with torch in host "
         "memory, plus a CUDA context on a GPU (docs/benchmarks.md, 'Warm workers'). A notice pre-stages the next "
-        "plan's new workers whatever this is")
+        "plan's new workers whatever this is; a node that joins gets workers on every GPU at once whatever this is")
+    replan_tolerance: float = Field(
+        default=0.02, ge=0.0, le=0.5, description="a re-plan after a loss or a notice may take a plan up to this "
+        "share slower than the fastest candidate when its restore moves fewer bytes over the network (0.02: 2%; "
+        "0: the plan that finishes soonest, migration included); the event says what was traded")
     max_restarts: int = Field(default=100, ge=0, description="re-plans after failures before the job gives up (a "
                               "spot job sees many; a deterministic error stops it at once whatever this is)")
     profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "

@@ -179,3 +179,21 @@ def test_status_shows_where_the_s3_tier_stands(monkeypatch):
     assert res.exit_code == 0, res.output
     assert "S3: newest step 38, 3 steps behind, 2 upload(s) in flight or waiting, 1 failed" in res.output
     assert "S3: no write access from node-7" in " ".join(res.output.split())  # a keeper's own check (issue 29)
+
+
+def test_status_says_what_a_re_plan_traded():
+    """Issue 45, item 2: a re-plan event's choice (movement-aware: how much slower, how many fewer bytes) is
+    printed under the event by `hetspot status`."""
+    from rich.console import Console
+
+    from orchestrator.cli.tables import print_status
+
+    choice = ("candidate 2: 1.0% slower than candidate 1, no byte moved (0.0 MiB against 0.1 for candidate 1; "
+              "within the 2% tolerance, runtime.replan_tolerance)")
+    st = {"job_id": "j", "status": "RUNNING", "message": "", "phase": "training",
+          "events": [{"kind": "re-plan", "at_step": 1, "cause": "step 2 failed: rank 0 died", "t_s": 3.0,
+                      "plan_choice": {"choice": choice, "moved_mib": {"candidate 1": 0.1, "candidate 2": 0.0}}}]}
+    console = Console(record=True, width=200)
+    print_status("j", st, console)
+    out = " ".join(console.export_text().split())
+    assert "re-plan at step 1: step 2 failed" in out and "chose " + choice in out

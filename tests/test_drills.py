@@ -201,8 +201,11 @@ def test_simulate_ranks_the_strategies_and_holds_hetspot_near_the_oracle(tmp_pat
     out = FleetSim(tr, fleet, ModelSpec.preset("gpt-350m"), TrainSpec(global_batch=64),
                    Assumptions(ckpt_every_s=120)).run()
     s = out["strategies"]
-    assert set(s) == {"hetspot", "oracle", "s3-only", "symmetric"}
+    assert set(s) == {"hetspot", "oracle", "oracle-startup", "s3-only", "symmetric"}
     assert s["oracle"]["tokens"] >= max(x["tokens"] for x in s.values()) * (1 - 1e-9)
+    # the oracle paying start-up: the beginning's, and joined nodes only once their workers would be up
+    assert s["oracle-startup"]["tokens"] < s["oracle"]["tokens"] and s["oracle-startup"]["recoveries"] == 0
+    assert s["oracle-startup"]["down_s"] == out["assumptions"]["startup_s"]
     assert s["hetspot"]["tokens"] > s["s3-only"]["tokens"]
     assert s["hetspot"]["recoveries"] >= 1 and s["oracle"]["recoveries"] == 0
     assert s["s3-only"]["lost_s"] > s["hetspot"]["lost_s"]  # work since the last checkpoint vs the step in flight
@@ -262,6 +265,34 @@ def test_simulate_charges_in_place_recovery_a_re_form_and_restart_a_process_star
             for way in ("in-place", "restart")}
     assert runs["in-place"]["recoveries"] >= 1 and runs["in-place"]["down_s"] < runs["restart"]["down_s"]
     assert runs["in-place"]["tokens"] > runs["restart"]["tokens"]
+
+
+@pytest.mark.unit
+def test_simulate_warms_joined_nodes_so_moves_and_recoveries_onto_them_start_no_process():
+    """Issue 45, warm at join, as the simulator charges it: a rank on a joined node's GPU costs what is left of its
+    start-up at a recovery (nothing once it is up), and a move onto joined nodes waits for them while the old plan
+    trains, stalling only the re-form and the restore. Over the test trace (three nodes join, then most of the
+    fleet goes), hetspot in place is down for less time and trains more with it than without, and stays below the
+    oracle that pays the same start-up."""
+    from orchestrator.drills.fleet import Assumptions, FleetSim
+    from orchestrator.drills.recovery_model import relaunch_s
+    from planner import ClusterSpec, NodeSpec
+    from planner.specs import ModelSpec, TrainSpec
+
+    a = Assumptions(reform_s=0.5, startup_s=30.0)
+    old = _one_gpu_plan(["a", "b", "c"])
+    new = _one_gpu_plan(["a", "b", "d"])
+    assert relaunch_s(old, new, {"c"}, a) == 30.0  # d cold: a process start
+    assert relaunch_s(old, new, {"c"}, a, warm={"d": 100.0}, now=90.0) == 10.0  # d warming: what is left of it
+    assert relaunch_s(old, new, {"c"}, a, warm={"d": 100.0}, now=130.0) == 0.5  # d up: the re-form alone
+
+    fleet = ClusterSpec(nodes=[NodeSpec(name=f"n{i}", gpu_type=("A100-80GB", "L4", "T4")[i % 3], num_gpus=2,
+                                        inter_node_bw_gb_s=10) for i in range(11)])
+    runs = {warm: FleetSim(parse_trace(TRACE), fleet, ModelSpec.preset("gpt-350m"), TrainSpec(global_batch=64),
+                           Assumptions(notice_s=0, warm_at_join=warm)).run()["strategies"] for warm in (False, True)}
+    cold, warm = runs[False]["hetspot"], runs[True]["hetspot"]
+    assert warm["down_s"] < cold["down_s"] and warm["tokens"] > cold["tokens"]
+    assert warm["tokens"] <= runs[True]["oracle-startup"]["tokens"] * (1 + 1e-9)
 
 
 @pytest.mark.unit

@@ -53,6 +53,24 @@ def test_replan_picks_the_soonest_finish_among_top_candidates():
     assert replan_policy([fastest, local], tokens_left=1e8, bandwidth=BW).chosen == "candidate 1"
 
 
+def test_a_movement_aware_replan_trades_a_little_throughput_for_fewer_bytes_moved():
+    """Issue 45, item 2: with much work left the fastest plan finishes soonest, so without a tolerance it wins
+    however much it moves; within the tolerance (2%) the plan moving the fewest bytes over the network wins, and
+    the reason says what was traded. A plan outside the tolerance is not taken for its bytes."""
+    resplit = Candidate("candidate 1", 3000.0, {"peer": 4e9}, 5.0, moved_bytes=40e9)  # every pipeline re-split
+    kept = Candidate("candidate 2", 2958.0, {"peer": 0.4e9}, 5.0, moved_bytes=4e9)  # 1.4% slower, one stage moves
+    idle = Candidate("candidate 3", 2800.0, {}, 5.0, moved_bytes=0.0)  # 6.7% slower, nothing moves
+    cands = [resplit, kept, idle]
+    assert replan_policy(cands, tokens_left=1e9, bandwidth=BW).chosen == "candidate 1"  # tolerance 0: soonest
+    d = replan_policy(cands, tokens_left=1e9, bandwidth=BW, tolerance=0.02)
+    assert d.chosen == "candidate 2" and d.plan is None  # the candidates here carry no Plan
+    assert "1.4% slower than candidate 1" in d.reason and "10.0x fewer bytes moved" in d.reason
+    assert replan_policy(cands, tokens_left=1e9, bandwidth=BW, tolerance=0.1).chosen == "candidate 3"
+    # near the end the soonest finish already moves the least: the tolerance changes nothing
+    assert replan_policy(cands, tokens_left=1e4, bandwidth=BW, tolerance=0.02).chosen == \
+        replan_policy(cands, tokens_left=1e4, bandwidth=BW).chosen
+
+
 MODEL, TRAIN = ModelSpec.preset("tiny"), TrainSpec(global_batch=8)
 TWO = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
                          NodeSpec(name="l", gpu_type="L4", num_gpus=2)])
@@ -255,3 +273,45 @@ def test_a_node_joining_before_the_running_plan_is_measured_is_weighed_once_it_i
     ev = next(e for e in c.progress.events if e["kind"].startswith("scale-up"))
     assert ev["kind"] == "scale-up" and ev["at_step"] == 2, ev
     assert ev["calibration"] == pytest.approx(1e-3, rel=1e-2)
+
+
+def test_a_joined_node_is_warmed_at_once_and_the_move_waits_for_its_workers_while_training_goes_on():
+    """Issue 45, warm at join: the L4's GPU gets a warm worker the moment the controller sees it, before the
+    running plan is measured or the move is weighed; the move, once chosen, goes at the first step boundary its
+    worker is ready at, training on the T4 in between (the fake group asserts every step runs
+    once, in order), and the scale-up event carries the switch's timeline (its stall: the re-form alone)."""
+    from orchestrator.control.controller import Controller, State
+    from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
+    from planner import evaluate
+    from planner.specs import tokens_per_step
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
+    train = TrainSpec(global_batch=8)
+    t4 = ClusterSpec(nodes=[NodeSpec(name="t4", gpu_type="T4", num_gpus=1)])
+    both = ClusterSpec(nodes=[*t4.nodes, NodeSpec(name="l4", gpu_type="L4", num_gpus=1)])
+    predicted = evaluate(Planner(model, train).plan(t4), t4, model, train).tokens_per_s
+    tick = tokens_per_step(model, train.global_batch) * 1000 / predicted
+    log: list = []
+    groups: list[FakeWorkerGroup] = []
+
+    def make(plan):
+        groups.append(FakeWorkerGroup(plan, log, in_place=True, ready_after=3))
+        return groups[-1]
+
+    c = Controller(model, train, 100_000, FakeNodes(t4, t4, both), make, clock=FakeClock(tick=tick),
+                   scale_check_every=1)
+    while c.state != State.DONE and not (c.state == State.LAUNCHING and c.progress.events):
+        c.step()
+    kinds = [e["kind"] for e in c.progress.events]
+    assert kinds == ["warm-at-join", "scale-up"], kinds
+    warm, up = c.progress.events
+    assert warm["nodes"] == ["l4"] and warm["new_workers"] == 1 and warm["at_step"] == 1  # seen after step 1
+    assert ("warm-joined", ["l4"]) in log and len(groups) == 1  # warmed while the first group trains
+    assert up["at_step"] == 2  # weighed a step later, once two steps of the running plan were measured
+    # the move waited for the warm worker (the fake is ready at its fourth look): steps 3-5 trained on the T4
+    assert c.progress.committed == 5 and c.state == State.LAUNCHING and "l4" in c.plan.nodes()
+    while "first_step_s" not in up:
+        c.step()
+    assert len(groups) == 2 and log.index(("warm-joined", ["l4"])) < log.index(("start", 2))
+    assert up["switch_s"] <= up["resumed_s"] <= up["first_step_s"] and up["stall_s"] >= 0
+    assert c.progress.committed == 6 and c.progress.restarts == 0

@@ -92,12 +92,15 @@ def simulate(
     reform_s: float = typer.Option(None, "--reform-s", help="seconds for survivors to re-form their groups in place "
                                    "(default: measured on the test cluster)"),
     recovery: str = typer.Option("in-place", "--recovery", help="hetspot's recovery: in-place or restart"),
+    warm_at_join: bool = typer.Option(True, "--warm-at-join/--no-warm-at-join", help="in place, a joined node's "
+                                      "workers start at the join (as the controller does); off: at the move"),
     ckpt_every_min: float = typer.Option(30.0, "--ckpt-every-min", help="s3-only's checkpoint interval"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     plot: Path = typer.Option(None, "--plot", help="write a PNG: tokens/s and tokens trained over the trace"),
 ) -> None:
     """Replay a spot trace against the planner and cost model at fleet scale (no Ray): hetspot's recovery
-    against a free re-plan oracle, S3-only checkpoint-restart and a symmetric plan."""
+    against a free re-plan oracle (and one that pays joined nodes' start-up), S3-only checkpoint-restart and a
+    symmetric plan."""
     from orchestrator.drills.fleet import Assumptions, FleetSim
     from orchestrator.drills.report import _pyplot, simulate_plot, simulate_tables
     from orchestrator.drills.trace import load_fleet, load_trace
@@ -116,7 +119,7 @@ def simulate(
         _pyplot()
     tr = load_trace(trace)
     fleet = load_fleet(cluster)
-    a = Assumptions(ckpt_every_s=ckpt_every_min * 60, recovery=recovery)
+    a = Assumptions(ckpt_every_s=ckpt_every_min * 60, recovery=recovery, warm_at_join=warm_at_join)
     for name, v in (("detect_s", detect_s), ("startup_s", startup_s), ("reform_s", reform_s)):
         if v is not None:
             setattr(a, name, v)

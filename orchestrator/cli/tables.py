@@ -186,6 +186,8 @@ def print_status(ref: str, st: dict, console: Console) -> None:
         tiers = ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in e.get("bytes_by_tier", {}).items())
         console.print(f"  {e['kind']} at step {e['at_step']}: {e['cause']}" + (f" ({times})" if times else "")
                       + (f"; restored bytes: {tiers}" if tiers else ""))
+        if isinstance(e.get("plan_choice"), dict) and e["plan_choice"].get("choice"):  # a re-plan's trade
+            console.print(f"    chose {e['plan_choice']['choice']}", highlight=False, soft_wrap=True)
     if "history" in st:
         t = Table(title="committed steps")
         for col in ("step", "loss", "tokens/s", "step s", "at s"):

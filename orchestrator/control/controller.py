@@ -17,7 +17,8 @@ Step s is committed when every worker finished its gradient sync for s and was t
 (two-phase; the worker group does it). The state plane (`StatePlane`: state/tiers.TieredState on Ray,
 control/snapshots.MemorySnapshots for fakes) snapshots after steps, salvages survivors' state after a failure
 and restores the newest step it can; the job resumes after it: no sample lost or repeated. Joined nodes are
-weighed every `scale_check_every` steps (orchestrator/control/replan.py).
+weighed every `scale_check_every` steps (orchestrator/control/replan.py); a joined node's GPUs get warm
+workers at the first step boundary that sees it, and a chosen move waits for them while training goes on.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from orchestrator.control.protocols import (
     SystemClock,
     WorkerGroup,
 )
-from orchestrator.control.replan import choose_replan, consider_joined, joined_nodes
+from orchestrator.control.replan import TOLERANCE, choose_replan, consider_joined, joined_nodes
 from orchestrator.control.snapshots import MemorySnapshots
 from orchestrator.errors import CheckpointError, WorkerFailure
 from planner import ClusterSpec, Plan, PlanningError
@@ -91,8 +92,9 @@ class Controller:
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
                  max_restarts: int = 100, snapshot_every: int = 1, drain_margin_s: float = 1.0,
                  on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0,
-                 capacity=None, sleep: Callable[[float], None] | None = None):
+                 capacity=None, sleep: Callable[[float], None] | None = None, replan_tolerance: float = TOLERANCE):
         self.model, self.train, self.steps = model, train, steps
+        self.replan_tolerance = replan_tolerance  # how much throughput a re-plan may give for fewer bytes moved
         self.nodes, self.make_group = nodes, make_group
         self.store = store or MemorySnapshots(snapshot_every)
         self.clock, self.interruptions = clock or SystemClock(), interruptions or NoInterruptions()
@@ -114,6 +116,9 @@ class Controller:
         self._launch_s = 5.0  # the last launch's start-up (placing workers, process group), for migration costs
         self._draining: dict | None = None  # the drain event in progress
         self._staged: tuple | None = None  # a notice's next (plan, cluster, choice), its new workers warming
+        self._join: tuple[Plan, ClusterSpec] | None = None  # a join's chosen plan and cluster, waiting for the
+        # joined nodes' warm workers
+        self._warmed: set[str] = set()  # joined nodes whose GPUs got warm workers at once
         self._switch_by: float = 0.0  # a staged drain switches by then whether its workers are ready or not
         self._collection = CollectionPause()  # the garbage collector's, over a recovery
         self.started_at = self.clock.now()
@@ -216,7 +221,8 @@ class Controller:
         self._phase(f"planning on {self.running_cluster.num_gpus} GPUs")
         try:  # a re-plan weighs the planner's top plans by throughput minus migration (orchestrator/control/replan.py)
             self.plan, choice = choose_replan(self.planner, self.model, self.train, self.plan, self.running_cluster,
-                                              self.steps - self.progress.committed - 1, self._launch_s)
+                                              self.steps - self.progress.committed - 1, self._launch_s,
+                                              self.replan_tolerance)
         except PlanningError as e:
             return self._fail(f"no plan on the {self.running_cluster.num_gpus} GPUs left: {e}")
         log.info("planned %d pipelines, predicted %.0f tokens/s", len(self.plan.pipelines),
@@ -279,23 +285,39 @@ class Controller:
                 self.progress.snapshot_step = s
             if s == self._plan_from - 1:  # the plan's first step: idle kept processes are gone, their GPUs free
                 self.workers.warm_spares(self.cluster or self.nodes.discover().without_nodes(self.doomed))
-            if self.scale_check_every and (s + 1) % self.scale_check_every == 0 and s + 1 < self.steps \
-                    and self._scale_up():
+            # Joins are looked for at every step boundary (their GPUs warm at once), weighed every scale_check_every
+            if self.scale_check_every and s + 1 < self.steps and self._scale_up((s + 1) % self.scale_check_every == 0):
                 return State.LAUNCHING
         except WorkerFailure as e:
             return self._decide(e)
         return State.TRAINING
 
-    def _scale_up(self) -> bool:
-        """Nodes joined: move at this step boundary only when the new plan finishes sooner, migration included."""
-        if self.capacity is not None:  # substitutes for types that stay dry while the job runs
+    def _scale_up(self, weigh: bool = True) -> bool:
+        """Nodes joined: their GPUs get warm workers at once (processes, imports, device context; looked for at
+        every step boundary), whatever the choice, while training goes on; the move is weighed every
+        scale_check_every steps (`weigh`) and happens at a step boundary only when the new plan finishes sooner,
+        migration included, and only once those workers are ready, so the switch is one re-form and starts no
+        process (a notice's pre-staged switch does the same). True: switch now."""
+        if weigh and self.capacity is not None:  # substitutes for types that stay dry while the job runs
             self._substitutions(self.capacity.tick())
         cluster = self.nodes.discover().without_nodes(self.doomed)
         known, joined = joined_nodes(self._known_nodes, cluster)
+        self._warmed &= known  # a node that left and comes back is warmed again
+        fresh = (known - (self._known_nodes or known)) - self._warmed
+        if fresh:  # warm at the join, before any decision: a move, or the next recovery, finds them started
+            self._warmed |= fresh
+            started = self.workers.warm_joined(cluster, fresh)
+            if started:
+                self._event("warm-at-join", f"nodes joined ({', '.join(sorted(fresh))}): {started} warm worker(s) "
+                            "starting", nodes=sorted(fresh), new_workers=started)
+        if self._join is not None:  # a move chosen earlier: it goes once its warm workers are ready
+            return self._join_ready()
+        if not weigh:
+            return False
         if self._staged is not None or (joined and self.progress.committed < self._plan_from + 1):
             return False  # weighed once the running plan's speed is measured (2 steps): predictions alone mislead
         self._known_nodes = known
-        if joined:  # a warm worker waits on the joined GPUs (runtime.warm_workers), whatever the choice
+        if joined:  # standing warm workers on GPUs the plan leaves idle (runtime.warm_workers)
             self.workers.warm_spares(cluster)
         got = joined and consider_joined(self.planner, self.model, self.train, self.running_plan, cluster,
                                          self.steps - self.progress.committed - 1, self._launch_s,
@@ -305,11 +327,24 @@ class Controller:
         new, d, extra = got
         log.info("nodes joined (%s): %s, %s", joined, "moving" if d.move else "staying", d.reason)
         self._event("scale-up" if d.move else "scale-up-declined", f"nodes joined ({joined}): {d.reason}", **extra)
-        if d.move:
-            self.store.drain(self.workers, self.progress.committed, set())  # the committed step, kept on its nodes
-            self.workers.release()
-            self.plan, self.cluster = new, cluster
-        return d.move
+        if not d.move:
+            return False
+        self._draining = self.progress.events[-1]  # the switch's timeline (switch, resumed, first step, stall)
+        self._draining["new_workers"] = self.workers.prestage(new)  # ranks on GPUs no warm worker waits on
+        self._join = (new, cluster)
+        return self._join_ready()
+
+    def _join_ready(self) -> bool:
+        """A join's move goes at the first step boundary its warm workers are ready at (training goes on meanwhile):
+        the committed step stays on its nodes, the group is released and the new plan launches."""
+        if self._join is None or not self.workers.staged_ready():
+            return False
+        (self.plan, self.cluster), self._join = self._join, None
+        self._mark("ready_s")
+        self._mark("switch_s")
+        self.store.drain(self.workers, self.progress.committed, set())  # the committed step, kept on its nodes
+        self.workers.release()
+        return True
 
     def _measured_tokens_per_s(self) -> float | None:
         """The running plan's tokens/s over its last (up to) 10 steps, as measured; None before 2 steps."""
@@ -338,6 +373,7 @@ class Controller:
             self._event("notice-too-close", f"notice for {nodes} ({sources}) with {left:.1f} s left", nodes=nodes)
             return False
         self.doomed |= {n.node for n in mine}
+        self._join_dropped("a notice came first")
         self._event("drain", f"notice for {nodes} ({sources})", nodes=nodes, notice_s=round(now - self.started_at, 3),
                     deadline_s=round(now + left - self.started_at, 3))
         self._draining = self.progress.events[-1]  # its timeline fills in as the drain goes on
@@ -355,7 +391,8 @@ class Controller:
         cluster = self.nodes.discover().without_nodes(self.doomed)
         try:
             plan, choice = choose_replan(self.planner, self.model, self.train, self.plan, cluster,
-                                         self.steps - self.progress.committed - 1, self._launch_s)
+                                         self.steps - self.progress.committed - 1, self._launch_s,
+                                         self.replan_tolerance)
         except PlanningError:
             return True
         started = self.workers.prestage(plan)
@@ -375,6 +412,16 @@ class Controller:
             return True
         return self.clock.now() + 2 * step_s >= self._switch_by
 
+    def _join_dropped(self, why: str) -> None:
+        """A join's move still waiting for its warm workers gives way (to a failure's re-plan or a notice's drain,
+        which plan afresh on what is there); its event says so and keeps no step of its own."""
+        if self._join is None:
+            return
+        self._join = None
+        if self._draining is not None and self._draining.get("kind") == "scale-up":
+            self._draining |= {"first_step_s": None, "ended": why}
+            self._draining = None
+
     def _mark(self, key: str) -> None:
         """A point of the current drain's timeline, in seconds since the job started."""
         if key in ("resumed_s", "first_step_s") and self._draining is not None and "switch_s" not in self._draining:
@@ -385,7 +432,8 @@ class Controller:
                 if "switch_s" in self._draining and "resumed_s" in self._draining:  # no step ran in between
                     self._draining["stall_s"] = round(self._draining["resumed_s"] - self._draining["switch_s"], 3)
                 snap = self._draining.get("snapshot_s")
-                self._draining["met_deadline"] = snap is not None and snap <= self._draining["deadline_s"]
+                if "deadline_s" in self._draining:  # a notice's (a join's switch has no deadline)
+                    self._draining["met_deadline"] = snap is not None and snap <= self._draining["deadline_s"]
                 self._draining = None
 
     def _drain(self) -> State:
@@ -441,6 +489,7 @@ class Controller:
                                   self.replan_user_plan)
         log.warning("worker failure (%s): %s -> %s", failure.kind, failure, type(decision).__name__)
         self._staged = None  # a failure re-plans from what is left (warm workers stay in the pool)
+        self._join_dropped("a failure re-planned first")
         if isinstance(decision, Replan):
             self.progress.restarts += 1
             self._failure = (failure, detected_s)
@@ -474,8 +523,9 @@ class Controller:
         timeline's end: no step ran on its plan (`first_step_s` None), and `ended` says why."""
         if self._draining is not None:
             self._draining.setdefault("first_step_s", None)
-            self._draining.setdefault("met_deadline", "switch_s" not in self._draining
-                                      or self._draining.get("snapshot_s", math.inf) <= self._draining["deadline_s"])
+            if "deadline_s" in self._draining:
+                self._draining.setdefault("met_deadline", "switch_s" not in self._draining or
+                                          self._draining.get("snapshot_s", math.inf) <= self._draining["deadline_s"])
             self._draining["ended"] = why
             self._draining = None
 

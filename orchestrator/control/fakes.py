@@ -70,6 +70,10 @@ class FakeWorkerGroup:
         self.ready_after -= 1
         return self.ready_after < 0
 
+    def warm_joined(self, cluster, nodes) -> int:  # ready after `ready_after` looks, as a prestage's
+        self.log.append(("warm-joined", sorted(nodes)))
+        return sum(n.num_gpus for n in cluster.nodes if n.name in nodes)
+
     def warm_spares(self, cluster) -> int:
         return 0
 

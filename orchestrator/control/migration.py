@@ -131,6 +131,8 @@ class Candidate:
     startup_s: float  # placing workers and joining their process group (0 for the plan running now)
     restore_s: float | None = None  # how long the pull holds training, where known (migration.held_s: the moments
     plan: Plan | None = None  # the Plan itself (None for the running one): a decision carries it, not its name
+    moved_bytes: float | None = None  # every node's pull over the network together (peer and S3; a node's own
+    # keeper, "live", is not moved): what a movement-aware re-plan minimises (replan.replan_policy)
 
 
 def migration_cost_s(c: Candidate, bandwidth: dict[str, float]) -> float:

@@ -14,6 +14,7 @@ Pure: no Ray, no boto3, no torch.
 from __future__ import annotations
 
 import time
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +36,7 @@ class WorkerGroup(Protocol):
     def shutdown(self) -> None: ...  # the group ends with every process
     def prestage(self, plan: Any) -> int: ...  # warm workers for `plan`'s ranks no process holds; how many started
     def staged_ready(self) -> bool: ...  # every warm worker has started
+    def warm_joined(self, cluster: ClusterSpec, nodes: Set[str]) -> int: ...  # warm workers on joined nodes' GPUs
     def warm_spares(self, cluster: ClusterSpec) -> int: ...  # standing warm workers on idle GPUs; how many started
 
 

@@ -18,6 +18,7 @@ from orchestrator.control.migration import (
     Candidate,
     bandwidths,
     layer_bytes,
+    migration_bytes,
     migration_cost_s,
     pull_held_s,
     slowest_pull,
@@ -30,6 +31,7 @@ log = logging.getLogger("hetspot.controller")
 
 
 TOP_K = 4  # candidate plans weighed per re-plan
+TOLERANCE = 0.02  # runtime.replan_tolerance's default: a re-plan may be this much slower to move fewer bytes
 
 
 @dataclass(frozen=True)
@@ -67,20 +69,43 @@ def scale_policy(current: Candidate, candidates: list[Candidate], tokens_left: f
                          f"included) against {stay:.1f} s on the running plan", finish, _plan_of(candidates, best))
 
 
-def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: dict[str, float]) -> ScaleDecision:
+def replan_policy(candidates: list[Candidate], tokens_left: float, bandwidth: dict[str, float],
+                  tolerance: float = 0.0) -> ScaleDecision:
     """After a loss the running plan is gone: of the planner's top candidates, the one that finishes soonest.
 
     Throughput minus amortized migration cost, as `scale_policy`, with no plan to stay on: a
     slightly slower plan that keeps layers where their state already is wins near the end of a run.
+
+    Movement-aware (`tolerance` > 0, runtime.replan_tolerance): among the plans within `tolerance` of the fastest
+    candidate's throughput, and the soonest-finishing one, the plan whose restore moves the fewest bytes over the
+    network (`Candidate.moved_bytes`; what survivors hold in place is not moved), the soonest to finish on a tie.
+    Oobleck and Parcae make this trade: a re-plan that re-splits every pipeline to gain 1% moves most of the
+    model, where one that keeps the surviving pipelines moves one stage, and every byte moved is time a further
+    loss can interrupt. The reason says what was traded.
     """
     finish = {c.name: migration_cost_s(c, bandwidth) + tokens_left / c.tokens_per_s
               for c in candidates if c.tokens_per_s > 0}
     best = min(finish, key=lambda name: finish[name])
-    fastest = max(candidates, key=lambda c: c.tokens_per_s).name
+    top = max(candidates, key=lambda c: c.tokens_per_s)
+    fastest = top.name
     why = "also the fastest" if best == fastest else (
         f"{fastest} is faster but finishes at {finish[fastest]:.1f} s with its migration")
+    moved = {c.name: c.moved_bytes for c in candidates if c.name in finish and c.moved_bytes is not None}
+    near = [n for n in moved if _of(candidates, n).tokens_per_s >= (1 - tolerance) * top.tokens_per_s or n == best]
+    fewest = min(near, key=lambda n: (moved[n], finish[n]), default=None) if tolerance > 0 else None
+    if fewest is not None and best in moved and moved[fewest] < moved[best]:
+        slower = 1 - _of(candidates, fewest).tokens_per_s / top.tokens_per_s
+        fewer = f"{moved[best] / moved[fewest]:.1f}x fewer bytes moved" if moved[fewest] else "no byte moved"
+        traded = (f"{fewest}: {slower:.1%} slower than {fastest}, {fewer} ({moved[fewest] / 2**20:,.1f} MiB against "
+                  f"{moved[best] / 2**20:,.1f} for {best}; within the {tolerance:.0%} tolerance, "
+                  "runtime.replan_tolerance)")
+        return ScaleDecision(fewest, True, traded, finish, _plan_of(candidates, fewest))
     return ScaleDecision(best, True, f"{best}: finishes in {finish[best]:.1f} s, migration included ({why})", finish,
                          _plan_of(candidates, best))
+
+
+def _of(candidates: list[Candidate], name: str) -> Candidate:
+    return next(c for c in candidates if c.name == name)
 
 
 def _plan_of(candidates: list[Candidate], name: str):
@@ -165,29 +190,33 @@ def renamed(p: Plan, rename: dict[str, str]) -> Plan:
 def _candidates(plans: list[Plan], old: Plan | None, model: ModelSpec, train: TrainSpec,
                 startup_s: float, bw: dict[str, float]) -> list[Candidate]:
     return [Candidate(f"candidate {i + 1}", p.estimate.tokens_per_s if p.estimate else 0.0,
-                      slowest_pull(old, p, model, train, bw), startup_s, pull_held_s(old, p, model, train, bw), p)
+                      slowest_pull(old, p, model, train, bw), startup_s, pull_held_s(old, p, model, train, bw), p,
+                      migration_bytes(old, p, model, train)["peer"])
             for i, p in enumerate(plans)]
 
 
 def _numbers(d: ScaleDecision, cands: list[Candidate], steps_left: int) -> dict:
     return {"predicted_tokens_per_s": {c.name: round(c.tokens_per_s) for c in cands},
             "migration_mib": {c.name: round(sum(c.migration_bytes.values()) / 2**20, 2) for c in cands},
+            "moved_mib": {c.name: round(c.moved_bytes / 2**20, 2) for c in cands if c.moved_bytes is not None},
             "finish_s": {k: round(v, 2) for k, v in d.finish_s.items()}, "steps_left": steps_left}
 
 
 def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None, cluster: ClusterSpec,
-                  steps_left: int, startup_s: float) -> tuple[Plan, dict]:
-    """The re-plan after a loss or a drain: (plan, the numbers for the event). Raises PlanningError."""
+                  steps_left: int, startup_s: float, tolerance: float = TOLERANCE) -> tuple[Plan, dict]:
+    """The re-plan after a loss or a drain: (plan, the numbers for the event). Raises PlanningError.
+    `tolerance`: how much slower than the fastest candidate a plan that moves fewer bytes may be
+    (`replan_policy`; runtime.replan_tolerance)."""
     plans = [relabel(p, old, cluster, model, train) for p in planner.candidates(cluster, k=TOP_K)]
     if old is None or len(plans) == 1:
         return plans[0], {}
     bw = bandwidths(cluster)
     cands = _candidates(plans, old, model, train, startup_s, bw)
-    d = replan_policy(cands, steps_left * tokens_per_step(model, train.global_batch), bw)
+    d = replan_policy(cands, steps_left * tokens_per_step(model, train.global_batch), bw, tolerance)
     log.info("re-plan: %s", d.reason)
     if d.plan is None:  # every candidate carries its plan
         raise RuntimeError(f"the re-plan chose {d.chosen}, which carries no plan")
-    return d.plan, {"choice": d.reason} | _numbers(d, cands, steps_left)
+    return d.plan, {"choice": d.reason, "tolerance": tolerance} | _numbers(d, cands, steps_left)
 
 
 def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, cluster: ClusterSpec,

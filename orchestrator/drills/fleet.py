@@ -14,8 +14,13 @@ trains at its plan's predicted tokens/s (planner.evaluate):
   snapshot interval when a layer's only copies were peers; an S3 interval when
   S3 is needed). On a join it moves only when that finishes the trace's
   remaining work sooner (`consider_joined`).
+  In place, a joined node's GPUs get worker processes at the join (warm-at-join): a move onto it goes
+  `startup_s` later, the old plan training meanwhile, and stalls only the re-form and the restore; a later
+  recovery onto a warm node pays what is left of its start, not a new one (`Assumptions.warm_at_join`).
 - `oracle`: at every event, for free, the faster of the planner's best plan and the running plan where its
   nodes survived (the planner's search is not exact on large fleets, so its best is not always the bound).
+- `oracle-startup`: the same, but it pays what no system can avoid: the start-up at the beginning, and a
+  joined node only counts `startup_s` after it joins (then the oracle re-plans again, for free).
 - `s3-only`: checkpoint-restart as Ray Train and SkyPilot run it: a checkpoint
   to S3 every `ckpt_every_s` (training waits for the write), and on a
   preemption that hits the plan, detection + start-up + every node reading its
@@ -37,6 +42,7 @@ from orchestrator.control.drain import drain_copy_s
 from orchestrator.control.replan import choose_replan, consider_joined
 from orchestrator.drills.recovery_model import (
     Assumptions,
+    gpus_by_node,
     nodes_of,
     relaunch_s,
     restore_cost,
@@ -49,7 +55,7 @@ from planner.baselines import megatron_symmetric
 from planner.search import Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
-STRATEGIES = ("hetspot", "oracle", "s3-only", "symmetric")
+STRATEGIES = ("hetspot", "oracle", "oracle-startup", "s3-only", "symmetric")
 DRAIN_MARGIN_S = 1.0  # the controller's drain margin (Controller.drain_margin_s)
 
 
@@ -65,6 +71,9 @@ class Run:
     busy_until: float = 0.0  # no training before this (a recovery in progress)
     last_ckpt: float = 0.0
     pending: bool = False  # s3-only: joined nodes wait for the next restart
+    warm: dict[str, float] = field(default_factory=dict)  # hetspot: joined nodes' warm workers, ready at
+    switch: tuple[float, Plan | None, float] | None = None  # (at, plan, stall) a move waiting for its workers;
+    # the oracle-startup's plan None: re-plan on the nodes ready then
     timeline: list[tuple[float, float, float]] = field(default_factory=list)  # (t, tokens/s, tokens so far)
 
     @property
@@ -81,6 +90,9 @@ class FleetSim:
         self._cands: dict[tuple, list[Plan] | PlanningError] = {}
         self._sym: dict[frozenset, Plan | None] = {}
         self._layout: Plan | None | bool = None
+        self._now: ClusterSpec | None = None  # the cluster after the latest event
+        self._joined_at: dict[str, float] = {}  # when each node joined (-inf: with the first nodes)
+        self._end, self._tok = 0.0, 0  # the trace's end and the tokens of a step (set by `run`)
 
     def _cluster(self, up_slots: set[int]) -> ClusterSpec | None:
         n0 = max(1, self.trace.first_nodes)
@@ -139,9 +151,10 @@ class FleetSim:
         changes = fleet_slots(self.trace)
         end = max(self.trace.end_s, changes[-1][0] if changes else 0.0)
         runs = {name: Run(name) for name in STRATEGIES}
+        self._end, self._tok = end, tokens_per_step(self.model, self.train.global_batch)
         up: set[int] = set()
         now = 0.0
-        tok = tokens_per_step(self.model, self.train.global_batch)
+        tok = self._tok
         for t, kind, slots in changes:
             for r in runs.values():
                 self._advance(r, now, t)
@@ -150,6 +163,10 @@ class FleetSim:
             up = up - slots if kind == "remove" else up | slots
             cluster = self._cluster(up)
             gone = {n.name for j, n in enumerate(self.fleet.nodes) if j % max(1, self.trace.first_nodes) in gone_slots}
+            names = {n.name for n in cluster.nodes} if cluster is not None else set()
+            first = t == changes[0][0]  # the first nodes' start-up is every strategy's start
+            self._joined_at = {n: self._joined_at.get(n, -float("inf") if first else t) for n in names}
+            self._now = cluster
             left_s = max(0.0, end - t)
             for r in runs.values():
                 r.timeline.append((t, r.tps if r.busy_until <= t else 0.0, r.tokens))  # before: lost work shows
@@ -169,7 +186,25 @@ class FleetSim:
         }
 
     def _advance(self, r: Run, t0: float, t1: float) -> None:
-        """Train from t0 to t1 at the plan's rate, after any recovery; s3-only writes its checkpoints."""
+        """Train from t0 to t1 at the plan's rate, after any recovery; s3-only writes its checkpoints. A switch
+        waiting for its workers (`Run.switch`) goes when they are ready, if that is before t1."""
+        while r.switch is not None and r.switch[0] < t1:
+            at, plan, stall = r.switch
+            r.switch = None
+            at = max(t0, at)
+            self._train(r, t0, at)
+            t0 = at
+            if plan is None:  # the oracle-startup: joined nodes are ready now
+                self._oracle_startup(r, at)
+            else:  # hetspot: the warm workers are ready; the re-form and the restore stall training
+                self._charge(r, at, 0.0, stall, plan)
+                r.warm = {n: w for n, w in r.warm.items() if n not in nodes_of(plan)}  # they are ranks now
+                if self._now is not None and r.warm:  # nodes that joined while it waited are weighed next
+                    self._join(r, at, self._now, max(0.0, self._end - at), self._tok)
+            r.timeline.append((at, r.tps if r.busy_until <= at else 0.0, r.tokens))
+        self._train(r, t0, t1)
+
+    def _train(self, r: Run, t0: float, t1: float) -> None:
         if r.plan is None:
             return
         start = max(t0, r.busy_until)
@@ -195,8 +230,9 @@ class FleetSim:
             return
         if r.plan is None:  # the first add: start
             r.plan = self._first(r, cluster)
-            r.busy_until = self.a.startup_s if r.name != "oracle" else 0.0
-            r.down_s += r.busy_until
+            start = self.a.startup_s if r.name != "oracle" else 0.0
+            r.busy_until = now + start  # after an empty fleet too, not only at the trace's beginning
+            r.down_s += start
             return
         if r.name == "oracle":  # the faster of the planner's best and the running plan where it survived, free
             best, alive = self._best(cluster), {n.name for n in cluster.nodes}
@@ -204,11 +240,22 @@ class FleetSim:
             r.plan = max((p for p in (best, keep) if p is not None), key=lambda p: p.estimate.tokens_per_s,
                          default=None)
             return
+        if r.name == "oracle-startup":
+            self._oracle_startup(r, now)
+            return
+        if r.name == "hetspot" and self._warms():
+            r.warm = {n: w for n, w in r.warm.items() if n not in gone}
+            if kind == "add":
+                joined = {n for n, at in self._joined_at.items() if at == now and n not in nodes_of(r.plan)}
+                r.warm |= {n: now + self.a.startup_s for n in joined}
+            if r.switch is not None and r.switch[1] is not None and gone & nodes_of(r.switch[1]):
+                r.switch = None  # the move waited for a node that went: the re-plan below decides afresh
         if kind == "add":
             self._join(r, now, cluster, left_s, tok)
             return
         if not gone & nodes_of(r.plan):
             return  # the plan's nodes all survived
+        r.switch = None  # a failure re-plans from what is left (the controller drops a waiting move)
         old = r.plan
         if r.name == "s3-only":
             new = self._best(cluster)
@@ -239,13 +286,14 @@ class FleetSim:
         copy_s = drain_copy_s(old, self.model, self.train, self.fleet, gone)
         step = old.estimate.step_time_s
         q = min(1.0, max(0.0, (self.a.notice_s - DRAIN_MARGIN_S - copy_s) / step)) if self.a.notice_s > 0 else 0.0
-        start_s = relaunch_s(old, new, gone, self.a) if r.name == "hetspot" else self.a.startup_s
+        start_s = relaunch_s(old, new, gone, self.a, r.warm, now) if r.name == "hetspot" else self.a.startup_s
         staged = staged_start_s(start_s, self.a.notice_s - DRAIN_MARGIN_S - copy_s, self.a) \
             if r.name == "hetspot" else start_s  # in place, a notice's new processes start while training goes on
         drain_s = copy_s + staged + restore_cost(old, new, set(), cluster, self.model, self.train, self.a)[0]
         restore_s, redo_s, _ = restore_cost(old, new, gone, cluster, self.model, self.train, self.a)
         fail_s = self.a.detect_s + start_s + restore_s
         self._charge(r, now, (1 - q) * redo_s, q * drain_s + (1 - q) * fail_s, new)
+        r.warm = {n: w for n, w in r.warm.items() if n not in nodes_of(new)}  # its warm workers are ranks now
 
     def _charge(self, r: Run, now: float, redo_s: float, down_s: float, new: Plan) -> None:
         """A recovery at `now`: `redo_s` of training at the old rate is lost, then `down_s` without training."""
@@ -272,11 +320,44 @@ class FleetSim:
                 self._charge(r, now, 0.0, move_s, new)
             return
         steps_left = int(left_s * r.tps / tok)
+        if self._warms():  # warm at join: the move waits for the joined GPUs' workers while the old plan trains
+            if r.switch is not None:
+                return  # a move already waits for its workers; the controller weighs joins after it
+            got = consider_joined(self, self.model, self.train, r.plan, cluster, steps_left, self.a.reform_s)
+            if got is not None and got[1].move:
+                new = got[0]
+                # the controller pre-stages the move (workers for every rank no process holds), so it goes when the
+                # last of them is up: a joined node's when its warm workers are, any other's a start-up from now
+                before, after = gpus_by_node(r.plan), gpus_by_node(new)
+                at = max([r.warm.get(n, now + self.a.startup_s) for n, k in after.items() if k > before.get(n, 0)],
+                         default=now)
+                stall = self.a.reform_s + restore_cost(r.plan, new, set(), cluster, self.model, self.train, self.a)[0]
+                r.switch = (at, new, stall)
+            return
         got = consider_joined(self, self.model, self.train, r.plan, cluster, steps_left, self.a.startup_s)
         if got is not None and got[1].move:
             move_s = relaunch_s(r.plan, got[0], set(), self.a) + restore_cost(
                 r.plan, got[0], set(), cluster, self.model, self.train, self.a)[0]
             self._charge(r, now, 0.0, move_s, got[0])
+
+    def _warms(self) -> bool:
+        return self.a.recovery == "in-place" and self.a.warm_at_join
+
+    def _oracle_startup(self, r: Run, now: float) -> None:
+        """The oracle that pays joined nodes' start-up: the faster of the planner's best on the nodes whose
+        workers are up (joined at least `startup_s` ago) and the running plan where it survived, free; it looks
+        again when the next joined node is ready."""
+        cluster = self._now
+        if cluster is None:
+            r.plan, r.switch = None, None
+            return
+        ready_at = {n.name: self._joined_at.get(n.name, 0.0) + self.a.startup_s for n in cluster.nodes}
+        up = [n for n in cluster.nodes if ready_at[n.name] <= now + 1e-9]
+        best = self._best(cluster.model_copy(update={"nodes": up})) if up else None
+        keep = r.plan if r.plan is not None and nodes_of(r.plan) <= set(ready_at) else None
+        r.plan = max((p for p in (best, keep) if p is not None), key=lambda p: p.estimate.tokens_per_s, default=None)
+        later = [t for t in ready_at.values() if t > now + 1e-9]
+        r.switch = (min(later), None, 0.0) if later else None
 
     def _first(self, r: Run, cluster: ClusterSpec) -> Plan | None:
         if r.name == "symmetric":

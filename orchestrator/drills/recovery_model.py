@@ -39,6 +39,8 @@ class Assumptions:
     overlap: bool = True  # restores bring AdamW's moments beside the first step (workers/actor.py load_state)
     notice_s: float = 120.0  # spot notice before a preemption (AWS's two minutes; 0: none): hetspot drains when
     # the time left at the next step boundary covers the copy (drain.notice_decision); s3-only restarts regardless
+    warm_at_join: bool = True  # in place, a joined node's GPUs get worker processes at the join (the controller's
+    # warm-at-join): a move onto it waits for them while the old plan trains, and a later recovery finds them started
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -56,15 +58,19 @@ def gpus_by_node(plan: Plan) -> dict[str, int]:
     return out
 
 
-def relaunch_s(old: Plan | None, new: Plan, gone: set[str], a: Assumptions) -> float:
+def relaunch_s(old: Plan | None, new: Plan, gone: set[str], a: Assumptions, warm: dict[str, float] | None = None,
+               now: float = 0.0) -> float:
     """Seconds from a decision to the new plan's workers joined. Restart: every process starts (`startup_s`). In
     place: survivors re-form (`reform_s`); when the new plan uses more GPUs on a node than the old plan's
-    survivors there, those ranks start processes, at once, beside the re-form."""
+    survivors there, those ranks start processes, at once, beside the re-form, unless the node's GPUs are warm
+    (`warm`: node -> when its warm workers are ready, from warm-at-join): then only what is left of their start."""
     if a.recovery == "restart" or old is None:
         return a.startup_s
     before = {n: k for n, k in gpus_by_node(old).items() if n not in gone}
-    fresh = any(k > before.get(n, 0) for n, k in gpus_by_node(new).items())
-    return max(a.reform_s, a.startup_s if fresh else 0.0)
+    warm = warm or {}
+    starts = [max(0.0, warm[n] - now) if n in warm else a.startup_s
+              for n, k in gpus_by_node(new).items() if k > before.get(n, 0)]
+    return max([a.reform_s, *starts])
 
 
 def staged_start_s(start_s: float, ahead_s: float, a: Assumptions) -> float:

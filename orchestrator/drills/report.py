@@ -155,8 +155,8 @@ def simulate_tables(r: dict, console: Console) -> None:
     console.print(f"[bold]simulate[/] {r['trace']} on {r['fleet']['gpus']} GPUs ({r['fleet']['mix']}), model "
                   f"{r['model']}: {r['events']} events over {r['hours']:.2f} h")
     t = Table(title="Tokens trained over the trace")
-    for col in ("strategy", "tokens (B)", "vs oracle", "goodput", "recoveries", "down (s)", "lost work (s)"):
-        t.add_column(col, overflow="fold")
+    for col in ("strategy", "tokens (B)", "vs oracle", "goodput", "re-plans", "down s", "lost work s"):
+        t.add_column(col, overflow="fold", no_wrap=col == "strategy")  # a name whole, never broken mid-word
     oracle = r["strategies"]["oracle"]["tokens"] or 1.0
     for name, s in r["strategies"].items():
         t.add_row(name, f"{s['tokens'] / 1e9:.3f}", f"{s['tokens'] / oracle * 100:.1f}%", f"{s['goodput'] * 100:.1f}%",

@@ -526,6 +526,14 @@ class RayWorkerGroup:
         """Every warm worker has started (a pre-staged switch waits for this, or for its deadline)."""
         return self.pool is None or self.pool.warm_ready()
 
+    def warm_joined(self, cluster, nodes: Set[str]) -> int:
+        """Warm workers on every GPU of `nodes`, which just joined (the controller's warm-at-join): whatever the
+        plan does next, a move onto them or the next recovery finds their processes started; how many started."""
+        if self.pool is None:
+            return 0
+        want = Counter({n.name: n.num_gpus for n in cluster.nodes if n.name in nodes})
+        return self._warm(want, sum(want.values()))
+
     def warm_spares(self, cluster) -> int:
         """Standing warm workers (runtime.warm_workers) on GPUs of `cluster` the plan leaves idle; how many were
         started. Warm workers on nodes no longer in `cluster` end."""
