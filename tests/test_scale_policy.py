@@ -315,3 +315,28 @@ def test_a_joined_node_is_warmed_at_once_and_the_move_waits_for_its_workers_whil
     assert len(groups) == 2 and log.index(("warm-joined", ["l4"])) < log.index(("start", 2))
     assert up["switch_s"] <= up["resumed_s"] <= up["first_step_s"] and up["stall_s"] >= 0
     assert c.progress.committed == 6 and c.progress.restarts == 0
+
+
+def test_a_move_waiting_for_its_warm_workers_is_dropped_when_a_node_it_needs_leaves():
+    """The L4 joins, the move onto it is chosen and waits for its worker; the L4 goes before the worker is up
+    (no failure: the running plan never used it). The move is dropped, not launched onto a node that is gone:
+    the scale-up event ends with no step of its own, and the T4 trains on without a re-plan."""
+    from orchestrator.control.controller import Controller, State
+    from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
+    from planner import evaluate
+    from planner.specs import tokens_per_step
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
+    train = TrainSpec(global_batch=8)
+    t4 = ClusterSpec(nodes=[NodeSpec(name="t4", gpu_type="T4", num_gpus=1)])
+    both = ClusterSpec(nodes=[*t4.nodes, NodeSpec(name="l4", gpu_type="L4", num_gpus=1)])
+    predicted = evaluate(Planner(model, train).plan(t4), t4, model, train).tokens_per_s
+    tick = tokens_per_step(model, train.global_batch) * 1000 / predicted
+    log: list = []
+    c = Controller(model, train, 8, FakeNodes(t4, t4, both, both, t4), lambda p: FakeWorkerGroup(
+        p, log, in_place=True, ready_after=5), clock=FakeClock(tick=tick), scale_check_every=1)
+    assert c.run() == State.DONE, c.error
+    up = next(e for e in c.progress.events if e["kind"] == "scale-up")
+    assert up["ended"] == "a node it needs left before the switch" and up["first_step_s"] is None
+    assert "switch_s" not in up and c.plan.nodes() == ["t4"] and c.progress.restarts == 0
+    assert sorted(c.progress.losses) == list(range(8))

@@ -311,7 +311,9 @@ class Controller:
                 self._event("warm-at-join", f"nodes joined ({', '.join(sorted(fresh))}): {started} warm worker(s) "
                             "starting", nodes=sorted(fresh), new_workers=started)
         if self._join is not None:  # a move chosen earlier: it goes once its warm workers are ready
-            return self._join_ready()
+            if set(self._join[0].nodes()) <= known:
+                return self._join_ready()
+            self._join_dropped("a node it needs left before the switch")  # weighed afresh below
         if not weigh:
             return False
         if self._staged is not None or (joined and self.progress.committed < self._plan_from + 1):

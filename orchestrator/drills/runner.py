@@ -288,7 +288,8 @@ class Drill(FaultInjection):
                "restores": len(restores),
                "refused_steps": sum(len(e.get("refused_steps", [])) for e in restores),
                "scale_ups": sum(e["kind"] == "scale-up" for e in events),
-               "warmed": sum(e.get("new_workers", 0) for e in events if e["kind"] == "drain" and "ready_s" in e),
+               "warmed": sum(e.get("new_workers", 0) for e in events  # started before they were needed
+                             if e["kind"] == "warm-at-join" or (e["kind"] in ("drain", "scale-up") and "ready_s" in e)),
                "failed_uploads": sum(1 for u in c.store.uploads if u.error), "bytes_by_tier": by_tier,
                "s3_last_step": end["newest_step"] == steps - 1, "s3_not_good": getattr(self, "s3_not_good", []),
                "final_nodes": c.plan.nodes() if c.plan else []}

@@ -66,8 +66,9 @@ class Expect(BaseModel):
     restores: int | None = Field(default=None, ge=0)
     refused_steps: int | None = Field(default=None, ge=0, description="damaged S3 steps refused")
     scale_ups: int | None = Field(default=None, ge=0)
-    warmed: int | None = Field(default=None, ge=0, description="workers that notices' pre-staged switches started "
-                               "ahead, while the doomed nodes trained, and found ready at the switch")
+    warmed: int | None = Field(default=None, ge=0, description="workers started before they were needed: at a "
+                               "node's join (warm at join), and by pre-staged switches (a notice's drain, a join's "
+                               "move) that found them ready, while the old plan trained")
     failed_uploads: str | int | None = Field(default=None, description="count, or '>0'")
     final_nodes: list[str] | None = Field(default=None, description="the nodes the last plan trains on")
     s3_last_step: bool | None = Field(default=None, description="true: the job's last step is in S3 at the end, "
