@@ -37,6 +37,7 @@ def cluster():
     ec.connect()
     for hidden in (32, 128):  # before any scenario kills nodes (a peer copy may sit on the base node)
         reference(make_job([BASE], None, "", hidden=hidden))
+    reference(make_job([BASE], None, "", hidden=32), LONG)  # for a test whose switch lands late
     yield ec
     ec.shutdown()
 
@@ -71,10 +72,20 @@ def make_job(node_specs: list[NodeSpec], endpoint: str | None, prefix: str, hidd
 
 
 _REF: dict = {}
+LONG = 40  # the longer reference's steps (a test whose switch lands late compares more steps than STEPS)
 
 
 def reference(j: JobSpec, steps: int = STEPS):
-    """Losses and final parameters of the uninterrupted 1-device run (on the base node), `steps` steps."""
+    """Losses and final parameters of the uninterrupted 1-device run (on the base node). Past STEPS, the first
+    `steps` losses of a LONG-step run (made by the module's fixture while the base node is up; the schedule does
+    not depend on the run's length) and no parameters."""
+    if steps == STEPS:
+        return _reference_run(j, STEPS)
+    assert steps <= LONG, f"the longer reference has {LONG} steps; {steps} asked"
+    return _reference_run(j, LONG)[0][:steps], None
+
+
+def _reference_run(j: JobSpec, steps: int):
     key = (j.model_spec.model_dump_json(), steps)
     if key not in _REF:
         p = Plan(model_name=j.model_spec.name, num_layers=4, global_batch=8, pipelines=[Pipeline(
