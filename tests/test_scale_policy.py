@@ -282,15 +282,7 @@ def test_a_joined_node_is_warmed_at_once_and_the_move_waits_for_its_workers_whil
     once, in order), and the scale-up event carries the switch's timeline (its stall: the re-form alone)."""
     from orchestrator.control.controller import Controller, State
     from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
-    from planner import evaluate
-    from planner.specs import tokens_per_step
-
-    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
-    train = TrainSpec(global_batch=8)
-    t4 = ClusterSpec(nodes=[NodeSpec(name="t4", gpu_type="T4", num_gpus=1)])
-    both = ClusterSpec(nodes=[*t4.nodes, NodeSpec(name="l4", gpu_type="L4", num_gpus=1)])
-    predicted = evaluate(Planner(model, train).plan(t4), t4, model, train).tokens_per_s
-    tick = tokens_per_step(model, train.global_batch) * 1000 / predicted
+    model, train, t4, both, tick = _t4_job_an_l4_joins()
     log: list = []
     groups: list[FakeWorkerGroup] = []
 
@@ -323,15 +315,7 @@ def test_a_move_waiting_for_its_warm_workers_is_dropped_when_a_node_it_needs_lea
     the scale-up event ends with no step of its own, and the T4 trains on without a re-plan."""
     from orchestrator.control.controller import Controller, State
     from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
-    from planner import evaluate
-    from planner.specs import tokens_per_step
-
-    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
-    train = TrainSpec(global_batch=8)
-    t4 = ClusterSpec(nodes=[NodeSpec(name="t4", gpu_type="T4", num_gpus=1)])
-    both = ClusterSpec(nodes=[*t4.nodes, NodeSpec(name="l4", gpu_type="L4", num_gpus=1)])
-    predicted = evaluate(Planner(model, train).plan(t4), t4, model, train).tokens_per_s
-    tick = tokens_per_step(model, train.global_batch) * 1000 / predicted
+    model, train, t4, both, tick = _t4_job_an_l4_joins()
     log: list = []
     c = Controller(model, train, 8, FakeNodes(t4, t4, both, both, t4), lambda p: FakeWorkerGroup(
         p, log, in_place=True, ready_after=5), clock=FakeClock(tick=tick), scale_check_every=1)
@@ -340,3 +324,17 @@ def test_a_move_waiting_for_its_warm_workers_is_dropped_when_a_node_it_needs_lea
     assert up["ended"] == "a node it needs left before the switch" and up["first_step_s"] is None
     assert "switch_s" not in up and c.plan.nodes() == ["t4"] and c.progress.restarts == 0
     assert sorted(c.progress.losses) == list(range(8))
+
+
+def _t4_job_an_l4_joins():
+    """A small model on one T4, an L4 that joins, and the fake clock's tick per reading that makes each step measure
+    1/1000 of its predicted speed (so the move onto the L4 pays, as in the calibration test above)."""
+    from planner import evaluate
+    from planner.specs import tokens_per_step
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
+    train = TrainSpec(global_batch=8)
+    t4 = ClusterSpec(nodes=[NodeSpec(name="t4", gpu_type="T4", num_gpus=1)])
+    both = ClusterSpec(nodes=[*t4.nodes, NodeSpec(name="l4", gpu_type="L4", num_gpus=1)])
+    predicted = evaluate(Planner(model, train).plan(t4), t4, model, train).tokens_per_s
+    return model, train, t4, both, tokens_per_step(model, train.global_batch) * 1000 / predicted
