@@ -135,11 +135,11 @@ def _stage_order(groups: list[Group]) -> list[Group]:
 
 class _Search:
     def __init__(self, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
-                 pm_cache: dict | None = None, stage_cache: dict | None = None, order_cache: dict | None = None):
+                 pm_cache: dict | None = None, stage_cache: dict | None = None):
         self.cluster, self.model, self.train = cluster, model, train
         self._pm_cache: dict[tuple, PipelineModel] = {} if pm_cache is None else pm_cache
         self._stage_cache: dict = {} if stage_cache is None else stage_cache
-        self._order_cache: dict[tuple, list[int]] = {} if order_cache is None else order_cache
+        self._order_cache: dict[tuple, list[int]] = {}
         self._ceilings: dict[tuple, tuple[float, ...]] = {}
         self._pm_keys: dict[tuple, tuple] = {}
         self._pm_keys_hold: list[list[Group]] = []
@@ -169,15 +169,11 @@ class _Search:
         if len(groups) == 1:
             return groups
         groups = _stage_order(groups)
-        # Groups of one kind on one node are interchangeable, and so are nodes: the answer, as positions, holds
-        # for any groups of the same kinds whose nodes repeat in the same pattern (the pipeline model sees
-        # kinds and which neighbours share a node), at the same sync bandwidth. So the cache is keyed by node
-        # pattern, not name, and shared across the clusters a fleet search plans (`Planner.sharing_caches`).
-        names: dict[str, int] = {}
-        bw = self.sync_bw([groups])
-        key = (tuple((g.kind_id, names.setdefault(g.node, len(names))) for g in groups), num_pipelines, exact, bw)
+        # Groups of one kind on one node are interchangeable: the answer, as positions, holds for any such.
+        key = (tuple((g.kind_id, g.node) for g in groups), num_pipelines, exact)
         if key not in self._order_cache:
             n = max(1, self.train.global_batch // num_pipelines)
+            bw = self.sync_bw([groups])
             best, best_t = list(range(len(groups))), math.inf
             for cand in _distinct_orders(list(range(len(groups))), MAX_ORDERS, lambda i: groups[i].kind_id):
                 f = self.pipeline_model([groups[i] for i in cand], exact).finish(n, num_pipelines, bw)
@@ -771,7 +767,6 @@ class Planner:
         self.model, self.train = model, train
         self._pm_cache: dict = {}
         self._stage_cache: dict = {}
-        self._order_cache: dict = {}  # `_Search.best_order`'s, by kinds and node pattern: holds on any cluster
         self._warm: dict[int, dict] = {}  # per TP degree, where the large-cluster search settled last time
         self._last: tuple[frozenset, dict[int, float]] | None = None  # GPU types and best score per degree
         self._last_plan: Plan | None = None  # the last throughput plan: a re-plan may keep its intact pipelines
@@ -784,7 +779,7 @@ class Planner:
         """A planner for the same job with these cost caches but no memory of earlier plans (no warm start,
         no TP degree skipped): a full search that costs less."""
         other = Planner(self.model, self.train)
-        other._pm_cache, other._stage_cache, other._order_cache = self._pm_cache, self._stage_cache, self._order_cache
+        other._pm_cache, other._stage_cache = self._pm_cache, self._stage_cache
         return other
 
     def plan(self, cluster: ClusterSpec, objective: str = "throughput") -> Plan:
@@ -875,7 +870,7 @@ class Planner:
         model, train = self.model, self.train
         if objective == "cost" and _kinds:
             return self._cheapest_kinds(cluster, k)
-        search = _Search(cluster, model, train, self._pm_cache, self._stage_cache, self._order_cache)
+        search = _Search(cluster, model, train, self._pm_cache, self._stage_cache)
         finalists = []
         keep = max(k, FINALISTS)
         degrees = tp_candidates(cluster, model)
