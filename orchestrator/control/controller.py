@@ -171,6 +171,11 @@ class Controller:
                 self._collection.resume()
         return self.state
 
+    @property
+    def join_pending(self) -> bool:
+        """A move onto joined nodes is chosen and waits, at step boundaries, for their warm workers."""
+        return self._join is not None
+
     def finish_after(self, step: int) -> None:  # end once `step` is committed (a trace replay ends with its trace)
         self.steps = max(step, self.progress.committed) + 1
 

@@ -34,6 +34,7 @@ from planner import ClusterSpec, NodeSpec, Plan
 log = logging.getLogger("hetspot.drill")
 REFERENCES = ("fixed", "replayed")  # the reference run: the first plan throughout, or the drill's plans (replay.py)
 BUCKET = "hetspot-drill"
+JOIN_WAIT_S = 120.0  # the longest a trace's end waits for a chosen move's warm workers (Drill._join_waits)
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -157,6 +158,7 @@ class Drill(FaultInjection):
                 reference, _ = self.reference(steps)
             self.nodes = DeclaredNodes(self.job.cluster)
             self.recovery_armed: list[str] | None = None
+            self.join_wait_since: float | None = None
             self.c = c = make_controller(self.job, steps if until_s is None else 10**9, nodes=self.nodes,
                                          on_phase=self._on_phase, first_plan=self.sc.plan)
             self.say(f"drill run: {len(self.sc.faults)} faults")
@@ -191,7 +193,8 @@ class Drill(FaultInjection):
                 if until_s is not None and time.monotonic() - self.t0 >= until_s \
                         and c.steps > c.progress.committed + 1 \
                         and self._faults_settled(len(timed or []) + sum(f.at_s is not None for f in self.sc.faults),
-                                                 commits, commits_after_faults):
+                                                 commits, commits_after_faults) \
+                        and not self._join_waits(c):
                     c.finish_after(c.progress.committed + 1)
             if c.state == State.FAILED:
                 error = c.error
@@ -210,6 +213,17 @@ class Drill(FaultInjection):
             self._release()
         return self._result(steps, reference or [], commits, wall, error,
                             tokens_per_step(c.model, c.train.global_batch))
+
+    def _join_waits(self, c) -> bool:
+        """A move onto joined nodes is chosen and waits for their warm workers (training goes on meanwhile): a
+        trace's end waits for it too, up to JOIN_WAIT_S, so what a drill checks of a join does not depend on how
+        long a process start takes on a loaded machine."""
+        if not c.join_pending:
+            self.join_wait_since = None
+            return False
+        if self.join_wait_since is None:
+            self.join_wait_since = time.monotonic()
+        return time.monotonic() - self.join_wait_since < JOIN_WAIT_S
 
     def _faults_settled(self, num_timed: int, commits: list, after: int) -> bool:
         """Every timed fault has fired and `after` commits followed the last one (0: no wait)."""
