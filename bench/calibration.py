@@ -127,8 +127,7 @@ class LayoutRow:
     metric: str = "mfu"  # or "hfu": recomputed forwards counted as work (Narayanan et al. 2021's "% of peak")
 
     def predicted(self, e: float | None) -> float:
-        got = estimate_layout(self.layout, self.model, self.train, e)
-        return got.hfu if self.metric == "hfu" else got.mfu
+        return estimate_layout(self.layout, self.model, self.train, e).utilisation(self.metric)
 
 
 CITATIONS = {
@@ -248,7 +247,7 @@ def layout_table() -> dict:
     for r in LAYOUT_ROWS:
         eff = fitted[r.layout.gpu_type]
         e = estimate_layout(r.layout, r.model, r.train, eff)
-        got = e.hfu if r.metric == "hfu" else e.mfu
+        got = e.utilisation(r.metric)
         plain = estimate_layout(Layout(r.layout.gpu_type, r.layout.tp, r.layout.pp, r.layout.dp, virtual_stages=1,
                                        sequence_parallel=False, distributed_optimizer=False, tp_overlap=False,
                                        full_recompute=r.layout.full_recompute, nic_gb_s=r.layout.nic_gb_s),
@@ -259,7 +258,7 @@ def layout_table() -> dict:
                     "ratio": round(ratio, 3), "within": abs(ratio - 1) <= HELD_OUT_BAND,
                     "efficiency": eff, "virtual_stages": e.virtual_stages, "recompute_layers": e.recompute_layers,
                     "bubble": round(e.bubble, 3), "mem_gib": round(e.mem_gib, 1), "fits": e.fits,
-                    "plain_1f1b_ratio": round((plain.hfu if r.metric == "hfu" else plain.mfu) / r.published, 3)
+                    "plain_1f1b_ratio": round(plain.utilisation(r.metric) / r.published, 3)
                     if plain.fits else None,
                     "source": f"{CITATIONS[r.cite]}; this row: {r.detail}", "cite": r.cite})
     return {"fitted_efficiency": fitted, "band": HELD_OUT_BAND, "rows": out}

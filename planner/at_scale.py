@@ -67,12 +67,12 @@ class LayoutEstimate:
     virtual_stages: int
     recompute_layers: int  # per stage (the first stage's: it holds the most micro-batches in flight)
     bubble: float  # the pipeline's idle share of the step
-    exposed_comm_s: float  # TP, pipeline and data-parallel communication left on the critical path
     mem_gib: float  # the first stage's peak per device
     fits: bool  # False: even with every layer recomputed the first stage overflows its GPU
 
-    def as_dict(self) -> dict:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+    def utilisation(self, metric: str) -> float:
+        """"mfu", or "hfu" (recomputed forwards counted as work)."""
+        return self.hfu if metric == "hfu" else self.mfu
 
 
 def estimate_layout(layout: Layout, model: ModelSpec, train: TrainSpec, efficiency: float | None = None
@@ -143,7 +143,7 @@ def _estimate(layout: Layout, v: int, model: ModelSpec, train: TrainSpec, effici
             rs = (d - 1) / d * params * train.grad_bytes / bw
             ag = (d - 1) / d * params * pb / bw
         else:
-            rs, ag = cost._allreduce_s(params * train.grad_bytes, d, bw), 0.0
+            rs, ag = cost.sync_s(params, train, d, bw), 0.0
         dp_exposed = max(0.0, rs - bwd) + max(0.0, ag - min(m, p) * fwd)
     opt_s = params / (d if layout.distributed_optimizer else 1) * 2 * (2 * pb + train.optimizer_bytes_per_param) \
         / (info.mem_bw_gb_s * 1e9)
@@ -152,6 +152,5 @@ def _estimate(layout: Layout, v: int, model: ModelSpec, train: TrainSpec, effici
     recomputed = r / n * model.num_layers * cost.layer_fwd_flops(model, 1) * train.global_batch
     hfu = mfu + recomputed / step / (peak * layout.gpus)
     return LayoutEstimate(step_s=step, mfu=mfu, hfu=hfu, tokens_per_s=train.global_batch * s / step, virtual_stages=v,
-                          recompute_layers=r, bubble=bubble_mb / (m + bubble_mb),
-                          exposed_comm_s=(m + bubble_mb) * (2 * tp_exposed + p2p) + dp_exposed,
-                          mem_gib=mem / cost.GIB, fits=mem <= budget)
+                          recompute_layers=r, bubble=bubble_mb / (m + bubble_mb), mem_gib=mem / cost.GIB,
+                          fits=mem <= budget)
