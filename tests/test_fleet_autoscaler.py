@@ -31,7 +31,7 @@ import yaml
 
 from tests.oracle import one_device_losses
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.exclusive]  # `ray stop --force`: alone (pyproject)
 BIN = Path(sys.executable).parent
 HETSPOT = str(BIN / "hetspot")
 URL = "http://127.0.0.1:8265"

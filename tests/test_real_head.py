@@ -22,7 +22,7 @@ import pytest
 
 from tests.net import free_port
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.exclusive]  # `ray stop --force`: alone (pyproject)
 
 BIN = Path(sys.executable).parent
 HETSPOT = str(BIN / "hetspot")
