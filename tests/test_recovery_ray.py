@@ -411,6 +411,7 @@ def test_two_nodes_killed_restore_exactly_the_lost_units_from_s3(cluster, endpoi
     assert_matches_reference(j, c.progress.losses, final_state(j))
 
 
+@pytest.mark.slow  # the default run has it as drills/preempt-during-upload.yaml (same kill, S3-only restore, oracle)
 def test_node_killed_during_an_s3_upload_uses_the_previous_complete_step(cluster, endpoint):
     """Acceptance 3: a node dies while its keeper uploads step 2: step 2 never gets a manifest, so it does
     not exist; an S3-only restore (restore_from: s3) takes step 1 and the oracle holds."""
@@ -433,6 +434,7 @@ def test_node_killed_during_an_s3_upload_uses_the_previous_complete_step(cluster
     assert_matches_reference(j, c.progress.losses, final_state(j))  # ...and step 2 was redone, once
 
 
+@pytest.mark.slow  # the default run has it as drills/preempt-during-recovery.yaml (two re-plans, oracle)
 def test_second_node_killed_during_recovery_starts_recovery_over(cluster, endpoint):
     """Acceptance 4: a node is killed, and another while the first recovery restores state: recovery
     starts over on what is left and completes; the oracle holds."""
@@ -455,6 +457,9 @@ def test_second_node_killed_during_recovery_starts_recovery_over(cluster, endpoi
     assert_matches_reference(j, c.progress.losses, final_state(j))
 
 
+# The default run has a damaged newest step refused and the previous one restored as drills/corrupt-s3.yaml (oracle,
+# refused_steps), tests/test_tiers.py (a corrupt piece) and tests/test_s3_hostile.py (malformed manifests).
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped-byte", "truncated-manifest"])
 def test_corrupt_newest_step_is_refused_and_the_previous_one_resumes(cluster, endpoint, damage, caplog):
     """Acceptance 5 and 6: a job stopped after step 2 resumes (--resume) on other nodes; its newest S3 step is
@@ -687,6 +692,7 @@ def test_uploads_coalesce_when_s3_is_slower_than_training(cluster, endpoint):
         proxy.stop()
 
 
+@pytest.mark.slow  # the default run has it as drills/s3-slowdown.yaml (503s, no failed upload, no lost step)
 def test_a_503_slowdown_period_loses_no_step_and_no_upload(cluster, endpoint):
     """Issue 30, acceptance 6: S3 answers 503 SlowDown for 4 s during training. botocore's standard retry mode
     backs off and retries: no upload fails, training does not wait, the newest step lands after the period."""
