@@ -22,7 +22,7 @@ demo: $(STAMP)
 # Two xdist workers: one runs the Ray test modules one after another, the other the pure modules, longest first
 # (tests/conftest.py); then, alone, the modules that own the machine's Ray (marker `exclusive`: `ray stop --force`).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder -m 'not slow and not gpu and not exclusive'
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m 'not slow and not gpu and not exclusive'
 	$(BIN)/python -m pytest -q --durations=10 -m 'exclusive and not slow and not gpu'
 
 test-all: $(STAMP)
