@@ -8,8 +8,19 @@ from typing import Any
 
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+
+class _Console(Console):
+    """A console that reads COLUMNS when it prints. rich fixes the width from COLUMNS when a Console is made, and
+    these live as long as the process: a caller that runs commands in-process (a test's CliRunner, a notebook)
+    under another COLUMNS would otherwise get the width of whatever environment imported this module."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._width = kwargs.get("width")
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 
 def print_json(obj: Any) -> None:
