@@ -20,10 +20,7 @@ MARKERS = {"unit", "sweep", "ray", "gpu", "slow"}
 # test` runs the suite on two xdist workers (`--dist loadfile`, with the scheduler below): every module with Ray
 # tests is in one scope, so one worker runs them one after another (two Ray test clusters side by side on 2 cores
 # each ran over twice as slow, and a node's raylet has 30 s to register), while the other worker runs the pure
-# modules, a module at a time, longest first. In the Ray scope the `exclusive` modules come first: they run
-# `ray stop --force` (every Ray process of the machine), so no other Ray module may run beside them, and about half
-# their time is waiting (an autoscaler's node, a drain's deadline), which the pure modules fill on the other
-# worker. No pure module starts Ray. The figures only order; a stale one costs time, never a result.
+# modules, a module at a time, longest first. The figures only order; a stale one costs time, never a result.
 MODULE_SECONDS: dict[str, float] = {
     "test_recovery_ray.py": 1028, "test_train_ray.py": 618, "test_drills.py": 554, "test_planner_invariants.py": 346,
     "test_planner_optimality.py": 237, "test_resume_and_lost_controller.py": 231, "test_readme.py": 165,
@@ -63,15 +60,14 @@ else:
 
 def pytest_collection_modifyitems(items):
     """Every test says what it needs (pyproject's markers): a test without one is a collection error. Then the
-    order: the modules with Ray tests first (the `exclusive` ones before the rest), then the longest
-    (MODULE_SECONDS), each module's tests in their own order."""
+    order: the modules with Ray tests first, then the longest (MODULE_SECONDS), each module's tests in their own
+    order."""
     bare = [it.nodeid for it in items if not {m.name for m in it.iter_markers()} & MARKERS]
     if bare:
         raise RuntimeError(f"tests without a marker ({', '.join(sorted(MARKERS))}): " + ", ".join(bare[:10]))
     first = {}
     for i, it in enumerate(items):
         first.setdefault(_module(it.nodeid), i)
-    exclusive = {_module(it.nodeid) for it in items if it.get_closest_marker("exclusive")}
-    items.sort(key=lambda it: (not _uses_ray(_module(it.nodeid)), _module(it.nodeid) not in exclusive,
+    items.sort(key=lambda it: (not _uses_ray(_module(it.nodeid)),
                               -MODULE_SECONDS.get(_module(it.nodeid).rsplit("/", 1)[-1], 0.0),
                               first[_module(it.nodeid)]))  # stable: a module's tests keep their order
