@@ -144,20 +144,27 @@ def test_a_plan_whose_stages_mix_tp_degrees_may_pool_the_nodes_host_memory(node)
 
 
 @pytest.mark.sweep
-def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
+@pytest.mark.parametrize("cases", [
+    range(30),  # `make test`
+    pytest.param(range(30, 100), marks=pytest.mark.slow),  # `make test-all`: the 100 of issue 46's acceptance
+], ids=["cases-0-29", "cases-30-99"])
+def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals(cases):
     """Issue 46, acceptance 2: 100 clusters of 4 GPUs, host RAM of 12-120 GiB per node, against the exhaustive
     enumerator counting host memory per node (tests/enumerator.py, host="node"): the planner plans wherever a
     plan exists, never overflows a node, and every plan is within 1% of the optimum. (Case 78, one A10G node
     of 4 with 52 GiB, was at 0.986: the fastest order of a TP2 and two TP1 stages offloaded more than the node
-    holds once its stages shared it, and the order that fits, TP1 then TP2 then TP1, was never offered.)"""
+    holds once its stages shared it, and the order that fits, TP1 then TP2 then TP1, was never offered.) The
+    default run takes the first 30 of the same draw, `make test-all` the other 70."""
     import random
 
     from tests.enumerator import best_plan
 
     rng = random.Random(1)
     missed, short, exists = [], [], 0
-    for k in range(100):
-        cluster, model, train = _four_gpu_case(rng)
+    for k in range(cases.stop):
+        cluster, model, train = _four_gpu_case(rng)  # drawn in order: case k is the same in either slice
+        if k not in cases:
+            continue
         opt, ref = best_plan(cluster, model, train, host="node")
         got = _checked_plan(cluster, model, train)
         if ref is None:
@@ -167,7 +174,7 @@ def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals():
             missed.append(k)
         elif opt / got.estimate.step_time_s < 0.99:
             short.append((k, round(opt / got.estimate.step_time_s, 3)))
-    assert exists >= 90
+    assert exists >= 0.8 * len(cases)
     assert not missed, f"no plan where one exists: cases {missed}"
     assert not short, f"below 0.99 of the optimum: {short}"
 

@@ -41,9 +41,21 @@ def planned(prob):
         return None
 
 
-@sweep(40)
+# `make test` draws 15 problems of each sweep below; `make test-all` draws the sizes that settled the planner too.
+@sweep(15)
 @given(problems())
 def test_plan_invariants(prob):
+    _invariants_hold(prob)
+
+
+@pytest.mark.slow
+@sweep(40)
+@given(problems())
+def test_plan_invariants_on_40_more_problems(prob):
+    _invariants_hold(prob)
+
+
+def _invariants_hold(prob):
     cluster, model, train = prob
     p = planned(prob)
     if p is None:
@@ -170,9 +182,20 @@ def random_clusters(draw):
     return ClusterSpec(nodes=nodes), model, TrainSpec(global_batch=draw(st.sampled_from([1, 3, 8, 17, 32, 64, 256])))
 
 
-@sweep(60)
+@sweep(20)
 @given(random_clusters())
 def test_closed_form_within_5pct_of_simulator_on_planned_clusters(prob):
+    _closed_form_within_5pct(prob)
+
+
+@pytest.mark.slow
+@sweep(60)
+@given(random_clusters())
+def test_closed_form_within_5pct_of_simulator_on_60_more_clusters(prob):
+    _closed_form_within_5pct(prob)
+
+
+def _closed_form_within_5pct(prob):
     # Plans as the planner makes them (balanced stages) on random clusters: the closed form the search ranks
     # by is the 1F1B schedule's step time within 5% (minutes of planning: a sweep, not a unit test).
     p = planned(prob)

@@ -46,10 +46,26 @@ def instances(draw):
     return ClusterSpec(nodes=nodes), model, train
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+def _sweep(examples: int):
+    return settings(max_examples=examples, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+# `make test` draws 60 clusters; `make test-all` draws 200 more (the sweep that settled the planner, issue 15).
+@_sweep(60)
 @given(instances())
 def test_planner_within_one_percent_of_exhaustive(inst):
+    _within_one_percent_of_exhaustive(inst)
+
+
+@pytest.mark.slow
+@_sweep(200)
+@given(instances())
+def test_planner_within_one_percent_of_exhaustive_on_200_more_clusters(inst):
+    _within_one_percent_of_exhaustive(inst)
+
+
+def _within_one_percent_of_exhaustive(inst):
     cluster, model, train = inst
     try:
         mine = plan(cluster, model, train)

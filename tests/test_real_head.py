@@ -299,6 +299,7 @@ def bare_python(tmp: Path) -> Path:
     return venv / "bin"
 
 
+@pytest.mark.slow  # the rendered-AWS test below runs the same (bare nodes, hetspot shipped) in the default run
 def test_a_cluster_without_hetspot_runs_the_job_hetspot_ships(tmp_path):
     """Issue 29: every node's `python` has Ray, torch and the dependencies but no hetspot; `hetspot submit
     --address` ships planner/, workers/ and orchestrator/ with the job (runtime_env py_modules): the driver,

@@ -160,7 +160,9 @@ def restore_events(c) -> list[dict]:
     return [e for e in c.progress.events if e["kind"] == "restore"]
 
 
-@pytest.mark.parametrize("recovery", ["in-place", "restart"])
+# In place, drills/preempt.yaml is the same kill (mid-step, DP peers waiting, nothing from S3, bytes by tier,
+# the oracle) in the default run (tests/test_drills.py): this case runs in `make test-all`.
+@pytest.mark.parametrize("recovery", [pytest.param("in-place", marks=pytest.mark.slow), "restart"])
 def test_node_killed_mid_step_with_a_live_dp_peer_loses_no_step_and_reads_no_s3(cluster, endpoint, recovery):
     """One node hard-killed while its DP peer waits in the step's collective: 0 lost steps, 0 S3 bytes, and the
     oracle holds. In place, the survivor is the same process before and after and nothing moves at all (its own
