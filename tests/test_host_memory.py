@@ -174,7 +174,7 @@ def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals(cases):
             missed.append(k)
         elif opt / got.estimate.step_time_s < 0.99:
             short.append((k, round(opt / got.estimate.step_time_s, 3)))
-    assert exists >= 0.8 * len(cases)
+    assert exists >= 0.9 * len(cases), exists
     assert not missed, f"no plan where one exists: cases {missed}"
     assert not short, f"below 0.99 of the optimum: {short}"
 

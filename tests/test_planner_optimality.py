@@ -51,7 +51,7 @@ def _sweep(examples: int):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-# `make test` draws 60 clusters; `make test-all` draws 200 more (the sweep that settled the planner, issue 15).
+# `make test` draws 60 clusters; `make test-all` draws 200 others (the sweep that settled the planner, issue 15).
 @_sweep(60)
 @given(instances())
 def test_planner_within_one_percent_of_exhaustive(inst):
@@ -61,7 +61,7 @@ def test_planner_within_one_percent_of_exhaustive(inst):
 @pytest.mark.slow
 @_sweep(200)
 @given(instances())
-def test_planner_within_one_percent_of_exhaustive_on_200_more_clusters(inst):
+def test_planner_within_one_percent_of_exhaustive_on_200_other_clusters(inst):
     _within_one_percent_of_exhaustive(inst)
 
 
