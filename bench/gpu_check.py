@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,12 +58,6 @@ def _gpu_type() -> str:
     raise SystemExit(f"unknown GPU {name!r}: add it to planner/catalog.py to measure MFU against its peak")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -86,7 +79,7 @@ def build(m: ModelSpec, gpu: str, batch: int, precision: str, device: str, offlo
     dtype = DTYPES[compute_dtype("auto", precision, gpu)]  # bf16 mixed precision (fp16 on T4/V100), as a job trains
     e = Engine(one_stage(m, gpu, batch, offload), 0, m, train, make_dataset("synthetic", m.seq_len, m.vocab_size, 0),
                dtype, device=device)
-    e.connect(f"tcp://127.0.0.1:{_port()}", 120)
+    e.connect_alone(120)
     return e
 
 

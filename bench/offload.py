@@ -22,7 +22,6 @@ step time against the transfer bound) need a CUDA device and are skipped without
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -89,12 +88,6 @@ def cpu_optimizer(total: float, repeats: int) -> None:
 TRAIN = TrainSpec(global_batch=8, lr=0.01, precision="fp32")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine(model: ModelSpec, offload: dict, meter: bool, mb: int = 4) -> Engine:
     st = Stage(layer_start=0, layer_end=model.num_layers, gpu_type="A100-80GB", node="a", devices=["a/0"],
                offload=offload)
@@ -103,7 +96,7 @@ def _engine(model: ModelSpec, offload: dict, meter: bool, mb: int = 4) -> Engine
     device = "cuda" if torch.cuda.is_available() else "cpu"
     e = Engine(plan, 0, model, TRAIN, make_dataset("synthetic", model.seq_len, model.vocab_size, 0),
                torch.float32, device=device, meter_memory=meter)
-    e.connect(f"tcp://127.0.0.1:{_port()}", 60)
+    e.connect_alone(60)
     return e
 
 

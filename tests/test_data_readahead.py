@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from planner import ModelSpec, Pipeline, Plan, Stage, TrainSpec
-from tests.net import free_port
+from tests.net import rendezvous_client, rendezvous_server
 
 pytestmark = pytest.mark.unit
 MODEL = ModelSpec.preset("tiny")  # 4 layers
@@ -48,7 +48,7 @@ def _rank(rank: int, stages, port: int, out) -> None:
     torch.set_num_threads(1)
     data = CountingData()
     e = Engine(_plan(stages), rank, MODEL, TRAIN, data, torch.float64)
-    e.connect(f"tcp://127.0.0.1:{port}", 30)
+    e.connect("", 30, store=rendezvous_client(port, len(stages), 30))
     try:
         losses = [e.step(s).loss for s in range(STEPS)]
         out.put((rank, data.reads, losses))
@@ -57,7 +57,8 @@ def _rank(rank: int, stages, port: int, out) -> None:
 
 
 def _run(stages) -> list[tuple[int, int, list]]:
-    port = free_port()
+    server = rendezvous_server(len(stages))  # held here while the ranks meet in it
+    port = server.port
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, stages, port, out)) for r in range(len(stages))]

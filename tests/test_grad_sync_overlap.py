@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from planner import ModelSpec, Pipeline, Plan, Stage, TrainSpec
-from tests.net import free_port
+from tests.net import rendezvous_client, rendezvous_server
 
 pytestmark = pytest.mark.unit
 MODEL = ModelSpec.preset("tiny")  # 4 layers
@@ -33,7 +33,7 @@ def _rank(rank: int, ports: tuple[int, int], out) -> None:
     for overlap, port in zip((True, False), ports, strict=True):
         e = Engine(_plan(), rank, MODEL, TRAIN, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0),
                    torch.float64, overlap_sync=overlap)
-        e.connect(f"tcp://127.0.0.1:{port}", 30)
+        e.connect("", 30, store=rendezvous_client(port, 2, 30))
         try:
             losses = [e.step(s).loss for s in range(STEPS)]
             out.put((overlap, rank, losses, {n: p.detach().numpy().copy() for n, p in e.module.params.items()},
@@ -46,7 +46,8 @@ def run() -> dict[bool, list]:
     """Per mode (overlapped or not): per rank, (rank, losses, parameters, sync trace)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = (free_port(), free_port())  # both ranks rendezvous on these, one per mode
+    servers = (rendezvous_server(2), rendezvous_server(2))  # both ranks rendezvous in these, one per mode
+    ports = tuple(srv.port for srv in servers)
     procs = [ctx.Process(target=_rank, args=(r, ports, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from planner import ModelSpec, Pipeline, Plan, Stage, TrainSpec
-from tests.net import free_port
 from workers import hf_format
 from workers.data import make_dataset
 from workers.engine import Engine
@@ -29,7 +28,7 @@ def trained(model: ModelSpec, steps: int = 3) -> tuple[Engine, dict[str, torch.T
     plan = Plan(model_name=model.name, num_layers=model.num_layers, global_batch=4,
                 pipelines=[Pipeline(num_samples=4, micro_batch_size=4, num_micro_batches=1, stages=[st])])
     e = Engine(plan, 0, model, TRAIN, make_dataset("synthetic", model.seq_len, model.vocab_size, 0), torch.float32)
-    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
+    e.connect_alone(30)
     start = {n: p.detach().clone() for n, p in e.module.params.items()}
     try:
         for s in range(steps):

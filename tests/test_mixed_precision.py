@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost
-from tests.net import free_port
 from workers.data import make_dataset
 from workers.engine import Engine, compute_dtype
 
@@ -37,7 +36,7 @@ def run(precision: str, dtype: torch.dtype, steps: int, offload: dict | None = N
     train = TrainSpec(global_batch=B, lr=0.003, precision=precision)
     e = Engine(_plan(offload or {}), 0, MODEL, train, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0),
                dtype, meter_memory=meter)
-    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
+    e.connect_alone(30)
     try:
         if setup:
             setup(e)
@@ -122,7 +121,7 @@ def test_policy_counts_the_state_bytes_a_restore_moves(precision, dtype):
 
     train = TrainSpec(global_batch=B, lr=0.003, precision=precision)
     e = Engine(_plan({}), 0, MODEL, train, make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
-    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
+    e.connect_alone(30)
     try:
         asked = sum(n.nbytes for n in needs(e))
     finally:

@@ -13,7 +13,6 @@ import torch
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost
 from planner.offload_policy import cheapest, fitting_policies, to_policy
-from tests.net import free_port
 from workers.data import make_dataset
 from workers.engine import Engine
 
@@ -34,7 +33,7 @@ def run(model: ModelSpec, offload: dict, steps: int, dtype=torch.float64, budget
     ds = make_dataset("synthetic", model.seq_len, model.vocab_size, 0)
     e = Engine(one_stage_plan(model, offload), 0, model, TRAIN, ds, dtype, device_budget_bytes=budget,
                meter_memory=True)
-    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
+    e.connect_alone(30)
     try:
         results = [e.step(s) for s in range(steps)]
         e.settle()  # the last host update may still run, overlapped with what would be the next step
@@ -158,7 +157,7 @@ def test_overlapped_and_serial_host_updates_train_identically():
     got = {}
     for overlap in (True, False):
         e = Engine(one_stage_plan(model, off), 0, model, TRAIN, ds, torch.float64, overlap_update=overlap)
-        e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
+        e.connect_alone(30)
         try:
             losses = [e.step(s).loss for s in range(3)]
             e.settle()
@@ -182,7 +181,7 @@ def test_cuda_policies_match_cpu_and_fit_the_budget(baseline, name):
     off = POLICIES[name](model)
     ds = make_dataset("synthetic", model.seq_len, model.vocab_size, 0)
     e = Engine(one_stage_plan(model, off), 0, model, TRAIN, ds, torch.float64, device="cuda", meter_memory=True)
-    e.connect(f"tcp://127.0.0.1:{free_port()}", 60)
+    e.connect_alone(60)
     try:
         results = [e.step(s) for s in range(4)]
         e.settle()
@@ -210,7 +209,7 @@ def test_engine_issues_transfers_and_updates_in_the_schedules_priority_order(dep
     plan = one_stage_plan(model, {"offload_optimizer": True, "offload_params": True, "prefetch_depth": depth})
     plan.pipelines[0].micro_batch_size, plan.pipelines[0].num_micro_batches = B, 1
     e = Engine(plan, 0, model, TRAIN, make_dataset("synthetic", model.seq_len, model.vocab_size, 0), torch.float32)
-    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
+    e.connect_alone(30)
     try:
         e.step(0)
         e.settle()

@@ -10,7 +10,6 @@ import torch
 
 from orchestrator.control.migration import WEIGHTS_SHARE
 from planner import TrainSpec
-from tests.net import free_port
 from tests.test_mixed_precision import MODEL, B, _plan
 from workers.data import make_dataset
 from workers.engine import Engine, StepError
@@ -30,7 +29,7 @@ pytestmark = pytest.mark.unit
 def engine(precision: str, dtype: torch.dtype, offload: dict) -> Engine:
     e = Engine(_plan(offload), 0, MODEL, TrainSpec(global_batch=B, lr=0.01, precision=precision),
                make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
-    e.connect(f"tcp://127.0.0.1:{free_port()}", 30)
+    e.connect_alone(30)
     return e
 
 

@@ -20,6 +20,7 @@ from orchestrator.job_spec import JobSpec, parse_job
 from orchestrator.runtime.worker_group import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
 from tests.moto_s3 import use_test_credentials
+from tests.oracle import one_device_run
 from workers.state import assemble, full_state
 
 pytestmark = pytest.mark.ray
@@ -90,10 +91,8 @@ _REF: dict = {}
 
 def reference(j: JobSpec):
     key = (j.train.global_batch, j.model_spec.model_dump_json())  # the whole shape: custom models share a name
-    if key not in _REF:
-        one = mk([P(j.train.global_batch, j.train.global_batch, [S(0, j.model_spec.num_layers, "a", ["a/0"])])],
-                 j.model_spec.num_layers)
-        _REF[key] = train(j, one)
+    if key not in _REF:  # the 1-device run, in this process (tests/oracle.py): no worker on the cluster
+        _REF[key] = one_device_run(j, STEPS)
     return _REF[key]
 
 

@@ -152,6 +152,15 @@ class Engine(GradSync, OptimizerState):
                 self.grad_groups.append((gg, g))
         self._build()
 
+    def connect_alone(self, timeout_s: float = 60.0) -> None:
+        """Join a world of one (a bench, a test, the 1-device oracle) through a rendezvous store served here, on
+        a port the store binds and holds: a port found free, let go and bound again later can be taken meanwhile
+        by another process (gloo's pair sockets take ephemeral ports), which failed the start with EADDRINUSE."""
+        if len(self.plan.devices()) != 1:
+            raise ValueError(f"connect_alone is for a one-device plan; this one has {len(self.plan.devices())}")
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.connect("", timeout_s, store=store)
+
     def _build(self) -> None:
         st = self.stage_spec
         master = torch.float32 if self.mixed else self.dtype
