@@ -17,7 +17,11 @@ from planner.specs import ClusterSpec
 
 log = logging.getLogger(__name__)
 
-HEALTH = {"health_check_period_ms": 200, "health_check_failure_threshold": 5, "health_check_timeout_ms": 200,
+# A killed node's checks fail at once (its port refuses), so it is declared dead within threshold x period,
+# about a second. A live node that is slow to answer (a raylet starved beside test suites on two cores) gets a
+# second per check: with a 200 ms timeout, new nodes were declared dead within 2 s of registering on a loaded
+# machine and their workers died at start-up.
+HEALTH = {"health_check_period_ms": 200, "health_check_failure_threshold": 5, "health_check_timeout_ms": 1000,
           "health_check_initial_delay_ms": 0}
 
 
