@@ -38,6 +38,19 @@ def cluster():
     ec.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _nodes_go_with_their_test(request):
+    """The nodes a test added leave with it: each idle node keeps a raylet, two agents and a keeper running, and a
+    module cluster that kept every test's nodes grew past thirty of them, starving the later tests on 2 cores."""
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    ec = request.getfixturevalue("cluster")
+    before = set(ec.nodes)
+    yield
+    kill(ec, *(set(ec.nodes) - before))
+
+
 @pytest.fixture(scope="module")
 def endpoint():
     with moto_s3("ckpt") as url:
@@ -674,7 +687,9 @@ def test_uploads_coalesce_when_s3_is_slower_than_training(cluster, endpoint):
         assert max(r["upload_lag_steps"] for r in rows) >= 2  # S3 really was slower than training...
         status = {u["status"] for u in summary["uploads"]}
         by = {k: [u["step"] for u in summary["uploads"] if u["status"] == k] for k in status}
-        assert by.get("dropped"), summary["uploads"]  # ...so waiting steps were dropped for newer ones
+        why = (summary["uploads"], summary["upload_lag"], summary["events"], [(r["step"], r["upload_lag_steps"],
+               r["upload_backlog"], r.get("s3_step")) for r in rows])
+        assert by.get("dropped"), why  # ...so waiting steps were dropped for newer ones
         assert not by.get("failed") and len(by["written"]) + len(by["dropped"]) == steps
         assert max(by["written"]) == steps - 1 and summary["upload_lag"]["lag_steps"] == 0
         assert summary["upload_lag"]["backlog"] == 0

@@ -254,6 +254,8 @@ def test_inventory_reads_the_test_cluster(cluster):
     assert json.loads(res.stdout)["gpus_by_type"] == {"A100-80GB": 4, "L4": 2, "T4": 2}
 
 
+@pytest.mark.slow  # the default run has this path twice: drills/preempt.yaml (a node killed mid-training, one
+# re-plan, the oracle) and test_recovery_ray's mid-step kill (a node lost, a restore, the oracle)
 def test_node_lost_mid_training_replans_and_matches_uninterrupted_run(cluster):
     """Remove a node during training: the controller re-plans on the survivors, restores the
     newest snapshot and resumes; the losses equal the uninterrupted 1-device run's."""
@@ -448,8 +450,10 @@ def _notice_job(doomed: NodeSpec, cloud: str) -> JobSpec:
 
 # One notice source drains end to end in the default run (aws); the others read their notice from the same fake
 # metadata service in tests/test_notices.py, and a Ray drain moves a job on a real head in tests/test_real_head.py.
-@pytest.mark.parametrize("cloud", ["aws", *(pytest.param(c, marks=pytest.mark.slow) for c in ("gcp", "azure",
-                                                                                               "ray-drain"))])
+# all four in the slow run: the default run has drills/notice-aws.yaml (an AWS notice through the fake metadata
+# service, the kill at its deadline, a drain before it, no lost step, the oracle) and drills/notice-staged.yaml
+@pytest.mark.slow
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure", "ray-drain"])
 def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
     """A spot notice (through the fake metadata service) or a Ray drain with a deadline, then the node is
     killed at the deadline: the job drains at a step boundary before it, loses no step and matches the
