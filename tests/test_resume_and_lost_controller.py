@@ -4,8 +4,8 @@ Every run here goes through the same controller actor the CLI and the Ray Jobs
 driver use: `hetspot submit` in a subprocess (each starts its own embedded
 cluster), the CLI in-process while a thread kills its controller actor, and
 `python -m orchestrator.driver` against a test cluster, killed and run again.
-S3 is moto's threaded server. The oracle is an uninterrupted run of the same
-job: losses agree to 1e-4 relative (float64).
+S3 is moto's threaded server. The oracle is the same job's uninterrupted 1-device run in this process
+(tests/oracle.py): losses agree to 1e-4 relative (float64).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.moto_s3 import TEST_ENV, moto_s3
+from tests.oracle import one_device_losses
 
 pytestmark = pytest.mark.ray
 HETSPOT = str(Path(sys.executable).parent / "hetspot")
@@ -53,6 +54,14 @@ def job_file(tmp_path: Path, name: str, prefix: str, endpoint: str, nodes: list[
         "checkpoint": {"uri": f"s3://runs/{prefix}", "endpoint_url": endpoint, "s3_every": 1, "keep": 3},
         "steps": steps}))
     return f
+
+
+def _parsed(f: Path | dict):
+    """A job file (or its dict) as the CLI reads it: its uninterrupted 1-device run, in this process, is the oracle
+    (tests/oracle.py), equal to the job's own uninterrupted run on the cluster within 1e-5 in float64."""
+    from orchestrator.job_spec import parse_job
+
+    return parse_job(f if isinstance(f, dict) else yaml.safe_load(f.read_text()))
 
 
 def submit(*args: str) -> dict:
@@ -88,7 +97,7 @@ def test_resume_on_another_cluster_through_the_cli_matches_an_uninterrupted_run(
                  stages=[stage(0, 2, "T4", "t4-a"), stage(2, 4, "T4", "t4-b")]),
         Pipeline(num_samples=5, micro_batch_size=5, num_micro_batches=1, stages=[stage(0, 4, "H100-SXM", "h100")])])
     (tmp_path / "plan2.json").write_text(plan2.model_dump_json())
-    ref = submit(str(job_file(tmp_path, "resumed", "reference", endpoint, A100_L4)), "--steps", "10")
+    ref = one_device_losses(_parsed(job_file(tmp_path, "resumed", "reference", endpoint, A100_L4)), 10)
     first = submit(str(job_file(tmp_path, "resumed", "resumed", endpoint, A100_L4)), "--steps", "5")
     second = submit(str(job_file(tmp_path, "resumed", "resumed", endpoint, T4_H100)), "--resume",
                     "--plan", str(tmp_path / "plan2.json"))
@@ -99,7 +108,7 @@ def test_resume_on_another_cluster_through_the_cli_matches_an_uninterrupted_run(
     assert [len(p["stages"]) for p in second["plan"]["pipelines"]] == [2, 1]
     restore = next(e for e in second["events"] if e["kind"] == "restore")
     assert restore["step"] == 4 and restore["tier"] == "s3"
-    assert_close(first["losses"] + second["losses"], ref["losses"])
+    assert_close(first["losses"] + second["losses"], ref)
 
 
 def _wait_for_step(uri_prefix: str, endpoint: str, step: int, timeout_s: float = 120) -> None:
@@ -176,10 +185,6 @@ def test_a_restarted_driver_resumes_by_itself_from_the_newest_complete_step(tmp_
     spec = yaml.safe_load(job_file(tmp_path, "driven", "driven", endpoint, A100_L4, steps=steps).read_text())
     ec = EmbeddedCluster(ClusterSpec(nodes=[NodeSpec(**n) for n in A100_L4]))
     try:
-        ref = _driver(ec.address, spec | {"name": "driven-ref", "checkpoint": spec["checkpoint"] | {
-            "uri": "s3://runs/driven-ref"}}, steps, "ref")
-        ref_out, ref_err = ref.communicate(timeout=300)
-        assert ref.returncode == 0, ref_err[-3000:]
         first = _driver(ec.address, spec, steps, "first")
         _wait_for_step("driven", endpoint, 0)  # uploads trail training: kill as soon as a step is in S3
         os.killpg(first.pid, signal.SIGKILL)  # the driver process and its controller actor's owner go at once
@@ -192,7 +197,7 @@ def test_a_restarted_driver_resumes_by_itself_from_the_newest_complete_step(tmp_
         assert "going on from the newest complete one (checkpoint.resume: auto)" in out, out[-2000:]
         resumed = _losses(out)
         assert resumed and min(resumed) >= 1 and sorted(resumed) == list(range(min(resumed), steps))
-        want = _losses(ref_out)
+        want = one_device_losses(_parsed(spec), steps)
         assert_close([resumed[s] for s in sorted(resumed)], [want[s] for s in sorted(resumed)])
         # resume: never refuses the prefix instead of going on from it
         never = spec | {"checkpoint": spec["checkpoint"] | {"resume": "never"}}

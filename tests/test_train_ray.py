@@ -150,8 +150,11 @@ def test_equivalence_with_one_device(cluster, name):
     assert_equivalent(job(p.global_batch), p)
 
 
-@pytest.mark.parametrize("name", ["a-dp-5-and-3", "b-pp-1-and-3", "d-tp2-in-pipeline-beside-tp2",
-                                  "h-param-offload-tp-pipeline-beside-dp"])
+# a and b in the slow run: h has Llama under uneven DP (5 and 3 samples) with a pipeline and TP=2, and the GPT b
+# has the uneven layer split, which does not depend on the architecture
+@pytest.mark.parametrize("name", [pytest.param("a-dp-5-and-3", marks=pytest.mark.slow),
+                                  pytest.param("b-pp-1-and-3", marks=pytest.mark.slow),
+                                  "d-tp2-in-pipeline-beside-tp2", "h-param-offload-tp-pipeline-beside-dp"])
 def test_llama_equivalence_with_one_device(cluster, name):
     """Issue 17: the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA with 4 query heads on 2 key/value heads,
     untied head) under uneven DP, uneven PP, and TP=2 (one key/value head per TP rank), and with offload."""
@@ -392,6 +395,9 @@ def test_deterministic_worker_error_aborts_without_replanning(cluster):
     assert "injected fault" in c.error and "rank 0 (pipeline 0" in c.error and "any plan would hit again" in c.error
 
 
+@pytest.mark.slow  # the default run resumes a whole job from S3 on other nodes and another plan through the CLI
+# (test_resume_and_lost_controller: the S3 tier, the step, every loss against the uninterrupted run), and reads
+# S3 bytes by unit in test_recovery_ray's two-node kill
 def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
     """A job stopped after step 2 and resumed from S3 on different nodes (and another plan) continues at
     step 3 with the losses and final parameters of an uninterrupted run (issue 11, whole-job restart)."""
@@ -448,10 +454,10 @@ def _notice_job(doomed: NodeSpec, cloud: str) -> JobSpec:
                                        "snapshot_every": 1000, "notices": cloud, "notice_poll_s": 0.2})})
 
 
-# One notice source drains end to end in the default run (aws); the others read their notice from the same fake
-# metadata service in tests/test_notices.py, and a Ray drain moves a job on a real head in tests/test_real_head.py.
-# all four in the slow run: the default run has drills/notice-aws.yaml (an AWS notice through the fake metadata
-# service, the kill at its deadline, a drain before it, no lost step, the oracle) and drills/notice-staged.yaml
+# All four in the slow run. The default run drains on an AWS notice end to end in drills/notice-aws.yaml (the fake
+# metadata service, the kill at its deadline, a drain before it, no lost step, the oracle) and
+# drills/notice-staged.yaml; the other sources read their notice from the same fake metadata service in
+# tests/test_notices.py, and a Ray drain moves a job on a real head in tests/test_real_head.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure", "ray-drain"])
 def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
