@@ -17,13 +17,13 @@ os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
 MARKERS = {"unit", "sweep", "ray", "gpu", "slow"}
 
 # Seconds each of the longest modules took in a serial run (session 20's clean-clone rehearsal, 2 cores; the recovery
-# module's, the training module's and the resume module's alone, session 24). `make
+# module's, the training, drill and resume modules' alone, session 24). `make
 # test` runs the suite on two xdist workers (`--dist loadfile`, with the scheduler below): every module with Ray
 # tests is in one scope, so one worker runs them one after another (two Ray test clusters side by side on 2 cores
 # each ran over twice as slow, and a node's raylet has 30 s to register), while the other worker runs the pure
 # modules, a module at a time, longest first. The figures only order; a stale one costs time, never a result.
 MODULE_SECONDS: dict[str, float] = {
-    "test_recovery_ray.py": 488, "test_train_ray.py": 383, "test_drills.py": 554, "test_planner_invariants.py": 346,
+    "test_recovery_ray.py": 488, "test_train_ray.py": 383, "test_drills.py": 538, "test_planner_invariants.py": 346,
     "test_planner_optimality.py": 237, "test_resume_and_lost_controller.py": 208, "test_readme.py": 165,
     "test_host_memory.py": 146, "test_fleet_choice.py": 125, "test_s3_hostile.py": 121,
 }
