@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from orchestrator.job_spec import load_job, parse_job
 from tests.moto_s3 import TEST_ENV, moto_s3
 from tests.oracle import one_device_losses
 
@@ -54,14 +55,6 @@ def job_file(tmp_path: Path, name: str, prefix: str, endpoint: str, nodes: list[
         "checkpoint": {"uri": f"s3://runs/{prefix}", "endpoint_url": endpoint, "s3_every": 1, "keep": 3},
         "steps": steps}))
     return f
-
-
-def _parsed(f: Path | dict):
-    """A job file (or its dict) as the CLI reads it: its uninterrupted 1-device run, in this process, is the oracle
-    (tests/oracle.py), equal to the job's own uninterrupted run on the cluster within 1e-5 in float64."""
-    from orchestrator.job_spec import parse_job
-
-    return parse_job(f if isinstance(f, dict) else yaml.safe_load(f.read_text()))
 
 
 def submit(*args: str) -> dict:
@@ -97,7 +90,7 @@ def test_resume_on_another_cluster_through_the_cli_matches_an_uninterrupted_run(
                  stages=[stage(0, 2, "T4", "t4-a"), stage(2, 4, "T4", "t4-b")]),
         Pipeline(num_samples=5, micro_batch_size=5, num_micro_batches=1, stages=[stage(0, 4, "H100-SXM", "h100")])])
     (tmp_path / "plan2.json").write_text(plan2.model_dump_json())
-    ref = one_device_losses(_parsed(job_file(tmp_path, "resumed", "reference", endpoint, A100_L4)), 10)
+    ref = one_device_losses(load_job(job_file(tmp_path, "resumed", "reference", endpoint, A100_L4)), 10)
     first = submit(str(job_file(tmp_path, "resumed", "resumed", endpoint, A100_L4)), "--steps", "5")
     second = submit(str(job_file(tmp_path, "resumed", "resumed", endpoint, T4_H100)), "--resume",
                     "--plan", str(tmp_path / "plan2.json"))
@@ -156,7 +149,6 @@ def test_a_killed_controller_actor_is_one_line_naming_the_step_and_the_resume_co
 
 
 def _driver(ray_address: str, job: dict, steps: int, job_id: str, resume: bool = False) -> subprocess.Popen:
-    from orchestrator.job_spec import parse_job
     from orchestrator.runtime.progress_lines import ENV_ID, ENV_JOB, ENV_RESUME, ENV_STEPS
 
     env = os.environ | CREDS | {ENV_JOB: parse_job(job).model_dump_json(), ENV_STEPS: str(steps), ENV_ID: job_id,
@@ -197,7 +189,7 @@ def test_a_restarted_driver_resumes_by_itself_from_the_newest_complete_step(tmp_
         assert "going on from the newest complete one (checkpoint.resume: auto)" in out, out[-2000:]
         resumed = _losses(out)
         assert resumed and min(resumed) >= 1 and sorted(resumed) == list(range(min(resumed), steps))
-        want = one_device_losses(_parsed(spec), steps)
+        want = one_device_losses(parse_job(spec), steps)
         assert_close([resumed[s] for s in sorted(resumed)], [want[s] for s in sorted(resumed)])
         # resume: never refuses the prefix instead of going on from it
         never = spec | {"checkpoint": spec["checkpoint"] | {"resume": "never"}}
