@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -17,7 +17,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from orchestrator.errors import ConfigError
 from planner.fleet import Catalog, Fleet
 from planner.specs import PRESETS, ClusterSpec, ModelSpec, StrictModel, TrainSpec
-from workers.transfer import CheckpointLocation
+
+if TYPE_CHECKING:
+    from workers.transfer import CheckpointLocation
 
 
 class _Section(StrictModel):
@@ -201,6 +203,8 @@ class CheckpointSpec(_Section):
     @property
     def location(self) -> CheckpointLocation:
         """The checkpoint location as one value, from here to the keeper that reads or writes the bytes."""
+        from workers.transfer import CheckpointLocation  # the workers' transfer types: not for `hetspot plan`
+
         return CheckpointLocation(self.uri, self.endpoint_url)
 
 

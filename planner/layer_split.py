@@ -5,9 +5,15 @@ of one GPU type on one node), and a DP over (stage, layers covered) picks the
 contiguous boundaries minimizing the slowest stage's per-step cost
 m * (fwd + bwd) + optimizer time, ties broken by the sum of per-micro-batch stage
 times (the 1F1B fill). Each stage's cost already includes its cheapest fitting
-offload policy (planner/policy.py), so memory shapes the split as much as speed.
-The split depends only on the pipeline's hardware; gradient sync, which depends
-on the other replicas, is added when the finish time is computed.
+offload policy (planner/offload_policy.py), so memory shapes the split as much
+as speed. The split depends only on the pipeline's hardware; gradient sync, which
+depends on the other replicas, is added when the finish time is computed.
+
+For speed at the keyboard: a stage's costs for every layer count come from one
+numpy pass (offload_policy.fitting_by_layers, equal to the scalar cost model to
+the bit), and the DP's state after each stage is kept in a trie shared by the
+search's pipelines, so the stage orders `best_order` tries compute their common
+prefixes once.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner import cost
-from planner.offload_policy import cheapest, fitting_policies
+from planner.offload_policy import _MODES, cheapest, cheapest_by_layers, fitting_by_layers, fitting_policies
 from planner.specs import ModelSpec, TrainSpec
 
 
@@ -32,15 +38,48 @@ class StageChoice:
 
 
 class _Vector:
-    """A stage kind's cheapest choice (`choices`), per-step cost (`val`, inf where not computed or nothing fits)
-    and fwd + bwd time (`t`) by layer count, computed for 1..`done` layers; `full`: nothing fits past `done`."""
+    """A stage kind's cheapest choice (`choices`), per-step cost (`val`, inf where nothing fits) and fwd + bwd time
+    (`t`) by layer count, for 1..`done` layers; `full`: nothing fits past `done`. Filled once, for every count."""
 
     __slots__ = ("choices", "val", "t", "done", "full")
 
     def __init__(self, num_layers: int):
-        self.choices: list[StageChoice | None] = [None] * (num_layers + 1)
+        self.choices: _Choices | None = None
         self.val, self.t = np.full(num_layers + 1, np.inf), np.zeros(num_layers + 1)
         self.done, self.full = 0, False
+
+
+class _Choices:
+    """A vector's StageChoice by layer count, made when asked for (a split reads a few of a vector's counts)."""
+
+    __slots__ = ("mode", "rec", "fwd", "bwd", "mem", "made")
+
+    def __init__(self, mode, rec, fwd, bwd, mem):
+        self.mode, self.rec, self.fwd, self.bwd, self.mem = mode, rec, fwd, bwd, mem  # index x: x + 1 layers
+        self.made: dict[int, StageChoice] = {}
+
+    def __getitem__(self, n: int) -> StageChoice:
+        got = self.made.get(n)
+        if got is None:
+            x = n - 1
+            opt, params = _MODES[int(self.mode[x])]
+            times = cost.StageTimes(float(self.fwd[x]), float(self.bwd[x]), float(self.mem[x]))
+            got = self.made[n] = StageChoice(n, cost.Knobs(int(self.rec[x]), opt, params), times)
+        return got
+
+
+DP_STATE_BYTES = 40e6  # what a search's shared DP states may hold (a fleet search of gpt-350m keeps 36k, ~35 MB)
+
+
+class _DPState:
+    """The layer-split DP after some stages: best (max stage cost, sum of times) per layers covered, the start
+    each came from, the last stage's choices by layer count, and the state before it. Hashed by identity: the
+    search's trie keys a state's successors by (state, next stage's hardware, its links)."""
+
+    __slots__ = ("prim", "sec", "back", "choices", "parent")
+
+    def __init__(self, prim, sec, back, choices, parent):
+        self.prim, self.sec, self.back, self.choices, self.parent = prim, sec, back, choices, parent
 
 
 @dataclass(frozen=True)
@@ -96,27 +135,42 @@ class PipelineModel:
                                             for kn, t in base]
         return got
 
-    def _stage_vector(self, i: int, hi: int, b: int, m: int):
-        """Stage i's cheapest choice and its per-step cost for 1..hi layers (inf past hi; shared by every
-        pipeline of the search with the same hardware and links at a position of the same kind). One vector per
-        position kind, grown as callers ask for more layers: pipelines of different depths ask for different
-        `hi` of the same stage."""
+    def _grow(self, i: int, b: int, m: int) -> _Vector:
+        """Stage i's vector, shared by every pipeline of the search with the same hardware and links at a position
+        of the same kind (pipelines of every depth read the same one)."""
         p = len(self.slots)
         k = cost.inflight(i, p, m, self.schedule)
         key = ("vector", self._hw[i], i == 0, i == p - 1, k, self.p2p[i], b, m)
         v = self._stage_cache.get(key)
         if v is None:
             v = self._stage_cache[key] = _Vector(self.model.num_layers)
-        if v.done < hi and not v.full:
-            for n in range(v.done + 1, hi + 1):
-                best = cheapest(self._candidates(i, n, b, k), self.slots[i], self.model, self.train,
-                                self._shape(i, n), m)
+        if v.choices is None:  # every count at once: one numpy pass costs what growing it by a layer would
+            slot, (nxt, prev), top = self.slots[i], self.p2p[i], self.model.num_layers
+            fkey = ("fitting", self._hw[i], i == 0, i == p - 1, k, b)  # what fits does not depend on links or m
+            fitting = self._stage_cache.get(fkey)
+            if fitting is None:
+                fitting = self._stage_cache[fkey] = fitting_by_layers(slot, self.model, self.train, i == 0, i == p - 1,
+                                                                      b, k, top)
+            mode, rec, fwd, bwd, mem, val = cheapest_by_layers(fitting, slot, self.model, self.train, b, m, nxt, prev)
+            t = fwd + bwd
+            v.choices = _Choices(mode, rec, fwd, bwd, mem)
+            none = np.flatnonzero(mode == -1)
+            cut = int(none[0]) if len(none) else top  # a layer more only needs more memory: nothing larger fits
+            for x in np.flatnonzero(mode[:cut] == -2).tolist():  # left to the scalar search by the closed form
+                n = x + 1
+                best = cheapest(self._candidates(i, n, b, k), slot, self.model, self.train, self._shape(i, n), m)
                 if best is None:
-                    v.full = True  # a layer more only needs more device and host memory: no larger stage fits either
+                    cut = x
                     break
-                v.choices[n] = StageChoice(n, best[0], best[1])
-                v.val[n], v.t[n] = best[2], best[1].fwd_s + best[1].bwd_s
-                v.done = n
+                v.choices.made[n] = StageChoice(n, best[0], best[1])
+                val[x], t[x] = best[2], best[1].fwd_s + best[1].bwd_s
+            v.val[1:cut + 1], v.t[1:cut + 1] = val[:cut], t[:cut]
+            v.done, v.full = cut, cut < top
+        return v
+
+    def _stage_vector(self, i: int, hi: int, b: int, m: int):
+        """Stage i's cheapest choice and its per-step cost for 1..hi layers (inf past hi), and fwd + bwd time."""
+        v = self._grow(i, b, m)
         c_val = v.val
         if v.done > hi:  # asked for fewer layers than computed: the same vector, cut at hi
             c_val = c_val.copy()
@@ -130,11 +184,10 @@ class PipelineModel:
         # in-flight activations a 1F1B stage holds, so the split fits for any m.
         m_key = m if self.exact else p
         if (b, m_key) not in self._splits:
-            found = []
-            for lo, hi in self._layer_ranges():
-                got = self._dp(b, m_key, lo, hi)
-                if got is not None:
-                    found.append(got)
+            if self.homogeneous and not self.exact:  # each range's DP with its own cap on a stage's layers
+                found = [got for lo, hi in self._layer_ranges() if (got := self._dp(b, m_key, lo, hi)) is not None]
+            else:
+                found = self._shared_dp(b, m_key)
             self._splits[(b, m_key)] = min(found, key=lambda f: f[0])[1] if found else None
         return self._splits[(b, m_key)]
 
@@ -144,9 +197,85 @@ class PipelineModel:
     def _empty_stage(self, i: int, b: int, m: int) -> tuple[StageChoice, float] | None:
         """Stage i with no transformer layer (the embedding alone, or the LM head): its cheapest policy and
         that policy's per-step cost."""
-        k = cost.inflight(i, len(self.slots), m, self.schedule)
-        best = cheapest(self._candidates(i, 0, b, k), self.slots[i], self.model, self.train, self._shape(i, 0), m)
-        return None if best is None else (StageChoice(0, best[0], best[1]), best[2])
+        p = len(self.slots)
+        k = cost.inflight(i, p, m, self.schedule)
+        key = ("empty", self._hw[i], i == 0, i == p - 1, k, self.p2p[i], b, m)  # as a vector's key: shared alike
+        got = self._stage_cache.get(key, False)
+        if got is False:
+            best = cheapest(self._candidates(i, 0, b, k), self.slots[i], self.model, self.train, self._shape(i, 0), m)
+            got = self._stage_cache[key] = None if best is None else (StageChoice(0, best[0], best[1]), best[2])
+        return got
+
+    def _shared_dp(self, b: int, m: int) -> list[tuple[tuple, tuple[StageChoice, ...]]]:
+        """`_dp` for every layer range of the pipeline (`_layer_ranges`, in that order), from DP states shared
+        across the search: the state after a stage depends only on the stages before it (their hardware and
+        links) and on the band, so pipelines that begin alike (the stage orders `best_order` tries, one pipeline
+        with and without a head-only stage) compute their common prefix once. The ranges that start at one
+        stage share one band, wide enough for the shortest of them: a wider band adds only starts that cannot
+        end where the narrower one ends, so each range's optimum and its ties are those of its own `_dp`."""
+        num_layers, out = self.model.num_layers, {}
+        by_lo: dict[int, list[int]] = {}
+        for lo, hi in self._layer_ranges():
+            by_lo.setdefault(lo, []).append(hi)
+        for lo, his in by_lo.items():
+            w = num_layers - min(his) + lo + 1
+            states = self._dp_states(b, m, lo, max(his) - lo, w)
+            for hi in his:
+                out[(lo, hi)] = self._read_dp(states[hi - lo - 1], b, m, lo, hi)
+        return [got for r in self._layer_ranges() if (got := out[r]) is not None]
+
+    def _dp_states(self, b: int, m: int, lo: int, depth: int, w: int) -> list[_DPState]:
+        """The DP states after stages lo .. lo + depth - 1 (band width w), from the search's shared trie."""
+        cache, num_layers = self._stage_cache, self.model.num_layers
+        root_key = ("dp-root", b, m, len(self.slots), lo, w)
+        st = cache.get(root_key)
+        if st is None:
+            prim = np.full(num_layers + 2, np.inf)  # a column past the last layer: the longer range's last band
+            prim[0] = 0.0
+            st = cache[root_key] = _DPState(prim, np.zeros(num_layers + 2), None, None, None)
+        off, n_clip = _band(w)
+        states = []
+        for i in range(depth):
+            x = lo + i
+            key = (st, self._hw[x], self.p2p[x])  # with the root's (b, m, lo, w) and the depth: the stage's vector
+            nxt = cache.get(key)
+            if nxt is None:
+                v = self._grow(x, b, m)
+                cand_p = np.maximum(st.prim[i:i + w, None], v.val[n_clip])
+                cand_s = st.sec[i:i + w, None] + v.t[n_clip]
+                best_p = np.minimum.reduce(cand_p, axis=0)
+                tie = cand_p <= best_p[None, :] * (1 + 1e-12)
+                start = np.where(tie, cand_s, np.inf).argmin(axis=0)
+                prim = np.full(num_layers + 2, np.inf)
+                prim[i + 1:i + 1 + w] = best_p
+                sec = np.zeros(num_layers + 2)
+                sec[i + 1:i + 1 + w] = cand_s[start, off]
+                nxt = _DPState(prim, sec, start + i, v.choices, st)
+                kept = cache.get("dp-bytes", 0)
+                if kept < DP_STATE_BYTES:  # past it, states are computed as they are needed and not kept
+                    cache[key], cache["dp-bytes"] = nxt, kept + prim.nbytes + sec.nbytes + nxt.back.nbytes + 400
+            states.append(nxt)
+            st = nxt
+        return states
+
+    def _read_dp(self, st: _DPState, b: int, m: int, lo: int, hi: int) -> tuple[tuple, tuple[StageChoice, ...]] | None:
+        """Range [lo, hi)'s split from the state after its last stage: as `_dp` returns it."""
+        num_layers = self.model.num_layers
+        if not np.isfinite(st.prim[num_layers]):
+            return None
+        empty = [self._empty_stage(i, b, m) for i in [*range(lo), *range(hi, len(self.slots))]]
+        if any(e is None for e in empty):
+            return None
+        edges, edge_val = [e for e, _ in empty], [v for _, v in empty]
+        worst = max([float(st.prim[num_layers]), *edge_val])
+        total = float(st.sec[num_layers]) + sum(e.times.fwd_s + e.times.bwd_s for e in edges)
+        out, j = [], num_layers
+        for i in range(hi - lo - 1, -1, -1):
+            a = int(st.back[j - i - 1])
+            out.append(st.choices[j - a])
+            j = a
+            st = st.parent
+        return (worst, total), tuple(edges[:lo]) + tuple(reversed(out)) + tuple(edges[lo:])
 
     def _dp(self, b: int, m: int, lo: int, hi: int) -> tuple[tuple, tuple[StageChoice, ...]] | None:
         """Lexicographic min-max DP over (stage, layers covered), vectorized with numpy, for stages lo..hi-1
@@ -309,8 +438,14 @@ class PipelineModel:
         if base is None:
             base = []
             for kn, t in self._candidates(i, nl, b, k):
-                tl = t if last_b == b else cost.stage_times(slot, self.model, self.train, shape, last_b, k, kn,
-                                                            *self.p2p[i])
+                if last_b == b:
+                    tl = t
+                else:  # the last micro-batch's times depend on its size, not on b or m: shared across them
+                    tkey = ("last", self._hw[i], nl, shape.first, shape.last, k, self.p2p[i], last_b, kn)
+                    tl = self._stage_cache.get(tkey)
+                    if tl is None:
+                        tl = self._stage_cache[tkey] = cost.stage_times(slot, self.model, self.train, shape, last_b,
+                                                                        k, kn, *self.p2p[i])
                 full, last = t.fwd_s + t.bwd_s, tl.fwd_s + tl.bwd_s
                 busy = (m - 1) * full + last
                 fwd = (m - 1) * t.fwd_s + tl.fwd_s

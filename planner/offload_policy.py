@@ -15,6 +15,8 @@ import math
 from dataclasses import replace
 from itertools import product
 
+import numpy as np
+
 from planner import cost
 from planner.estimate import profile_plan
 from planner.plan_types import OffloadPolicy, Plan
@@ -79,6 +81,117 @@ def cheapest(
         if best is None or value < best[2] * (1 - 1e-12):
             best = (kn, t, value)
     return best
+
+
+def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first: bool, last: bool, b: int,
+                      inflight: int, num_layers: int) -> tuple:
+    """`fitting_policies` without links for every stage of 1..num_layers layers at once: per mode of _MODES,
+    None where it fits no count, else (fits, recomputed layers, fwd, bwd, memory) by layer count; and the counts
+    whose fewest recomputed layers this closed form does not settle (the caller asks the scalar path); and the
+    parameters per device and the resident optimizer's time by layer count, for `cheapest_by_layers`. The
+    formulas are cost.stage_memory's, cost.host_bytes's and cost.stage_times's in the same order of operations,
+    so each figure equals the scalar one to the bit (tests/test_cost_model.py compares them)."""
+    n = np.arange(1, num_layers + 1)
+    tp, pb = slot.tp, train.param_bytes
+    h, s = model.hidden_size, model.seq_len
+    cap = slot.mem_cap_bytes
+    layer_p = model.layer_params / tp
+    edge_p = first * model.embed_params + last * model.head_params
+    p_dev = n * layer_p + edge_p  # cost.stage_memory's
+    p_shape = n * model.layer_params / tp + first * model.embed_params + last * model.head_params  # params_per_device
+    biggest = max(model.ffn * model.hidden_size / tp, model.vocab_size * model.hidden_size if first or last else 0.0)
+    full = s * b * h * cost.act_units(model, tp) * pb / 2
+    ckpt = s * b * h * pb
+    saving = inflight * (full - ckpt)
+    logits = 2 * s * b * model.vocab_size * 4 if last else 0.0
+    eff = slot.flops_per_gpu * cost._util(b * s)
+    lf = cost.layer_fwd_flops(model, b)
+    fwd_c = (n * lf / tp + last * cost.head_fwd_flops(model, b)) / eff
+    tp_comm = n * 2 * cost._allreduce_s(s * b * h * pb, tp, slot.intra_bw)
+    fwd0 = fwd_c + tp_comm
+    bwd0 = 2 * fwd_c + 0.0 + tp_comm * (1 + 0 / n)
+    per_mb0 = n * full + 0 * ckpt
+    acts0 = (inflight - 1) * per_mb0 + per_mb0
+    masters = 0 if pb < 4 else pb
+    host_ok = ~(p_shape * (train.optimizer_bytes_per_param + train.grad_bytes + masters) > slot.host_cap_bytes)
+    p_pb, p_grad, p_opt = p_dev * pb, p_dev * train.grad_bytes, p_dev * train.optimizer_bytes_per_param
+    prefetched = (np.minimum(n, 2) * layer_p + edge_p) * pb  # prefetch_depth 1
+    out, unsettled = [], np.zeros(num_layers, dtype=bool)
+    for opt, params in _MODES:
+        static = (prefetched if params else p_pb) + (biggest * pb if opt else p_grad) + (0.0 if opt else p_opt)
+        mem = static + acts0 + logits
+        fits = mem <= cap
+        r = np.zeros(num_layers, dtype=np.int64)
+        ok = host_ok if opt else None
+        if saving > 0 and not fits.all():
+            lo = np.maximum(1, np.ceil((mem - cap) / saving)).astype(np.int64)
+            r_lo = np.minimum(lo, n)
+            per_mb = (n - r_lo) * full + r_lo * ckpt
+            mem_lo = static + ((inflight - 1) * per_mb + np.maximum(per_mb, r_lo * ckpt + full)) + logits
+            fit_lo = ~fits & (lo <= n) & (mem_lo <= cap)  # the bound is the answer where it fits; lo == n alone
+            unsettled |= ~fits & (lo <= n - 1) & ~(mem_lo <= cap) & (host_ok if opt else True)
+            r = np.where(fit_lo, lo, 0)
+            mem = np.where(fit_lo, mem_lo, mem)
+            fits = fits | fit_lo
+            rec_c = r * lf / tp / eff
+            fwd, bwd = fwd0, 2 * fwd_c + rec_c + tp_comm * (1 + r / n)
+        else:
+            fwd, bwd = fwd0, bwd0
+        if ok is not None:
+            fits = fits & ok
+        if params:
+            h2d = p_shape * pb / slot.host_link
+            fwd, bwd = np.maximum(fwd, h2d), np.maximum(bwd, h2d)
+        out.append((fits, r, fwd, bwd, mem) if fits.any() else None)
+    resident = p_shape * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw  # cost.optimizer_s, kept
+    return out, unsettled, p_shape, resident
+
+
+def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train: TrainSpec,
+                       b: int, num_mb: int, p2p_next_bw: float | None, p2p_prev_bw: float | None):
+    """`cheapest` over `fitting_by_layers`'s policies with a position's links (cost.with_links) for every layer
+    count at once, to the bit as the scalar path. Returns per count (mode index into _MODES, -1 where nothing
+    fits, -2 where the scalar path must settle it), recomputed layers, fwd, bwd, memory and stage cost."""
+    modes, unsettled, p_shape, resident = fitting
+    n = np.arange(1, len(unsettled) + 1)
+    pb = train.param_bytes
+    act_bytes = model.seq_len * b * model.hidden_size * train.param_bytes
+    clip = train.grad_clip is not None
+    best = None
+    for mi, got in enumerate(modes):
+        if got is None:
+            continue
+        fits, r, fwd, bwd, mem = got
+        if p2p_next_bw:
+            fwd = fwd + act_bytes / p2p_next_bw
+        if p2p_prev_bw:
+            bwd = bwd + act_bytes / p2p_prev_bw
+        busy = num_mb * (fwd + bwd)
+        opt, params = _MODES[mi]
+        first_last = best is None
+        if not opt:
+            value = busy + resident
+        else:
+            fwd_busy = num_mb * fwd
+            d2h = p_shape * pb / slot.host_link
+            h2d = 0.0 if params else p_shape * pb / slot.host_link
+            cpu = p_shape / slot.cpu_adam_per_gpu
+            tail = (d2h + cpu + h2d) / n
+            window = fwd_busy if clip else busy
+            value = busy + (np.maximum(np.maximum(0.0, d2h - (busy - fwd_busy)), np.maximum(h2d, cpu) - window) + tail)
+        if first_last:
+            mode = np.where(fits, mi, -1)
+            best = [mode, r, fwd, bwd, mem, np.where(fits, value, np.inf)]
+            continue
+        mode, r0, f0, b0, m0, v0 = best
+        take = fits & ((mode < 0) | (value < v0 * (1 - 1e-12)))
+        best = [np.where(take, mi, mode), np.where(take, r, r0), np.where(take, fwd, f0), np.where(take, bwd, b0),
+                np.where(take, mem, m0), np.where(take, value, v0)]
+    if best is None:
+        k = len(n)
+        return np.full(k, -1), np.zeros(k, dtype=np.int64), np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
+    best[0] = np.where(unsettled, -2, best[0])
+    return tuple(best)
 
 
 def to_policy(kn: cost.Knobs, layer_start: int) -> OffloadPolicy:

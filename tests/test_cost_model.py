@@ -199,3 +199,48 @@ def test_fewest_recomputed_layers_match_a_linear_walk():
             assert _min_recompute(slot, model, train, shape, b, k, opt, params) == walk
             checked += walk not in (None, 0)
     assert checked > 100  # most draws need some recompute, so the bisection is exercised
+
+
+def test_layer_split_vectors_equal_the_scalar_cost_model_to_the_bit():
+    """The split's cost vectors are computed for every layer count at once in numpy
+    (offload_policy.fitting_by_layers and cheapest_by_layers): each count's cheapest policy, its times, memory
+    and stage cost must be exactly those of the scalar path (fitting_policies, cost.with_links, cheapest), for
+    every offload mode, recompute, host-memory limit, link and precision, so the vectorized search plans what
+    the scalar one would."""
+    from planner import cost
+    from planner.offload_policy import _MODES, cheapest, cheapest_by_layers, fitting_by_layers, fitting_policies
+
+    rng = random.Random(3)
+    seen = set()
+    for _ in range(250):
+        heads = rng.choice([12, 16, 32, 48])
+        model = ModelSpec(name="t", num_layers=rng.randint(1, 40), hidden_size=heads * rng.choice([64, 128]),
+                          num_heads=heads, vocab_size=rng.choice([32000, 50304, 128256]),
+                          seq_len=rng.choice([512, 1024, 2048, 4096]), arch=rng.choice(["gpt", "llama"]))
+        train = TrainSpec(global_batch=64, memory_reserve_gib=rng.choice([2.0, 8.0]),
+                          precision=rng.choice(["fp32", "bf16", "fp16"]), grad_clip=rng.choice([None, 1.0]))
+        gpus = rng.choice([1, 2, 4, 8])
+        node = NodeSpec(name="n", gpu_type=rng.choice(TYPES[:6]), num_gpus=gpus,
+                        host_mem_gib=rng.choice([None, 8, 16, 48, 200]), intra_node_bw_gb_s=rng.choice([None, 16.0]))
+        tp = rng.choice([t for t in (1, 2, 4, 8) if t <= gpus and heads % t == 0])
+        slot = cost.make_slot(ClusterSpec(nodes=[node]), train, "n", tp)
+        first, last = rng.random() < 0.3, rng.random() < 0.3
+        b, k, m = rng.choice([1, 2, 4, 8, 16]), rng.randint(1, 8), rng.randint(1, 16)
+        nxt, prev = rng.choice([None, 1e9, 3e10]), rng.choice([None, 2e9, 5e10])
+        fitting = fitting_by_layers(slot, model, train, first, last, b, k, model.num_layers)
+        mode, rec, fwd, bwd, mem, val = cheapest_by_layers(fitting, slot, model, train, b, m, nxt, prev)
+        for x, n in enumerate(range(1, model.num_layers + 1)):
+            shape = cost.StageShape(n, first, last)
+            cands = [(kn, cost.with_links(t, model, train, b, nxt, prev))
+                     for kn, t in fitting_policies(slot, model, train, shape, b, k, None, None)]
+            want = cheapest(cands, slot, model, train, shape, m)
+            if mode[x] == -2:  # left to the scalar path
+                continue
+            if want is None:
+                assert mode[x] == -1
+                continue
+            got = (cost.Knobs(int(rec[x]), *_MODES[mode[x]]),
+                   cost.StageTimes(float(fwd[x]), float(bwd[x]), float(mem[x])), float(val[x]))
+            assert got == want, (n, got, want)
+            seen.add((int(mode[x]), int(rec[x]) > 0))
+    assert {(0, False), (0, True), (1, False), (2, False), (2, True)} <= seen  # every mode, with and without recompute
