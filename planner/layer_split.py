@@ -50,21 +50,25 @@ class _Vector:
 
 
 class _Choices:
-    """A vector's StageChoice by layer count, made when asked for (a split reads a few of a vector's counts)."""
+    """A vector's StageChoice by layer count, made when a split reads it (a few of a vector's counts): the policy
+    the vector chose (`mode` into _MODES, `rec` recomputed layers) with cost.stage_times at the stage's links,
+    the figures the vector was computed from (to the bit)."""
 
-    __slots__ = ("mode", "rec", "fwd", "bwd", "mem", "made")
+    __slots__ = ("mode", "rec", "where", "made")
 
-    def __init__(self, mode, rec, fwd, bwd, mem):
-        self.mode, self.rec, self.fwd, self.bwd, self.mem = mode, rec, fwd, bwd, mem  # index x: x + 1 layers
+    def __init__(self, mode, rec, where: tuple):
+        self.mode, self.rec = mode.astype(np.int8), rec.astype(np.int32)  # index x: x + 1 layers
+        self.where = where  # (slot, model, train, first, last, b, inflight, next link, previous link)
         self.made: dict[int, StageChoice] = {}
 
     def __getitem__(self, n: int) -> StageChoice:
         got = self.made.get(n)
         if got is None:
-            x = n - 1
-            opt, params = _MODES[int(self.mode[x])]
-            times = cost.StageTimes(float(self.fwd[x]), float(self.bwd[x]), float(self.mem[x]))
-            got = self.made[n] = StageChoice(n, cost.Knobs(int(self.rec[x]), opt, params), times)
+            slot, model, train, first, last, b, k, nxt, prev = self.where
+            opt, params = _MODES[int(self.mode[n - 1])]
+            kn = cost.Knobs(int(self.rec[n - 1]), opt, params)
+            times = cost.stage_times(slot, model, train, _shape(n, first, last), b, k, kn, nxt, prev)
+            got = self.made[n] = StageChoice(n, kn, times)
         return got
 
 
@@ -153,7 +157,7 @@ class PipelineModel:
                                                                       b, k, top)
             mode, rec, fwd, bwd, mem, val = cheapest_by_layers(fitting, slot, self.model, self.train, b, m, nxt, prev)
             t = fwd + bwd
-            v.choices = _Choices(mode, rec, fwd, bwd, mem)
+            v.choices = _Choices(mode, rec, (slot, self.model, self.train, i == 0, i == p - 1, b, k, nxt, prev))
             none = np.flatnonzero(mode == -1)
             cut = int(none[0]) if len(none) else top  # a layer more only needs more memory: nothing larger fits
             for x in np.flatnonzero(mode[:cut] == -2).tolist():  # left to the scalar search by the closed form
