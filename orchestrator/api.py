@@ -77,10 +77,11 @@ def load_catalog(path: str | Path):
 
 def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path | Catalog, objective: str = "cost",
                budget_per_hour: float | None = None, progress=None, min_tokens_per_s: float | None = None,
-               deadline_h: float | None = None) -> dict[str, Any]:
+               deadline_h: float | None = None, workers: int = 1) -> dict[str, Any]:
     """`hetspot plan --fleet auto`: choose the fleet to request from a catalog and plan on it (planner/fleet.py).
     Returns plan_job's result for the chosen fleet, with a `fleet` section: the choice beside the next best two
-    and the best single-type fleet."""
+    and the best single-type fleet. `workers`: processes that plan candidate fleets at once (forked; the
+    choice is the same for any number)."""
     from planner.fleet import choose_fleet
 
     catalog = catalog_path if isinstance(catalog_path, Catalog) else load_catalog(catalog_path)
@@ -97,7 +98,7 @@ def plan_fleet(job: JobSpec, source: str, catalog_path: str | Path | Catalog, ob
         min_tokens_per_s = tokens_per_step(job.model_spec, job.train.global_batch) * job.steps / (deadline_h * 3600)
     try:
         choice = choose_fleet(catalog, job.model_spec, job.train, objective, budget_per_hour, progress,
-                              min_tokens_per_s)
+                              min_tokens_per_s, workers)
     except PlanningError as e:
         raise ConfigError(f"{source}: {e}") from None
 

@@ -182,14 +182,44 @@ class FleetSearch:
 
     def __init__(self, catalog: Catalog, model: ModelSpec, train: TrainSpec, objective: str = "cost",
                  budget_per_hour: float | None = None, progress: Callable[[int], None] | None = None,
-                 min_tokens_per_s: float | None = None):
+                 min_tokens_per_s: float | None = None, workers: int = 1):
         if objective not in ("cost", "throughput"):
             raise ValueError(f"objective {objective!r} must be 'cost' or 'throughput'")
         self.catalog, self.model, self.train = catalog, model, train
         self.objective, self.budget, self.floor = objective, budget_per_hour, min_tokens_per_s
         self.progress = progress
+        self.workers = max(1, workers)
+        self._pool = None
         self._planner = Planner(model, train)
         self._seen: dict[Fleet, Option | None] = {}
+
+    def options(self, fleets: list[Fleet]) -> list[Option | None]:
+        """`option` of each fleet. With `workers` > 1 the fleets not planned yet are planned in forked processes
+        at once (each fleet's search is independent of the others and of the caches, so the answers, their order
+        and the search's path are those of one process)."""
+        todo = list(dict.fromkeys(f for f in fleets if f not in self._seen and self.within(f)))
+        if self.workers > 1 and len(todo) > 1:
+            if self._pool is None:
+                import multiprocessing
+
+                global _FORKED
+                _FORKED = self  # the children inherit it (and the caches so far) by fork
+                self._pool = multiprocessing.get_context("fork").Pool(self.workers)
+            # The largest fleets first (their searches take longest), so no worker is left with one at the end;
+            # kept in the given order, as one process would have planned them.
+            order = sorted(todo, key=lambda f: -sum(self.catalog.type(t).num_gpus * n for t, n in f) * len(f))
+            got = {}
+            for i, option in enumerate(self._pool.imap(_option_in_child, order), 1):
+                got[order[i - 1]] = option
+                if self.progress is not None:
+                    self.progress(len(self._seen) + i)
+            self._seen.update((f, got[f]) for f in todo)
+        return [self.option(f) for f in fleets]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
 
     def within(self, fleet: Fleet) -> bool:
         return self.catalog.allows(fleet) and (self.budget is None or self.catalog.price(fleet) <= self.budget + 1e-9)
@@ -248,6 +278,8 @@ class FleetSearch:
 
     def run(self, starts: int = 3) -> FleetChoice:
         singles = [fleet_of({t.name: n}) for t in self.catalog.types for n in range(1, t.max_nodes + 1)]
+        # In this process: the mixed fleets' searches reuse what these cost (their single-type subsets), and
+        # the workers forked after them inherit it.
         options = [o for o in (self.option(f) for f in singles) if o is not None]
         # Local search from the best few single-type fleets, and from the best fleet of each type.
         ranked = sorted(options, key=self.key)
@@ -255,10 +287,12 @@ class FleetSearch:
         for o in ranked:
             by_type.setdefault(o.fleet[0][0], o)
         seeds = list(dict.fromkeys([o.fleet for o in ranked[:starts]] + [o.fleet for o in by_type.values()]))
+        # Every seed's first step plans all its neighbours: plan them together (in parallel where workers > 1).
+        self.options([f for s in seeds if (o := self.option(s)) is not None for f in self._neighbours(o.fleet)])
         for fleet in seeds:
             current = self.option(fleet)
             while current is not None:
-                better = [o for o in (self.option(f) for f in self._neighbours(current.fleet)) if o is not None]
+                better = [o for o in self.options(self._neighbours(current.fleet)) if o is not None]
                 step = min(better, key=self.key, default=None)
                 if step is None or self.key(step) >= self.key(current):
                     break
@@ -297,11 +331,22 @@ class FleetSearch:
                 "use a smaller model")
 
 
+_FORKED: FleetSearch | None = None  # the search whose fleets a forked worker plans
+
+
+def _option_in_child(fleet: Fleet) -> Option | None:
+    assert _FORKED is not None
+    _FORKED.progress = None  # the parent reports progress
+    return _FORKED.option(fleet)
+
+
 def choose_fleet(catalog: Catalog, model: ModelSpec, train: TrainSpec, objective: str = "cost",
                  budget_per_hour: float | None = None,
-                 progress: Callable[[int], None] | None = None, min_tokens_per_s: float | None = None) -> FleetChoice:
+                 progress: Callable[[int], None] | None = None, min_tokens_per_s: float | None = None,
+                 workers: int = 1) -> FleetChoice:
     """The fleet to request and its plan (see the module doc). Raises PlanningError when none fits, or none
-    meets `min_tokens_per_s` (effective, after preemptions)."""
+    meets `min_tokens_per_s` (effective, after preemptions). `workers`: processes that plan fleets at once
+    (forked: for a command line, not inside a Ray driver; the choice is the same for any number)."""
     if min_tokens_per_s is not None and not (math.isfinite(min_tokens_per_s) and min_tokens_per_s > 0):
         raise PlanningError(f"min_tokens_per_s {min_tokens_per_s} must be a positive number of tokens/s")
     if budget_per_hour is not None:
@@ -311,5 +356,9 @@ def choose_fleet(catalog: Catalog, model: ModelSpec, train: TrainSpec, objective
         if budget_per_hour < cheapest:
             raise PlanningError(f"budget {budget_per_hour:g} $/h (--budget) is below the cheapest fleet (one instance, "
                                 f"${cheapest:g}/h); raise the budget")
-    with collector_paused():  # once for every fleet's search (each pausing it again would collect in between)
-        return FleetSearch(catalog, model, train, objective, budget_per_hour, progress, min_tokens_per_s).run()
+    search = FleetSearch(catalog, model, train, objective, budget_per_hour, progress, min_tokens_per_s, workers)
+    try:
+        with collector_paused():  # once for every fleet's search (each pausing it again would collect in between)
+            return search.run()
+    finally:
+        search.close()

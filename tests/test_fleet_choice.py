@@ -68,6 +68,24 @@ def test_the_chosen_fleet_is_within_one_percent_of_brute_force(name, objective, 
     assert choice.best.plan.estimate.cost_per_mtok == pytest.approx(choice.best.cost_per_mtok)
 
 
+@pytest.mark.parametrize("objective,budget", [("cost", None), ("throughput", 6.0)])
+def test_fleets_planned_in_forked_workers_give_the_same_choice_plans_and_count(objective, budget):
+    """--workers: the fleets of each step of the search are planned in parallel processes; the choice, the
+    runners-up, every plan and the number of fleets planned are those of one process, byte for byte."""
+    catalog = SMALL["four-types"]
+
+    def dump(choice):
+        options = [choice.best, *choice.runners_up, choice.best_single]
+        return ([(o.fleet, o.plan.model_dump_json(), o.cost_per_mtok, o.tokens_per_s) for o in options],
+                choice.planned, choice.space)
+
+    one = choose_fleet(catalog, MODEL, TRAIN, objective, budget)
+    seen: list[int] = []
+    two = choose_fleet(catalog, MODEL, TRAIN, objective, budget, progress=seen.append, workers=2)
+    assert dump(two) == dump(one)
+    assert seen == list(range(1, one.planned + 1))  # progress counts every fleet once, in order
+
+
 def test_the_chosen_fleet_beats_every_single_type_fleet_and_the_hand_named_one():
     catalog = Catalog.model_validate(yaml.safe_load((ROOT / "examples/catalog-aws.yaml").read_text()))
     assert len(catalog.types) >= 6 and all(t.rate_source for t in catalog.types)

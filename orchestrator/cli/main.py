@@ -69,6 +69,8 @@ def plan(
                                          "tokens/s after its expected preemptions"),
     deadline_h: str = typer.Option(None, "--deadline-h", help="with --fleet auto and the cost objective: the job's "
                                    "steps done within this many hours (a floor on tokens/s, after preemptions)"),
+    workers: str = typer.Option(None, "--workers", help="with --fleet auto: processes that plan candidate fleets at "
+                                "once (default: the CPUs this process may use, at most 8); the choice is the same"),
 ) -> None:
     """Plan asymmetric DP/PP/TP for the job's cluster and compare with baselines; or, with --fleet auto,
     choose the fleet to ask for as well."""
@@ -83,6 +85,7 @@ def plan(
         ("--budget", budget), ("--min-tokens-per-s", min_tokens_per_s), ("--deadline-h", deadline_h)))
     if fleet is None and any(v is not None for v in (catalog, budget, min_tokens_per_s, deadline_h)):
         raise ConfigError("--catalog, --budget, --min-tokens-per-s and --deadline-h choose a fleet: add --fleet auto")
+    procs = _workers(workers)
     from orchestrator.job_spec import load_job
 
     job = load_job(job_file)
@@ -96,8 +99,11 @@ def plan(
                                     objective or (auto.objective if fleet is None else "cost"),
                                     budget if fleet == "auto" else auto.budget_per_hour,
                                     lambda n: status.update(f"choosing a fleet: {n} fleets planned"),
-                                    min_tokens_per_s, deadline_h)
+                                    min_tokens_per_s, deadline_h, procs)
     else:
+        if workers is not None:
+            raise ConfigError("--workers plans candidate fleets at once: it needs --fleet auto (or a job file with "
+                              "fleet: {auto: ...} and no cluster:)")
         result = api.plan_job(job, job_file, objective or "throughput")
     if as_json:
         _print_json(result)
@@ -107,6 +113,23 @@ def plan(
         if "fleet" in result:
             fleet_table(result["fleet"], console)
         plan_tables(result, console)
+
+
+def _workers(value: str | None) -> int:
+    """--workers: a whole number of processes, 1 or more; by default the CPUs this process may use, at most 8."""
+    from orchestrator.errors import ConfigError
+
+    if value is None:
+        import os
+
+        return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"--workers {value!r} must be a whole number of processes, 1 or more; e.g. --workers 2")
+    return n
 
 
 def _number(flag: str, value: str | None) -> float | None:
