@@ -124,6 +124,10 @@ BAD = {
     "budget below the cheapest fleet": ({"types": [{"name": "a", "gpu_type": "L4", "num_gpus": 1,
                                                     "price_per_hour": 1}]}, ["--budget", "0.5"], "budget"),
     "no catalog": (None, [], "--catalog"),
+    "no worker processes": ({"types": [{"name": "a", "gpu_type": "L4", "num_gpus": 1, "price_per_hour": 1}]},
+                            ["--workers", "0"], "--workers"),
+    "workers not a number": ({"types": [{"name": "a", "gpu_type": "L4", "num_gpus": 1, "price_per_hour": 1}]},
+                             ["--workers", "two"], "--workers"),
 }
 
 
