@@ -198,7 +198,7 @@ class FleetSearch:
         at once (each fleet's search is independent of the others and of the caches, so the answers, their order
         and the search's path are those of one process)."""
         todo = list(dict.fromkeys(f for f in fleets if f not in self._seen and self.within(f)))
-        if self.workers > 1 and len(todo) > 1:
+        if self.workers > 1 and len(todo) > 1 and _can_fork():
             if self._pool is None:
                 import multiprocessing
 
@@ -217,9 +217,12 @@ class FleetSearch:
         return [self.option(f) for f in fleets]
 
     def close(self) -> None:
+        global _FORKED
         if self._pool is not None:
             self._pool.terminate()
             self._pool = None
+        if _FORKED is self:
+            _FORKED = None
 
     def within(self, fleet: Fleet) -> bool:
         return self.catalog.allows(fleet) and (self.budget is None or self.catalog.price(fleet) <= self.budget + 1e-9)
@@ -332,6 +335,14 @@ class FleetSearch:
 
 
 _FORKED: FleetSearch | None = None  # the search whose fleets a forked worker plans
+
+
+def _can_fork() -> bool:
+    """Whether worker processes can be forked here (Linux; elsewhere the fleets are planned in this process)."""
+    import multiprocessing
+    import sys
+
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
 def _option_in_child(fleet: Fleet) -> Option | None:
