@@ -10,6 +10,9 @@ sitting under the same load. `--bytecode compiled` (the default) compiles each t
 `none` removes them and runs with PYTHONDONTWRITEBYTECODE=1, so every run compiles hetspot's modules again
 (what a machine that forbids writing bytecode pays). Each run's CPU time (user + system, every process it
 started) is reported beside its wall time: `--fleet auto` plans fleets in parallel processes.
+This machine's speed wanders by up to about 2x over minutes, so every round also times a reference workload
+(`reference_s`: ten million additions in this process) and the table prints its median beside the commands:
+figures from two sittings compare only with their references beside them.
 Progress on stderr, the table on stdout.
 """
 
@@ -54,6 +57,16 @@ def run(tree: Path, args: list[str], env: dict[str, str]) -> tuple[float, float]
     return took, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def reference_s() -> float:
+    """Seconds of a fixed pure-Python workload (ten million additions), timed between rounds: the machine's speed
+    at the moment, for reading the commands' times."""
+    t = time.perf_counter()
+    total = 0
+    for i in range(10_000_000):
+        total += i
+    return time.perf_counter() - t
+
+
 def prepare(tree: Path, bytecode: str) -> dict[str, str]:
     """Compile the tree's modules (or remove their bytecode); the environment its runs get."""
     env = dict(os.environ)
@@ -78,10 +91,13 @@ def main() -> int:
     trees = args.tree or [ROOT]
     envs = {tree: prepare(tree, args.bytecode) for tree in trees}
     out: dict[str, dict] = {str(tree): {} for tree in trees}
+    refs: list[float] = []
     for cmd in COMMANDS:
         name = "hetspot " + " ".join(cmd)
         runs: dict[Path, list[tuple[float, float]]] = {tree: [] for tree in trees}
         for i in range(args.runs):
+            refs.append(reference_s())
+            print(f"reference workload: {refs[-1]:.2f} s", file=sys.stderr, flush=True)
             for tree in trees:
                 runs[tree].append(run(tree, cmd, envs[tree]))
                 wall, cpu = runs[tree][-1]
@@ -92,8 +108,11 @@ def main() -> int:
             out[str(tree)][name] = {"median_s": statistics.median(walls), "runs_s": walls,
                                     "median_cpu_s": statistics.median(cpus), "cpu_s": cpus}
     if args.json:
-        print(json.dumps({"runs": args.runs, "bytecode": args.bytecode, "trees": out}, indent=2))
+        print(json.dumps({"runs": args.runs, "bytecode": args.bytecode, "reference_s": refs,
+                          "reference_median_s": statistics.median(refs), "trees": out}, indent=2))
     else:
+        print(f"reference workload (ten million additions), median of {len(refs)}: {statistics.median(refs):.2f} s "
+              f"(range {min(refs):.2f}-{max(refs):.2f} s)")
         for tree, cmds in out.items():
             print(f"wall (CPU) time of each command, median of {args.runs} runs, bytecode {args.bytecode} ({tree}):")
             for cmd, r in cmds.items():
