@@ -125,7 +125,8 @@ def test_one_name_per_knob_the_old_spelling_is_read_with_a_warning(tmp_path):
         job = parse_job(old)
     assert job.runtime.snapshot_every == 2 and job.checkpoint.s3_every == 4
     both = {**old, "runtime": {"snapshot_every": 3}}
-    res = runner.invoke(app, ["plan", _write(tmp_path, both)])
+    with pytest.warns(FutureWarning, match="peer_every"):  # read, warned about, then refused
+        res = runner.invoke(app, ["plan", _write(tmp_path, both)])
     assert res.exit_code == 2 and "checkpoint.peer_every is the old name of runtime.snapshot_every" in res.output
     # what a user sees (issue 49): one line naming the file and the field, no library internals
     import subprocess
