@@ -10,9 +10,10 @@ sitting under the same load. `--bytecode compiled` (the default) compiles each t
 `none` removes them and runs with PYTHONDONTWRITEBYTECODE=1, so every run compiles hetspot's modules again
 (what a machine that forbids writing bytecode pays). Each run's CPU time (user + system, every process it
 started) is reported beside its wall time: `--fleet auto` plans fleets in parallel processes.
-This machine's speed wanders by up to about 2x over minutes, so every round also times a reference workload
-(`reference_s`: ten million additions in this process) and the table prints its median beside the commands:
-figures from two sittings compare only with their references beside them.
+A shared machine's speed can wander by about 2x over minutes (the project's 2-core machines do), so every
+round also times a reference workload (`reference_s`: ten million additions in this process) and the table
+prints its median beside the commands: figures from two sittings compare only with their references beside
+them.
 Progress on stderr, the table on stdout.
 """
 
