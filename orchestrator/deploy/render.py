@@ -261,12 +261,14 @@ def kuberay_job(cluster_name: str = "hetspot-spot", job: dict | None = None, pla
     the job spec in its runtime env), submitted by KubeRay's submitter with the cluster's token."""
     from orchestrator.job_spec import parse_job
     from orchestrator.runtime.progress_lines import ENV_ID, ENV_JOB
+    from orchestrator.runtime.ray_jobs import STOP_GRACE_S
 
     spec = parse_job(job or example_job(platform, grace_s), "the RayJob's job")
     # Only what the job sets: the defaults are those of the hetspot the image runs (a sample rendered before a
-    # default changed still means what it says, and reads as the job file it came from).
+    # default changed still means what it says, and reads as the job file it came from). A stopped RayJob's driver
+    # has STOP_GRACE_S to withdraw its fleet's demand before Ray kills it (orchestrator/runtime/ray_jobs.py).
     runtime_env = {"env_vars": {ENV_JOB: spec.model_dump_json(exclude_defaults=True), ENV_ID: spec.name,
-                                "RAY_DEDUP_LOGS": "0"}}
+                                "RAY_DEDUP_LOGS": "0", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}}
     return [
         {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": spec.name},
          "spec": {"clusterSelector": {"ray.io/cluster": cluster_name},

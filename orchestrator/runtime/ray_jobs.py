@@ -54,6 +54,11 @@ def shipped_runtime_env(env_vars: dict[str, str] | None = None) -> dict:
     return {"py_modules": mods, "excludes": ["__pycache__", "*.pyc"]} | ({"env_vars": env_vars} if env_vars else {})
 log = logging.getLogger("hetspot.ray_jobs")
 TAIL_LINES = 3000  # `status` reads this much of a job's log at most (the driver repeats its events line within it)
+# `hetspot stop` is Ray's job stop: SIGTERM to the driver, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (Ray's default
+# 3 s, read by the job's supervisor from the job's environment). The driver's SIGTERM handler withdraws the fleet's
+# demand on the autoscaler; on a busy head it was seen to need more than 3 s, and a driver killed before it withdrew
+# leaves the demand standing: the GPU nodes stay up, billed, until someone clears it.
+STOP_GRACE_S = 30
 FIX_TOKEN = ("pass --token-file PATH, set RAY_AUTH_TOKEN, or put the cluster's token in ~/.ray/auth_token "
              "(on the head: `ray get-auth-token`)")
 
@@ -165,7 +170,8 @@ class RayJobs:
         self.check_interpreter()
         job_id = f"hetspot-{_slug(job.name)}-{secrets.token_hex(4)}"
         # Worker lines reach the job log undeduplicated and without colour codes, so they stay parseable.
-        env = {ENV_JOB: job.model_dump_json(), ENV_ID: job_id, "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0"}
+        env = {ENV_JOB: job.model_dump_json(), ENV_ID: job_id, "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0",
+               "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}
         if steps:
             env[ENV_STEPS] = str(steps)
         if resume:
