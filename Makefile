@@ -22,8 +22,9 @@ demo: $(STAMP)
 	$(BIN)/hetspot submit examples/tiny-mixed.yaml
 	$(BIN)/hetspot drill drills/preempt.yaml --plot drill-preempt.png
 
-# Two xdist workers: one runs the Ray test modules one after another, the other the pure modules, longest first
-# (tests/conftest.py); then, alone, the modules that own the machine's Ray (marker `exclusive`: `ray stop --force`).
+# Two xdist workers: one runs the embedded-cluster test modules one after another, the other the modules with Ray
+# heads of their own and then the pure modules, longest first (tests/conftest.py); then, alone, what owns the
+# machine's Ray (marker `exclusive`: `ray stop`, Ray's default ports).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m 'not slow and not gpu and not exclusive'
 	$(BIN)/python -m pytest -q --durations=10 -m 'exclusive and not slow and not gpu'

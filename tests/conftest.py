@@ -19,9 +19,11 @@ MARKERS = {"unit", "sweep", "ray", "gpu", "slow"}
 # Seconds each of the longest modules took in a serial run (session 20's clean-clone rehearsal, 2 cores; the recovery
 # module's, the training, drill and resume modules' alone, session 24). `make
 # test` runs the suite on two xdist workers (`--dist loadfile`, with the scheduler below): every module with Ray
-# tests is in one scope, so one worker runs them one after another (two Ray test clusters side by side on 2 cores
-# each ran over twice as slow, and a node's raylet has 30 s to register), while the other worker runs the pure
-# modules, a module at a time, longest first. The figures only order; a stale one costs time, never a result.
+# tests is in one scope, so one worker runs them one after another (two embedded test clusters side by side on 2
+# cores each ran over twice as slow, and a node's raylet has 30 s to register), while the other worker first runs the
+# modules whose heads are their own (`own_head`: `ray start` heads and the autoscaler's, which spend most of their
+# time waiting for nodes and jobs), then the pure modules, a module at a time, longest first. The figures only
+# order; a stale one costs time, never a result.
 MODULE_SECONDS: dict[str, float] = {
     "test_recovery_ray.py": 488, "test_train_ray.py": 383, "test_drills.py": 538, "test_planner_invariants.py": 346,
     "test_planner_optimality.py": 237, "test_resume_and_lost_controller.py": 208, "test_readme.py": 165,
@@ -39,6 +41,18 @@ def _uses_ray(module: str) -> bool:
     return "mark.ray" in (Path(__file__).resolve().parent.parent / module).read_text()
 
 
+@functools.cache
+def _own_head(module: str) -> bool:
+    """Whether a test module starts Ray heads of its own (`own_head`: free ports, stops only its processes)."""
+    return "mark.own_head" in (Path(__file__).resolve().parent.parent / module).read_text()
+
+
+def _lane(module: str) -> int:
+    """0: the embedded clusters' modules, one after another; 1: the modules with heads of their own, which run in
+    the other worker beside them, before the pure modules (2) take that worker (niced)."""
+    return 1 if _own_head(module) else 0 if _uses_ray(module) else 2
+
+
 try:
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # without pytest-xdist the suite runs in one process
@@ -51,7 +65,7 @@ else:
 
         def _split_scope(self, nodeid: str) -> str:
             module = _module(nodeid)
-            return "ray" if _uses_ray(module) else module
+            return ("ray", "own-head", module)[_lane(module)]
 
     def pytest_xdist_make_scheduler(config, log):
         if config.getvalue("dist") == "loadfile":
@@ -76,14 +90,14 @@ def pytest_runtest_setup(item):
 
 def pytest_collection_modifyitems(items):
     """Every test says what it needs (pyproject's markers): a test without one is a collection error. Then the
-    order: the modules with Ray tests first, then the longest (MODULE_SECONDS), each module's tests in their own
-    order."""
+    order: the modules with embedded clusters first, then those with heads of their own, then the pure modules,
+    the longest first (MODULE_SECONDS); each module's tests in their own order."""
     bare = [it.nodeid for it in items if not {m.name for m in it.iter_markers()} & MARKERS]
     if bare:
         raise RuntimeError(f"tests without a marker ({', '.join(sorted(MARKERS))}): " + ", ".join(bare[:10]))
     first = {}
     for i, it in enumerate(items):
         first.setdefault(_module(it.nodeid), i)
-    items.sort(key=lambda it: (not _uses_ray(_module(it.nodeid)),
+    items.sort(key=lambda it: (_lane(_module(it.nodeid)),
                               -MODULE_SECONDS.get(_module(it.nodeid).rsplit("/", 1)[-1], 0.0),
                               first[_module(it.nodeid)]))  # stable: a module's tests keep their order

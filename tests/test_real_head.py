@@ -21,8 +21,12 @@ from pathlib import Path
 import pytest
 
 from tests.net import free_port
+from tests.own_ray import new_mark, stop_marked
 
-pytestmark = [pytest.mark.ray, pytest.mark.exclusive]  # `ray stop --force`: alone (pyproject)
+# Each head has ports of its own and stops only its own processes (tests/own_ray.py): these run beside the embedded
+# test clusters, in the other xdist worker (tests/conftest.py). The rendered AWS config's own commands run `ray stop`
+# and take the default ports: that test owns the machine's Ray (`exclusive`).
+pytestmark = [pytest.mark.ray, pytest.mark.own_head]
 
 BIN = Path(sys.executable).parent
 HETSPOT = str(BIN / "hetspot")
@@ -49,6 +53,8 @@ class RealHead:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
         self.env |= {"HOME": str(self.home), "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
                      "RAY_AUTH_MODE": "token" if auth else "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        self.mark = new_mark()
+        self.env |= self.mark
         self.tmp = tmp
 
     def start(self, head_gpu: str | None = "A100-80GB",
@@ -61,7 +67,8 @@ class RealHead:
         gpus = [f'--resources={{"accelerator_type:{head_gpu}": 1}}', "--num-gpus=2",
                 f"--labels=hetspot/gpu-type={head_gpu},hetspot/node=head-a100"] if head_gpu else ["--num-gpus=0"]
         self._ray("start", "--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1",
-                  f"--dashboard-port={self.dash}",
+                  f"--dashboard-port={self.dash}", f"--ray-client-server-port={free_port()}",
+                  f"--dashboard-agent-listen-port={free_port()}",
                   "--num-cpus=2", *gpus, f"--temp-dir={ray_tmp}",
                   f"--metrics-export-port={self.metrics}", '--system-config={"metrics_report_interval_ms": 500}')
         for name, gpu in nodes:  # all nodes share this host: each dashboard agent needs a port of its own
@@ -72,7 +79,7 @@ class RealHead:
     def stop(self) -> None:
         import shutil
 
-        subprocess.run([self.ray, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        stop_marked(self.mark)
         if getattr(self, "ray_tmp", None):
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
@@ -366,6 +373,7 @@ def test_ray_drain_on_a_real_cluster_moves_the_job_before_the_deadline(tmp_path)
 FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
 
 
+@pytest.mark.exclusive  # the rendered commands run `ray stop` and take Ray's default ports: alone (pyproject)
 def test_a_rendered_aws_config_comes_up_on_the_fake_provider_and_runs_the_job_hetspot_ships(tmp_path):
     """Issue 29, acceptance 5: `hetspot deploy render --cloud aws` with its provider swapped for Ray's fake
     multi-node provider (node types, resources, labels and limits kept) comes up as `ray up` brings up a head:
