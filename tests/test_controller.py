@@ -186,6 +186,38 @@ def test_a_pre_staged_switch_does_not_wait_past_its_deadline_for_workers_that_ar
     assert c.progress.losses == {s: 10.0 - s for s in range(12)}
 
 
+
+def test_a_node_that_goes_during_its_drain_is_recovered_like_any_loss():
+    """The doomed node goes while the drain copies its state (the copy outlasted the deadline): the drain's
+    failure re-plans on what is left, the steps no tier holds are redone, and the drain's event says it did not
+    meet its deadline."""
+    from orchestrator.control.fakes import FakeClock, FakeInterruptions
+    from orchestrator.control.protocols import Notice
+    from orchestrator.errors import WorkerFailure
+
+    class DiesDuringDrain(FakeGroup):
+        def export_state(self):
+            if self.log.count(("drain-export",)) == 0 and any(e["kind"] == "drain" for e in c.progress.events):
+                self.log.append(("drain-export",))
+                raise WorkerFailure("drain snapshot of step 1", "a rank or its keeper went", "node lost", ["a"])
+            return super().export_state()
+
+    log, groups = [], []
+    notice = Notice(node="a", deadline_s=120.0, source="aws")
+
+    def factory(plan):
+        groups.append(DiesDuringDrain(plan, log) if not groups else FakeGroup(plan, log))
+        return groups[-1]
+
+    c = Controller(MODEL, TRAIN, 5, FakeNodes(BIG, SMALL), factory, snapshot_every=100,  # the drain's is the copy
+                   interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
+    assert c.run() == State.DONE
+    assert c.progress.drains == 0 and c.progress.restarts == 1 and "draining->recovering" in c.progress.history
+    assert all(d.startswith("l/") for d in groups[1].plan.devices())
+    assert c.progress.losses == {s: 10.0 - s for s in range(5)}  # same losses as an uninterrupted run
+    drain = c.progress.events[0]
+    assert drain["kind"] == "drain" and "snapshot_s" not in drain and drain["met_deadline"] is False
+
 def test_a_staged_drain_the_job_finishes_before_its_switch_closes_its_event():
     """Issue 44: a notice whose switch is staged but not yet made when the last step commits leaves an event
     with the whole timeline's end (first_step_s None: no step ran on its plan), and says why it ended."""

@@ -194,6 +194,26 @@ def test_a_staged_drain_starts_its_keepers_off_the_doomed_node_ahead_and_none_on
     assert replicated.calls.keepers == {}  # a's replica holds every layer b holds: nothing to copy, nothing started
 
 
+
+def test_a_doomed_node_that_goes_before_its_drain_copy_lands_is_a_loss_the_controller_re_plans(endpoint):
+    """The drain waits for the doomed node's copy. When the node goes first (its deadline came before the copy
+    landed), the drain raises the one failure type a re-plan reads (transient, naming the node), not Ray's
+    or the fake's own error; the newest whole step restores after it, so the loss costs steps, not the job."""
+    from orchestrator.control.failure import is_transient
+    from orchestrator.errors import WorkerFailure
+
+    calls, s3, store, group = trained(endpoint, "drain-lost")
+    group.commit(4)
+    calls.kill("d")
+    with pytest.raises(WorkerFailure) as got:
+        store.drain(group, 4, {"d"})
+    assert is_transient(got.value.kind) and got.value.kind == "node lost" and got.value.nodes == ["d"]
+    assert "drain snapshot of step 4" in str(got.value)
+    new = LocalGroup(plan((0, 2, "a"), (2, 4, "b")), calls)
+    report = store.restore(new, {"d"})
+    assert report is not None and report.step == 3 and new.step == 3  # the newest whole step: S3's
+
+
 # -- in place (runtime.recovery: in-place), without Ray: survivors keep their state in their own processes --------
 def test_in_place_a_dp_survivor_restores_from_its_own_memory_and_moves_no_byte():
     """Two replicas on a and b; b dies. a's process keeps step 3 (salvage), takes the new plan's rank, and reads

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Set
 
 from orchestrator.control.drain import replicated_off
+from orchestrator.errors import FailureKind, WorkerFailure
 from orchestrator.state.calls import RayCalls
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
 from orchestrator.state.restore import Restorer
@@ -181,12 +182,26 @@ class TieredState:
         refs = group.snapshot(step, keepers, pin=upload)
         self._check_receipts(step, refs)
         if wait:
-            receipts = self.calls.get(refs, timeout=RPC_TIMEOUT_S)
+            try:
+                receipts = self.calls.get(refs, timeout=RPC_TIMEOUT_S)
+            except self.calls.lost as e:  # a drain's copy, and a doomed node went before it landed
+                self._placed = None
+                raise self._copy_failed(group, step, e) from e
             self.received.add(receipts)
             if any(r is None for r in receipts):
                 log.warning("the drain snapshot of step %d is incomplete", step)
         if upload and self.uploader is not None:
             self.uploader.enqueue(step, refs)
+
+    def _copy_failed(self, group, step: int, e: Exception) -> WorkerFailure:
+        """A copy the drain waits for failed: a rank or its keeper went (a node went before its deadline, or the
+        copy took longer than the deadline left). The controller re-plans from what is left, as after any loss;
+        the failure names the plan's nodes gone from the cluster (NODE_LOST) when there are any."""
+        gone = sorted(set(group.plan.nodes()) - set(self.calls.alive_nodes()))
+        kind = FailureKind.NODE_LOST if gone else FailureKind.TIMEOUT if "Timeout" in type(e).__name__ \
+            else FailureKind.ACTOR_DIED
+        cause = f"a rank or its keeper went before the copy landed ({type(e).__name__})"
+        return WorkerFailure(f"drain snapshot of step {step}", cause, kind, gone)
 
     def _targets(self, group, avoid: frozenset) -> list | None:
         """Each rank's peer keeper, placed once per group (and again after a copy failed or a keeper was lost)."""
