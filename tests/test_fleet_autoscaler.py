@@ -301,17 +301,13 @@ def test_a_minimum_that_never_comes_fails_with_exit_2_naming_the_types_after_the
 
 def kill_fake_node(node_id: str) -> int:
     """SIGKILL every process of one fake node, as a reclaimed instance vanishes: the fake provider starts each
-    node's processes with `RAY_OVERRIDE_NODE_ID_FOR_TESTING=<its node id>` in their environment."""
-    mark, killed = f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode(), 0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if mark in (proc / "environ").read_bytes().split(b"\0"):
-                os.kill(int(proc.name), 9)
-                killed += 1
-        except (OSError, ProcessLookupError):
-            continue
+    node's processes with `RAY_OVERRIDE_NODE_ID_FOR_TESTING=<its node id>` in their environment (tests/own_ray.py
+    finds them, and their descendants, by it). The number of processes killed."""
+    from tests.own_ray import marked_processes, stop_marked
+
+    mark = {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}
+    killed = len(marked_processes(mark))
+    stop_marked(mark)
     return killed
 
 

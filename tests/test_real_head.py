@@ -106,15 +106,33 @@ def cli(head: RealHead, *args: str, home: Path | None = None, extra_env: dict | 
 
 
 def wait_status(head: RealHead, job_id: str, want: tuple[str, ...], *auth: str, timeout: float = 180, **kw) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = cli(head, "status", job_id, "--address", head.url, "--json", *auth, **kw)
-        assert r.returncode == 0, r.stderr
-        st = json.loads(r.stdout)
-        if st["status"] in want:
-            return st
-        assert time.monotonic() < deadline, f"job {job_id} is {st['status']} after {timeout:.0f} s, not {want}: {st}"
-        time.sleep(1.0)
+    """Wait until the job is in one of `want` (or ended), then read it with `hetspot status --json` as the user
+    would. The wait asks Ray's job client in this process, with the head's token (a `hetspot status` a second
+    would start a Python process a second, about 0.7 s of CPU each, beside the other worker's clusters)."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    headers = {"Authorization": f"Bearer {head.token}"} if head.token else None
+    jobs, deadline = JobSubmissionClient(head.url, headers=headers), time.monotonic() + timeout
+    while (ray_status := JobStatus(jobs.get_job_status(job_id))).value not in want and not ray_status.is_terminal():
+        assert time.monotonic() < deadline, f"job {job_id} is {ray_status.value} after {timeout:.0f} s, not {want}"
+        time.sleep(0.5)
+    r = cli(head, "status", job_id, "--address", head.url, "--json", *auth, **kw)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["status"] == ray_status.value and st["status"] in want, (st, ray_status, want)
+    return st
+
+
+def wait_progress(head: RealHead, job_id: str, ready, timeout: float = 120) -> None:
+    """Wait, in this process (hetspot's own RayJobs, which `hetspot status` prints), until the running job's
+    progress satisfies `ready`; the job ending first fails the test."""
+    from orchestrator.runtime.ray_jobs import RayJobs
+
+    jobs, deadline = RayJobs(head.url), time.monotonic() + timeout
+    while not ((st := jobs.status(job_id))["progress"] is not None and ready(st["progress"])):
+        assert st["status"] in ("PENDING", "RUNNING"), st
+        assert time.monotonic() < deadline, f"job {job_id} has no such progress after {timeout:.0f} s: {st}"
+        time.sleep(0.5)
 
 
 def scrape(port: int, name: str, job_id: str, timeout: float = 30) -> float | None:
@@ -209,12 +227,8 @@ def test_cli_against_a_real_head(head, tmp_path):
     # stop: a long job, stopped while it trains; its workers and placement groups go away
     r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--json", home=user_home)
     long_id = json.loads(r.stdout)["job_id"]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        st = json.loads(cli(head, "status", long_id, "--address", head.url, "--json").stdout)
-        if st["progress"] is not None:
-            break
-        time.sleep(1.0)
+    wait_progress(head, long_id, lambda p: True)
+    st = json.loads(cli(head, "status", long_id, "--address", head.url, "--json").stdout)
     assert st["status"] == "RUNNING" and st["progress"] is not None
     r = cli(head, "stop", long_id, "--address", head.url)
     assert r.returncode == 0 and "stop requested" in r.stdout
@@ -342,13 +356,9 @@ def test_ray_drain_on_a_real_cluster_moves_the_job_before_the_deadline(tmp_path)
         r = cli(h, "submit", str(job_file), "--address", h.url, "--steps", "400", "--json")
         assert r.returncode == 0, r.stderr
         job_id = json.loads(r.stdout)["job_id"]
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            st = json.loads(cli(h, "status", job_id, "--address", h.url, "--json").stdout)
-            if (st["progress"] or {}).get("step", -1) >= 2 or st["status"] not in ("PENDING", "RUNNING"):
-                break
-            time.sleep(0.5)
-        assert st["status"] == "RUNNING", st
+        wait_progress(h, job_id, lambda p: p.get("step", -1) >= 2)
+        st = json.loads(cli(h, "status", job_id, "--address", h.url, "--json").stdout)
+        assert st["status"] == "RUNNING" and st["progress"]["step"] >= 2, st
         nodes = json.loads(h.ray_out("list", "nodes", "--address", f"127.0.0.1:{h.gcs}", "--format", "json"))
         doomed = next(n["node_id"] for n in nodes if n["labels"].get("hetspot/node") == "a100-spot")
         h.ray_out("drain-node", "--address", f"127.0.0.1:{h.gcs}", "--node-id", doomed, "--reason",
