@@ -64,12 +64,13 @@ def marked_processes(mark: dict[str, str]) -> set[int]:
     return found
 
 
-def stop_marked(mark: dict[str, str], timeout_s: float = 30.0) -> None:
+def stop_marked(mark: dict[str, str], timeout_s: float = 30.0) -> int:
     """SIGKILL every process of the head marked `mark` (as `ray stop --force` does, but only these), until none is
     left: one started while the first were found (a worker, a node the autoscaler was bringing up) is taken by the
-    next round."""
-    deadline = time.monotonic() + timeout_s
+    next round. The number of processes killed."""
+    deadline, killed = time.monotonic() + timeout_s, set[int]()
     while pids := marked_processes(mark):
+        killed |= pids
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -78,3 +79,4 @@ def stop_marked(mark: dict[str, str], timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"Ray processes of a test head still alive after {timeout_s:.0f} s: {sorted(pids)}")
         time.sleep(0.2)
+    return len(killed)

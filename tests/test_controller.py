@@ -186,7 +186,6 @@ def test_a_pre_staged_switch_does_not_wait_past_its_deadline_for_workers_that_ar
     assert c.progress.losses == {s: 10.0 - s for s in range(12)}
 
 
-
 def test_a_node_that_goes_during_its_drain_is_recovered_like_any_loss():
     """The doomed node goes while the drain copies its state (the copy outlasted the deadline): the drain's
     failure re-plans on what is left, the steps no tier holds are redone, and the drain's event says it did not
@@ -217,6 +216,7 @@ def test_a_node_that_goes_during_its_drain_is_recovered_like_any_loss():
     assert c.progress.losses == {s: 10.0 - s for s in range(5)}  # same losses as an uninterrupted run
     drain = c.progress.events[0]
     assert drain["kind"] == "drain" and "snapshot_s" not in drain and drain["met_deadline"] is False
+
 
 def test_a_staged_drain_the_job_finishes_before_its_switch_closes_its_event():
     """Issue 44: a notice whose switch is staged but not yet made when the last step commits leaves an event

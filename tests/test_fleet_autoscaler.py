@@ -303,12 +303,9 @@ def kill_fake_node(node_id: str) -> int:
     """SIGKILL every process of one fake node, as a reclaimed instance vanishes: the fake provider starts each
     node's processes with `RAY_OVERRIDE_NODE_ID_FOR_TESTING=<its node id>` in their environment (tests/own_ray.py
     finds them, and their descendants, by it). The number of processes killed."""
-    from tests.own_ray import marked_processes, stop_marked
+    from tests.own_ray import stop_marked
 
-    mark = {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}
-    killed = len(marked_processes(mark))
-    stop_marked(mark)
-    return killed
+    return stop_marked({"RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id})
 
 
 def test_a_killed_node_is_replaced_by_the_autoscaler_and_the_job_moves_onto_it(fleet_cluster, tmp_path):

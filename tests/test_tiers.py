@@ -194,7 +194,6 @@ def test_a_staged_drain_starts_its_keepers_off_the_doomed_node_ahead_and_none_on
     assert replicated.calls.keepers == {}  # a's replica holds every layer b holds: nothing to copy, nothing started
 
 
-
 def test_a_doomed_node_that_goes_before_its_drain_copy_lands_is_a_loss_the_controller_re_plans(endpoint):
     """The drain waits for the doomed node's copy. When the node goes first (its deadline came before the copy
     landed), the drain raises the one failure type a re-plan reads (transient, naming the node), not Ray's
