@@ -75,3 +75,36 @@ def test_the_write_check_answers_with_this_nodes_access(s3):
     assert KeeperStore("n1").check_write(CheckpointLocation("s3://keep/job", s3)) is None
     err = KeeperStore("n1").check_write(CheckpointLocation("s3://no-such-bucket/job", s3))
     assert err is not None and "NoSuchBucket" in err
+
+
+KEEPER_WITHOUT_TORCH = """
+import sys
+from tests.test_keeper import shards
+from orchestrator.state.keeper import KeeperStore
+from workers.transfer import CheckpointLocation, S3Request, ShardRequest, Tier
+k, at = KeeperStore("n1"), CheckpointLocation("s3://keep/bare", sys.argv[1])
+k.put("peer", 2, 0, shards(0, 2), pin=True)
+k.get_many([ShardRequest(Tier.PEER, 0, "w", ((1, 2), (0, 2)))], 2)
+(e,) = k.upload(2, [ShardRequest(Tier.PEER, 0, "w", ((0, 2), (1, 2)))], at)
+(got,) = KeeperStore("n2").get_many([S3Request(e.piece, ((1, 2), (1, 2)))], 2, s3=at)
+assert got.tensors["param"].tolist() == [[2.0]], got
+print(e.piece.key, "torch" in sys.modules)
+"""
+
+
+def test_a_keeper_keeps_cuts_uploads_and_reads_s3_without_importing_torch(s3):
+    """A keeper runs on every node and holds state in host memory: it never imports torch (about 2 s of CPU and
+    300 MB of that memory). Its S3 pieces are the same safetensors a worker's torch reader loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", KEEPER_WITHOUT_TORCH, s3], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout.split()
+    assert out[1] == "False", "the keeper imported torch"
+    store = S3Checkpoints("s3://keep/bare", s3)
+    obj = store.client.get_object(Bucket="keep", Key=out[0])["Body"].read()
+    from safetensors.torch import load
+
+    tensors = load(obj)
+    assert tensors["param"].tolist() == [[2.0], [2.0]] and tensors["exp_avg_sq"].dtype.is_floating_point

@@ -19,10 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from workers.shards import serve
 from workers.state import (
-    KEYS,
     MOMENTS,
-    answer,
     export_shards,
     import_moments,
     import_pieces,
@@ -45,14 +44,6 @@ from workers.transfer import (
 if TYPE_CHECKING:
     from workers.engine import Engine
 
-
-
-def serve(requests: list, keys: tuple[str, ...] | None, shard_of: Callable[[Any], dict],
-          tier_of: Callable[[Any], Tier]) -> list[Piece]:
-    """Each request's region cut from the shard `shard_of` finds for it: only the tensors `keys` (None: all), and
-    the bytes of the others (an overlapped restore asks for AdamW's moments later)."""
-    keys = KEYS if keys is None else tuple(keys)
-    return [answer(shard_of(r), r.region, keys, tier_of(r)) for r in requests]
 
 
 class Kept:

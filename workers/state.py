@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.transfer import NeedRow, Piece, Region, Tier
+from workers.shards import KEYS, MOMENTS, answer, cut, region_nbytes, shard_nbytes  # noqa: F401 (re-exported)
+from workers.transfer import NeedRow
 
 if TYPE_CHECKING:
     from workers.engine import Engine
 
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's: needed only at a step's update, so a restore may bring them later
-KEYS = ("param", *MOMENTS)
 
 
 def export_shards(engine: Engine, copy: bool = True) -> dict[str, dict]:
@@ -72,43 +71,6 @@ def needs(engine: Engine) -> list[NeedRow]:
             numel *= b - a
         out.append(NeedRow(name, region, 3 * numel * engine.opt_params[name].element_size()))
     return out
-
-
-def cut(shard: dict, region, keys: tuple[str, ...] = KEYS) -> dict:
-    """The arrays `keys` of `shard` (an export_shards entry, torch or numpy) inside `region`, a sub-region of its
-    slice."""
-    import numpy as np
-
-    idx = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(region, shard["slice"], strict=True))
-    whole = all(tuple(r) == tuple(s) for r, s in zip(region, shard["slice"], strict=True))
-    out = {}
-    for k in keys:
-        if whole and isinstance(shard.get(k), (np.ndarray, torch.Tensor)):  # all of it: no copy here (Ray copies
-            out[k] = shard[k]                                                 # it once; a loader copies it in)
-            continue
-        t = shard.get(k)
-        out[k] = None if t is None else t[idx].clone() if isinstance(t, torch.Tensor) else np.ascontiguousarray(t[idx])
-    return out
-
-
-def shard_nbytes(shard: dict, keys: tuple[str, ...] = KEYS) -> int:
-    return sum(shard[k].nbytes for k in keys if shard.get(k) is not None)
-
-
-def region_nbytes(shard: dict, region, keys: tuple[str, ...]) -> int:
-    """The bytes `cut(shard, region, keys)` would give, without cutting."""
-    numel = 1
-    for a, b in region:
-        numel *= b - a
-    return sum(numel * shard[k].itemsize for k in keys if shard.get(k) is not None)
-
-
-def answer(shard: dict, region: Region, keys: tuple[str, ...], tier: Tier) -> Piece:
-    """A holder's answer for one region of a shard (a keeper's, or a kept worker process's): the tensors `keys`
-    cut to it, their bytes, and the bytes of the keys left out (an overlapped restore asks for them later)."""
-    tensors = cut(shard, region, keys)
-    return Piece(Tier(tier), tensors, shard_nbytes(tensors),
-                 region_nbytes(shard, region, tuple(k for k in KEYS if k not in keys)))
 
 
 def to_numpy(shards: dict[str, dict]) -> dict[str, dict]:

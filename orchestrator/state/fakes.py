@@ -19,7 +19,7 @@ import numpy as np
 from orchestrator.state.recovery import InPlace, Recovery, Restart, take_kept
 from planner import layout
 from workers.restore import Kept
-from workers.state import KEYS, shard_nbytes
+from workers.shards import KEYS, shard_nbytes
 from workers.transfer import (
     CheckpointLocation,
     Fetch,

@@ -14,6 +14,11 @@ New workers pull exactly the regions the restore planner assigns them
 (`get_many`), so bytes move keeper -> worker through Ray's object store and
 never through the controller. Keepers also upload pieces to S3
 (`upload`), off every training step, and report only metadata.
+
+A keeper holds numpy arrays (workers hand it `to_numpy` shards) and never
+imports torch (workers/shards.py; S3 pieces are read and written as numpy):
+one per node, it would otherwise pay about 2 s of CPU and 300 MB of the host
+memory it keeps state in.
 """
 
 from __future__ import annotations
@@ -46,8 +51,6 @@ class KeeperStore:
     """One node's keeper, as a plain object (unit tests use it so); `Keeper` is the same as a Ray actor."""
 
     def __init__(self, node: str, keep_peer_steps: int = 2):
-        import workers.state  # noqa: F401  (torch: imported now, not on a recovery's path)
-
         self.node, self.keep_peer_steps = node, keep_peer_steps
         self.lock = threading.Lock()
         self.held: dict[tuple[Tier, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
@@ -65,7 +68,7 @@ class KeeperStore:
     def put(self, tier: Tier, step: int, rank: int, shards: dict, pin: bool = False) -> Receipt:
         """Keep a worker's shards; for "peer", only the newest `keep_peer_steps` steps stay, and
         pinned ones (an S3 upload of them is coming) until `unpin`."""
-        from workers.state import shard_nbytes
+        from workers.shards import shard_nbytes
 
         opt = max((s["optimizer_steps"] for s in shards.values()), default=0.0)
         with self.lock:
@@ -97,7 +100,7 @@ class KeeperStore:
 
     def inventory(self) -> list[HeldRow]:
         """What this keeper holds, as metadata: one row per (tier, step, rank, unit)."""
-        from workers.state import shard_nbytes
+        from workers.shards import shard_nbytes
 
         with self.lock:
             items = list(self.held.items())
@@ -115,8 +118,7 @@ class KeeperStore:
         manifest's SHA256. A piece S3 refuses (missing, unreadable, corrupt) answers one `Refused` instead: the
         step is refused, not the worker.
         """
-        from workers.restore import serve
-        from workers.state import KEYS, MOMENTS
+        from workers.shards import KEYS, MOMENTS, serve
 
         keys = KEYS if keys is None else tuple(keys)
         if keys == MOMENTS and not self.moments_go.wait(timeout=120):
@@ -140,7 +142,7 @@ class KeeperStore:
 
     def _s3_piece(self, req: S3Request, step: int, s3: CheckpointLocation | None) -> Piece | Refused:
         from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
-        from workers.state import cut
+        from workers.shards import cut
 
         piece: S3Piece = req.piece
         read = 0
@@ -151,12 +153,12 @@ class KeeperStore:
                         raise ValueError("an S3 piece was asked for without the checkpoint's location")
                     if self.s3_store is None or self.s3_store[0] != s3:  # a boto3 client: ~0.2 s to make
                         self.s3_store = (s3, S3Checkpoints.at(s3))
-                    self.s3_read[piece.key], read = self.s3_store[1].read_piece(step, piece.entry())
+                    self.s3_read[piece.key], read = self.s3_store[1].read_piece(step, piece.entry(),
+                                                                                      arrays="numpy")
                 except CheckpointError as e:
                     log.error("restore of step %d: %s", step, e)
                     return Refused(str(e), str(e.refusal or "corrupt"))
-        tensors = cut({k: v.numpy() for k, v in self.s3_read[piece.key].items()} | {"slice": piece.region},
-                      req.region)
+        tensors = cut(self.s3_read[piece.key] | {"slice": piece.region}, req.region)
         return Piece(Tier.S3, tensors, read)
 
     def delay_uploads(self, seconds: float) -> None:
@@ -183,10 +185,8 @@ class KeeperStore:
                run_id: str | None = None) -> list[UploadedPiece]:
         """Upload these regions of shards of `step` as S3 objects named for the run `run_id`; their manifest
         entries (metadata only)."""
-        import torch
-
         from orchestrator.state.s3_store import S3Checkpoints
-        from workers.state import cut
+        from workers.shards import cut
 
         if self.upload_delay_s:
             time.sleep(self.upload_delay_s)
@@ -195,7 +195,7 @@ class KeeperStore:
         for p in pieces:  # the step stays pinned: the state plane unpins it when the upload
             with self.lock:  # ends (on every keeper, unless a redo of the step waits to upload: tiers._release)
                 shard = self.held[(p.tier, step, p.rank)][0][p.unit]
-            tensors = {k: torch.from_numpy(v) for k, v in cut(shard, p.region).items() if v is not None}
+            tensors = {k: v for k, v in cut(shard, p.region).items() if v is not None}
             out.append(UploadedPiece(p.unit, S3Piece.of(store.put_piece(step, p.unit, p.region, tensors, run_id))))
         return out
 

@@ -38,6 +38,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from orchestrator.errors import (  # raised here; importers may take it from here
     CheckpointError,
     Refusal,
@@ -292,10 +294,17 @@ class S3Checkpoints:
         return identity.foreign(claimed)
 
     def put_piece(self, step: int, unit: str, region, tensors: dict, run_id: str | None = None) -> dict:
-        """Upload one unit's tensors over `region`; the manifest entry for it (its key absolute in memory)."""
-        from safetensors.torch import save as to_safetensors
+        """Upload one unit's tensors over `region` (torch tensors, or numpy arrays: a keeper's, which never imports
+        torch); the manifest entry for it (its key absolute in memory). The object is the same either way."""
+        kept = {k: v for k, v in tensors.items() if v is not None}
+        if all(isinstance(v, np.ndarray) for v in kept.values()):
+            from safetensors.numpy import save as to_safetensors
 
-        kept = {k: v.contiguous() for k, v in tensors.items() if v is not None}
+            kept = {k: np.ascontiguousarray(v) for k, v in kept.items()}
+        else:
+            from safetensors.torch import save as to_safetensors
+
+            kept = {k: v.contiguous() for k, v in kept.items()}
         data = to_safetensors(kept)
         key = piece_key(self.step_dir(step), unit, region, run_id)
         self._put(key, data)
@@ -466,12 +475,17 @@ class S3Checkpoints:
         """The newest good steps' manifests, newest first; refused ones are logged."""
         return self.usable(identity, limit)[0]
 
-    def read_piece(self, step: int, entry: dict) -> tuple[dict, int]:
+    def read_piece(self, step: int, entry: dict, arrays: str = "torch") -> tuple[dict, int]:
         """One piece's tensors, verified against its SHA256 and size in the manifest and then its tensors against
-        its region; (tensors, bytes read). CheckpointError (the step is refused) on any read error or mismatch."""
+        its region; (tensors, bytes read), as torch tensors or (`arrays="numpy"`, a keeper's) numpy arrays.
+        CheckpointError (the step is refused) on any read error or mismatch."""
         from botocore.exceptions import BotoCoreError, ClientError
         from safetensors import SafetensorError
-        from safetensors.torch import load as from_safetensors
+
+        if arrays == "numpy":
+            from safetensors.numpy import load as from_safetensors
+        else:
+            from safetensors.torch import load as from_safetensors
 
         where = self.where(entry["key"])
         try:
@@ -491,6 +505,9 @@ class S3Checkpoints:
         except SafetensorError as e:
             raise CheckpointError(f"{where} of step {step} is not a safetensors file ({e})", Refusal.CORRUPT,
                                   step) from None
+        except KeyError as e:  # numpy has no such dtype (BF16): hetspot's state is float32, so not its piece
+            raise CheckpointError(f"{where} of step {step} holds a tensor of dtype {e}, which hetspot's state never "
+                                  "has", Refusal.CORRUPT, step) from None
         problems = piece_problems(entry, {k: (dtype_name(t), tuple(t.shape)) for k, t in tensors.items()})
         if problems:
             raise CheckpointError(f"{where} of step {step} does not hold what its manifest says: "
