@@ -30,6 +30,9 @@ from typing import Any
 
 import ray
 
+# numpy (through workers.shards) comes in with the class, before the actor's threads deserialize arrays: Python
+# imports numpy unsafely from several threads at once ("partially initialized module 'numpy._core.numeric'").
+from workers.shards import KEYS, MOMENTS, cut, serve, shard_nbytes
 from workers.transfer import (
     CheckpointLocation,
     HeldRow,
@@ -68,8 +71,6 @@ class KeeperStore:
     def put(self, tier: Tier, step: int, rank: int, shards: dict, pin: bool = False) -> Receipt:
         """Keep a worker's shards; for "peer", only the newest `keep_peer_steps` steps stay, and
         pinned ones (an S3 upload of them is coming) until `unpin`."""
-        from workers.shards import shard_nbytes
-
         opt = max((s["optimizer_steps"] for s in shards.values()), default=0.0)
         with self.lock:
             self.held[(Tier(tier), step, rank)] = (shards, opt)
@@ -100,8 +101,6 @@ class KeeperStore:
 
     def inventory(self) -> list[HeldRow]:
         """What this keeper holds, as metadata: one row per (tier, step, rank, unit)."""
-        from workers.shards import shard_nbytes
-
         with self.lock:
             items = list(self.held.items())
         return [HeldRow(unit, tuple(tuple(r) for r in s["slice"]), step, tuple(s["shape"]), opt, tier, rank,
@@ -118,8 +117,6 @@ class KeeperStore:
         manifest's SHA256. A piece S3 refuses (missing, unreadable, corrupt) answers one `Refused` instead: the
         step is refused, not the worker.
         """
-        from workers.shards import KEYS, MOMENTS, serve
-
         keys = KEYS if keys is None else tuple(keys)
         if keys == MOMENTS and not self.moments_go.wait(timeout=120):
             raise TimeoutError("moments held for 120 s (hold_moments without release_moments)")
@@ -142,7 +139,6 @@ class KeeperStore:
 
     def _s3_piece(self, req: S3Request, step: int, s3: CheckpointLocation | None) -> Piece | Refused:
         from orchestrator.state.s3_store import CheckpointError, S3Checkpoints
-        from workers.shards import cut
 
         piece: S3Piece = req.piece
         read = 0
@@ -186,7 +182,6 @@ class KeeperStore:
         """Upload these regions of shards of `step` as S3 objects named for the run `run_id`; their manifest
         entries (metadata only)."""
         from orchestrator.state.s3_store import S3Checkpoints
-        from workers.shards import cut
 
         if self.upload_delay_s:
             time.sleep(self.upload_delay_s)

@@ -36,6 +36,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -298,14 +299,15 @@ class S3Checkpoints:
         torch); the manifest entry for it (its key absolute in memory). The object is the same either way."""
         kept = {k: v for k, v in tensors.items() if v is not None}
         if all(isinstance(v, np.ndarray) for v in kept.values()):
-            from safetensors.numpy import save as to_safetensors
+            from safetensors.numpy import save as numpy_safetensors
 
             kept = {k: np.ascontiguousarray(v) for k, v in kept.items()}
+            data = numpy_safetensors(kept)
         else:
-            from safetensors.torch import save as to_safetensors
+            from safetensors.torch import save as torch_safetensors
 
             kept = {k: v.contiguous() for k, v in kept.items()}
-        data = to_safetensors(kept)
+            data = torch_safetensors(kept)
         key = piece_key(self.step_dir(step), unit, region, run_id)
         self._put(key, data)
         return {"key": key, "region": [list(r) for r in region], "sha256": hashlib.sha256(data).hexdigest(),
@@ -483,9 +485,13 @@ class S3Checkpoints:
         from safetensors import SafetensorError
 
         if arrays == "numpy":
-            from safetensors.numpy import load as from_safetensors
+            from safetensors.numpy import load as numpy_load
+
+            from_safetensors: Callable[[bytes], dict] = numpy_load
         else:
-            from safetensors.torch import load as from_safetensors
+            from safetensors.torch import load as torch_load
+
+            from_safetensors = torch_load
 
         where = self.where(entry["key"])
         try:
