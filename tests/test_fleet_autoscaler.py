@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ def fleet_cluster():
     from tests.own_ray import new_mark, stop_marked
 
     global URL, GCS
+    home = tempfile.mkdtemp(prefix="hetspot-fleet-home-")
     port, dash = free_port(), free_port()
     URL, GCS = f"http://127.0.0.1:{dash}", f"{get_node_ip_address()}:{port}"
     mark = new_mark()
@@ -92,12 +94,13 @@ def fleet_cluster():
 
         def start(self, _system_config=None, override_env=None):
             """AutoscalingCluster.start on ports of its own, without its `ray stop --force` first."""
-            import tempfile
-
             fd, config = tempfile.mkstemp(suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(self._config, f)
-            env = os.environ | {"AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1",
+            # A HOME of its own and auth off, as tests/test_real_head.py: a ~/.ray/auth_token of the user's (any
+            # `ray.init()` of a local cluster writes one) would have the head ask this module's clients for it.
+            env = os.environ | {"HOME": home, "RAY_AUTH_MODE": "disabled",
+                                "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1",
                                 "RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_NODE_ID,
                                 "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID} | mark
             subprocess.run(
