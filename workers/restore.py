@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from workers.engine import Engine
 
 
-
 class Kept:
     """One committed step's shards an in-place survivor keeps for the next plan (None: nothing kept)."""
 

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from workers.engine import Engine
 
 
-
 def export_shards(engine: Engine, copy: bool = True) -> dict[str, dict]:
     """This rank's shards by canonical name: full shape, the slice held, tensor and AdamW state.
 
