@@ -39,10 +39,15 @@ def main() -> None:
     import numpy as np
     import ray
 
+    from orchestrator.cluster.embedded import EmbeddedCluster
     from orchestrator.state.keeper import Keeper
+    from planner.specs import ClusterSpec
     from workers.transfer import Tier
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # the embedded test cluster (a head only), not ray.init(): Ray 2.60's ray.init() of a local cluster writes
+    # ~/.ray/auth_token, which later `ray start` heads of this user then ask their clients for
+    ec = EmbeddedCluster(ClusterSpec.model_construct(nodes=[]), head_cpus=2)
+    ec.connect()
     rows = int(a.shard_mib * 2**20 / 4 / 1024 / 3) or 1
     w = np.ones((rows, 1024), np.float32)
     shard = {"w": {"param": w, "exp_avg": w, "exp_avg_sq": w, "slice": ((0, rows), (0, 1024)),
@@ -63,7 +68,7 @@ def main() -> None:
     ready, cpu, rss = (statistics.median(r[j] for r in out) for j in range(3))
     print(f"keeper start, median of {a.trials}: ready {ready:.2f} s, CPU {cpu:.2f} s, resident {rss:.0f} MiB "
           f"holding a {a.shard_mib:g} MiB shard")
-    ray.shutdown()
+    ec.shutdown()
 
 
 if __name__ == "__main__":
