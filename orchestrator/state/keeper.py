@@ -191,7 +191,7 @@ class KeeperStore:
         for p in pieces:  # the step stays pinned: the state plane unpins it when the upload
             with self.lock:  # ends (on every keeper, unless a redo of the step waits to upload: tiers._release)
                 shard = self.held[(p.tier, step, p.rank)][0][p.unit]
-            tensors = {k: v for k, v in cut(shard, p.region).items() if v is not None}
+            tensors = cut(shard, p.region)  # put_piece leaves out the keys it holds none of
             out.append(UploadedPiece(p.unit, S3Piece.of(store.put_piece(step, p.unit, p.region, tensors, run_id))))
         return out
 
