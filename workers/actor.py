@@ -17,6 +17,7 @@ from planner.cost import device_budget_bytes
 from planner.layout import ranks
 from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
+from workers.adamw import FusedAdamW
 from workers.data import make_dataset
 from workers.engine import DTYPES, Engine, StepResult, compute_dtype
 from workers.faults import FaultInjector
@@ -45,11 +46,10 @@ from workers.transfer import (
 
 
 def _warm_up(device: str) -> None:
-    """What a process pays once, before its first stage: the device context, and the imports the first
-    optimizer's construction and update make (torch's optimizers import torch._dynamo: about 1 s of a warm
-    worker's switch on the test machines when left to the first stage)."""
+    """What a process pays once, before its first stage: the device context, and a first backward and fused
+    optimizer update on it (workers/adamw.py: torch's kernel, without torch.optim's import of torch._dynamo)."""
     p = torch.nn.Parameter(torch.zeros(1, device=device))
-    opt = torch.optim.AdamW([p])
+    opt = FusedAdamW([{"params": [p]}], lr=1e-3)
     p.sum().backward()
     opt.step()
 

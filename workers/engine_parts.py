@@ -13,6 +13,7 @@ import torch
 if TYPE_CHECKING:
     from planner.layout import RankInfo
     from planner.specs import ModelSpec, TrainSpec
+    from workers.adamw import FusedAdamW
     from workers.model import Stage
     from workers.offload import DeviceMeter, LayerwiseUpdate
 
@@ -45,7 +46,7 @@ class EngineParts:
     resident: dict[str, torch.nn.Parameter]
     resident_by_layer: dict[int, list[str]]
     updater: LayerwiseUpdate | None
-    optimizer: torch.optim.AdamW | None
+    optimizer: FusedAdamW | None
     _moments_counted: bool
     # set per step (Engine.step)
     _count: dict[int, int]
@@ -55,7 +56,7 @@ class EngineParts:
         raise NotImplementedError
 
     @property
-    def adamw(self) -> torch.optim.AdamW:
+    def adamw(self) -> FusedAdamW:
         """The optimizer over every parameter (without optimizer offload; with it, the updater's per layer)."""
         if self.optimizer is None:
             raise RuntimeError("this stage's optimizer runs per layer on the host (optimizer offload)")

@@ -1,7 +1,8 @@
 """The optimizer side of one rank's Engine (workers/engine.py), apart from its step loop, as torchtitan keeps
-it: AdamW (fused), the fp32 masters and where they live (on the device, or on the host under optimizer
-offload, with gradients streamed there and a per-layer host update: AutoHete), the update itself, the bytes of
-state on each side, and per-parameter optimizer state for workers/state.py. A mixin of `Engine`.
+it: AdamW (torch's fused kernel, workers/adamw.py), the fp32 masters and where they live (on the device, or on
+the host under optimizer offload, with gradients streamed there and a per-layer host update: AutoHete), the
+update itself, the bytes of state on each side, and per-parameter optimizer state for workers/state.py. A mixin
+of `Engine`.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ import contextlib
 
 import torch
 
+from workers.adamw import FusedAdamW
 from workers.engine_parts import EngineParts
 
 
 class OptimizerState(EngineParts):
-    def _adamw(self, params: list) -> torch.optim.AdamW:
+    def _adamw(self, params: list) -> FusedAdamW:
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.train.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.train.lr, betas=self.train.betas,
-                                 eps=self.train.eps, fused=True)
+        return FusedAdamW([g for g in groups if g["params"]], lr=self.train.lr, betas=self.train.betas,
+                          eps=self.train.eps)
 
     def _copy_back(self, layer: int) -> None:
         """After a layer's host update: its resident device copies take the new weights."""
