@@ -1,4 +1,5 @@
-"""planner/ is pure: no ray, torch or boto3, checked by source scan and by a fresh interpreter."""
+"""planner/ is pure: no ray, torch or boto3, checked by source scan and by a fresh interpreter; and the controller's
+side of a job imports no torch."""
 
 import ast
 import subprocess
@@ -28,5 +29,19 @@ def test_importing_planner_loads_no_forbidden_module():
     code = ("import sys, planner, planner.baselines, planner.simulator; "
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FORBIDDEN)!r}); "
             "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PLANNER.parent)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_controllers_side_loads_no_torch():
+    """The job's controller runs in a Ray worker process of its own and creates the TrainWorker actors: importing
+    it, the worker actor's module (to create them), the step's record (which it reads every step) and the model's
+    unit list (its state plane's) loads no torch (2.4 s of CPU a job before)."""
+    code = ("import sys; import orchestrator.runtime.controller_actor, orchestrator.state.tiers; "
+            "from workers.actor import TrainWorker, WorkerConfig; from workers.transfer import StepResult; "
+            "from workers.param_specs import all_params; from planner import ModelSpec; "
+            "n = len(all_params(ModelSpec.preset('tiny'))); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); print(n, bad[:3]); "
+            "sys.exit(1 if bad or not n else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PLANNER.parent)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -1,4 +1,10 @@
-"""TrainWorker: the thin Ray actor around one rank's Engine (one per GPU)."""
+"""TrainWorker: the thin Ray actor around one rank's Engine (one per GPU).
+
+The module imports no torch: the controller imports it to create workers, and its process needs none of the
+worker's side (torch was 2.4 s of CPU of every job's controller start, on the test machines). What a worker's
+methods use from torch and the engine they import where they run, in the worker's process, and `__init__` imports
+them all first (so a worker pays them where it always did, and no two of its threads import a module at once).
+"""
 
 from __future__ import annotations
 
@@ -7,29 +13,17 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
-from torch.distributed import TCPStore
 
 from planner.cost import device_budget_bytes
 from planner.layout import ranks
 from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
-from workers.adamw import FusedAdamW
-from workers.data import make_dataset
-from workers.engine import DTYPES, Engine, StepResult, compute_dtype
 from workers.faults import FaultInjector
 from workers.logs import structured_logger
-from workers.restore import Kept, Restore
 from workers.s3_data import CacheConfig
-from workers.state import (
-    export_shards,
-    import_full,
-    needs,
-    to_numpy,
-)
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
@@ -41,13 +35,23 @@ from workers.transfer import (
     PieceRequest,
     Receipt,
     Refused,
+    StepResult,
     Tier,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from workers.engine import Engine
 
 
 def _warm_up(device: str) -> None:
     """What a process pays once, before its first stage: the device context, and a first backward and fused
     optimizer update on it (workers/adamw.py: torch's kernel, without torch.optim's import of torch._dynamo)."""
+    import torch
+
+    from workers.adamw import FusedAdamW
+
     p = torch.nn.Parameter(torch.zeros(1, device=device))
     opt = FusedAdamW([{"params": [p]}], lr=1e-3)
     p.sum().backward()
@@ -85,6 +89,13 @@ class TrainWorker:
     own work (what is kept, the pull, the overlapped load) is workers/restore.py's; this is its Ray adapter."""
 
     def __init__(self, plan_json: str | None, rank: int, config: WorkerConfig, slowdown: float = 1.0):
+        import torch
+        import torch.distributed  # noqa: F401
+
+        import workers.engine  # noqa: F401  (every module a method imports, imported before any runs on a thread)
+        from workers.data import make_dataset
+        from workers.restore import Kept, Restore
+
         torch.set_num_threads(config.threads)  # the node's CPUs per GPU (runtime.torch_threads; 1 on test nodes)
         self.model = ModelSpec.model_validate_json(config.model_json)
         self.train = TrainSpec.model_validate_json(config.train_json)
@@ -123,6 +134,8 @@ class TrainWorker:
         return os.getpid()
 
     def _configure(self, plan_json: str, rank: int, slowdown: float) -> None:
+        from workers.engine import DTYPES, Engine, compute_dtype
+
         plan = Plan.model_validate_json(plan_json)
         r = ranks(plan)[rank]
         gpu = plan.pipelines[r.pipeline].stages[r.stage].gpu_type
@@ -154,12 +167,16 @@ class TrainWorker:
         """Rank 0 serves the group's rendezvous store on its node, on a port the store binds itself and holds:
         a port found free, let go and bound again later could be taken meanwhile by another process on the node
         (gloo's pair sockets take ephemeral ports), which failed the start-up with EADDRINUSE."""
+        from torch.distributed import TCPStore
+
         ip = ray.util.get_node_ip_address()
         self.rendezvous = TCPStore(ip, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
         return f"tcp://{ip}:{self.rendezvous.port}"
 
     def connect(self, init_method: str, timeout_s: float) -> int:
         """Join the group whose rendezvous store rank 0 serves at `init_method` (its own store on rank 0)."""
+        from torch.distributed import TCPStore
+
         timeout = timedelta(seconds=timeout_s)
         if self.running.rank == 0 and self.rendezvous is not None:
             store = self.rendezvous
@@ -214,11 +231,13 @@ class TrainWorker:
 
         It runs on the training thread between commits (the caller waits for it, so the clone
         is of that step); the transfer to the keeper goes on in `receipt`, beside the next steps."""
+        from workers import state
+
         if self.running.committed_step != step_index:
             raise RuntimeError(f"{self.running.where}: snapshot of step {step_index}, but step "
                                f"{self.running.committed_step} is the committed one")
         with self.puts_ready:
-            self.puts[step_index] = (to_numpy(export_shards(self.running)), pin)
+            self.puts[step_index] = (state.to_numpy(state.export_shards(self.running)), pin)
             self.puts_ready.notify_all()
 
     @ray.method(concurrency_group="snapshot")
@@ -239,11 +258,13 @@ class TrainWorker:
     @ray.method(concurrency_group="control")
     def hand_over(self, keeper) -> Receipt | None:
         """After a failure: give the committed state to this node's keeper (tier "live"), and wait until it is there."""
+        from workers import state
+
         with self.state_lock:
             step = self.running.committed_step
             if step < 0:
                 return None
-            shards = to_numpy(export_shards(self.running))
+            shards = state.to_numpy(state.export_shards(self.running))
         got: Receipt | None = ray.get(keeper.put.remote(Tier.LIVE, step, self.running.rank, shards),
                                       timeout=self.config.control_timeout_s)
         return got
@@ -286,7 +307,9 @@ class TrainWorker:
         self.kept.state = None
 
     def needs(self) -> list[NeedRow]:
-        return needs(self.running)
+        from workers import state
+
+        return state.needs(self.running)
 
     def load_state(self, step: int, optimizer_steps: float, transfers: list[Fetch], s3: CheckpointLocation | None,
                    overlap: bool = True) -> LoadReport:
@@ -308,10 +331,14 @@ class TrainWorker:
         self.faults.fail_at(step_index, kind)
 
     def export_state(self) -> dict:
-        return export_shards(self.running)
+        from workers import state
+
+        return state.export_shards(self.running)
 
     def import_state(self, full: dict, optimizer_steps: float, step: int = -1) -> None:
-        import_full(self.running, full, optimizer_steps)
+        from workers import state
+
+        state.import_full(self.running, full, optimizer_steps)
         self.running.committed_step = step
 
     def where(self) -> str:

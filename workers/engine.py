@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -48,6 +47,7 @@ from workers.grad_sync import GradSync
 from workers.model import Stage
 from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
 from workers.optim_state import OptimizerState
+from workers.transfer import StepResult  # noqa: F401 (re-exported: a step's record lives with the other records)
 
 ABORT_TAG = 999_983  # the receives that close a group's pairs (abort_groups); steps use tags below 2 x micro-batches
 
@@ -88,17 +88,6 @@ def resolved_device(device: str) -> torch.device:
     if d.type == "cuda" and d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return d
-
-
-@dataclass
-class StepResult:
-    step: int
-    rank: int
-    loss: float | None  # this replica's sum(loss_i) / B, reported by its last stage's TP rank 0
-    num_samples: int
-    time_s: float
-    peak_mem_bytes: int
-    extra: dict = field(default_factory=dict)
 
 
 class Engine(GradSync, OptimizerState):

@@ -26,32 +26,6 @@ import torch.nn.functional as F
 from planner.specs import ModelSpec
 
 
-def block_params(m: ModelSpec, i: int, spec) -> list:
-    """The block's ParamSpecs (`spec` is workers.model.ParamSpec, passed in to keep imports one-way)."""
-    h, f, hd = m.hidden_size, m.ffn, m.head_dim
-    p = f"model.layers.{i}."
-    return [
-        spec(p + "input_layernorm.weight", (h,), None, i, "ones"),
-        spec(p + "self_attn.q_proj.weight", (m.num_heads * hd, h), 0, i, "normal"),
-        spec(p + "self_attn.k_proj.weight", (m.kv_heads * hd, h), 0, i, "normal"),
-        spec(p + "self_attn.v_proj.weight", (m.kv_heads * hd, h), 0, i, "normal"),
-        spec(p + "self_attn.o_proj.weight", (h, m.num_heads * hd), 1, i, "normal"),
-        spec(p + "post_attention_layernorm.weight", (h,), None, i, "ones"),
-        spec(p + "mlp.gate_proj.weight", (f, h), 0, i, "normal"),
-        spec(p + "mlp.up_proj.weight", (f, h), 0, i, "normal"),
-        spec(p + "mlp.down_proj.weight", (h, f), 1, i, "normal"),
-    ]
-
-
-def embed_params(m: ModelSpec, spec, layer) -> list:
-    return [spec("model.embed_tokens.weight", (m.vocab_size, m.hidden_size), None, layer, "normal")]
-
-
-def head_params(m: ModelSpec, spec, layer) -> list:
-    return [spec("model.norm.weight", (m.hidden_size,), None, layer, "ones"),
-            spec("lm_head.weight", (m.vocab_size, m.hidden_size), None, layer, "normal")]
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' LlamaRMSNorm: normalise in float32 (or wider), scale in the input's dtype."""
     wide = x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x

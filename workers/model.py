@@ -21,73 +21,15 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from planner.layout import EMBED, HEAD
 from planner.specs import ModelSpec
 from workers import llama
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    shape: tuple[int, ...]
-    shard_dim: int | None  # None: replicated across the TP group
-    layer: int | str  # block index, EMBED or HEAD
-    init: str  # "normal", "zeros" or "ones"
-
-    def local_slice(self, tp_rank: int, tp_size: int) -> tuple[slice, ...]:
-        if self.shard_dim is None or tp_size == 1:
-            return tuple(slice(None) for _ in self.shape)
-        n = self.shape[self.shard_dim] // tp_size
-        return tuple(slice(tp_rank * n, (tp_rank + 1) * n) if d == self.shard_dim else slice(None)
-                     for d in range(len(self.shape)))
-
-
-def block_params(m: ModelSpec, i: int) -> list[ParamSpec]:
-    if m.arch == "llama":
-        return llama.block_params(m, i, ParamSpec)
-    h, f = m.hidden_size, m.ffn
-    p = f"h.{i}."
-    specs = [ParamSpec(p + "ln_1.weight", (h,), None, i, "ones"), ParamSpec(p + "ln_1.bias", (h,), None, i, "zeros")]
-    for proj in ("q", "k", "v"):
-        specs += [ParamSpec(p + f"attn.{proj}.weight", (h, h), 0, i, "normal"),
-                  ParamSpec(p + f"attn.{proj}.bias", (h,), 0, i, "zeros")]
-    specs += [
-        ParamSpec(p + "attn.proj.weight", (h, h), 1, i, "normal"),
-        ParamSpec(p + "attn.proj.bias", (h,), None, i, "zeros"),
-        ParamSpec(p + "ln_2.weight", (h,), None, i, "ones"),
-        ParamSpec(p + "ln_2.bias", (h,), None, i, "zeros"),
-        ParamSpec(p + "mlp.fc.weight", (f, h), 0, i, "normal"),
-        ParamSpec(p + "mlp.fc.bias", (f,), 0, i, "zeros"),
-        ParamSpec(p + "mlp.proj.weight", (h, f), 1, i, "normal"),
-        ParamSpec(p + "mlp.proj.bias", (h,), None, i, "zeros"),
-    ]
-    return specs
-
-
-def embed_params(m: ModelSpec) -> list[ParamSpec]:
-    if m.arch == "llama":
-        return llama.embed_params(m, ParamSpec, EMBED)
-    return [ParamSpec("wte.weight", (m.vocab_size, m.hidden_size), None, EMBED, "normal"),
-            ParamSpec("wpe.weight", (m.seq_len, m.hidden_size), None, EMBED, "normal")]
-
-
-def head_params(m: ModelSpec) -> list[ParamSpec]:
-    if m.arch == "llama":
-        return llama.head_params(m, ParamSpec, HEAD)
-    return [ParamSpec("ln_f.weight", (m.hidden_size,), None, HEAD, "ones"),
-            ParamSpec("ln_f.bias", (m.hidden_size,), None, HEAD, "zeros"),
-            ParamSpec("lm_head.weight", (m.vocab_size, m.hidden_size), None, HEAD, "normal")]
-
-
-def all_params(m: ModelSpec) -> list[ParamSpec]:
-    return embed_params(m) + [p for i in range(m.num_layers) for p in block_params(m, i)] + head_params(m)
+from workers.param_specs import ParamSpec, all_params, block_params, embed_params, head_params  # noqa: F401
 
 
 def init_full(spec: ParamSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ one) and Ray Train v2's decisions that carry their payload; the names are this p
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -281,11 +282,13 @@ _SCALARS = (int, float, bool, type(None))
 
 
 def payload_bytes(obj) -> int:
-    """Bytes of a value as it crosses a process boundary: tensors by their data, containers by their parts."""
+    """Bytes of a value as it crosses a process boundary: tensors by their data, containers by their parts.
+    torch is not imported for it: a value that holds a torch tensor was made in (or unpickled into) a process
+    that has torch already, and the controller, which counts every rank's answers, otherwise never needs it."""
     import numpy as np
-    import torch
 
-    return _payload_bytes(obj, (torch.Tensor, np.ndarray))
+    torch = sys.modules.get("torch")
+    return _payload_bytes(obj, (np.ndarray,) if torch is None else (torch.Tensor, np.ndarray))
 
 
 def _payload_bytes(obj, arrays: tuple) -> int:
@@ -323,3 +326,17 @@ def _parts_bytes(parts, arrays: tuple) -> int:
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by class
+
+
+@dataclass
+class StepResult:
+    """A rank's step, as the worker returns it to the controller every step (here, not in workers/engine.py, so
+    the controller's process reads it without importing torch)."""
+
+    step: int
+    rank: int
+    loss: float | None  # this replica's sum(loss_i) / B, reported by its last stage's TP rank 0
+    num_samples: int
+    time_s: float
+    peak_mem_bytes: int
+    extra: dict = field(default_factory=dict)

@@ -60,7 +60,7 @@ def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None
     import uuid
 
     from orchestrator.state.tiers import TieredState
-    from workers.model import all_params
+    from workers.param_specs import all_params
 
     c = job.checkpoint
     if c is None:

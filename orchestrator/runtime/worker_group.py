@@ -35,7 +35,6 @@ from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
 from planner.specs import tokens_per_step
-from workers.state import full_state
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
@@ -399,6 +398,8 @@ class RayWorkerGroup:
         return r.losses[0]
 
     def export_state(self) -> tuple[dict, float]:
+        from workers.state import full_state  # (torch: the controller imports it for this alone)
+
         return full_state(self.run.export_states())
 
     # -- the tiered state plane's calls (orchestrator/state/tiers.py); metadata in, metadata out --

@@ -716,7 +716,7 @@ def dtype_name(t) -> str:
 def _units_of_model(model: dict) -> dict[str, list[int]]:
     """A format-2 manifest's unit list, from the model its meta records."""
     from planner.specs import ModelSpec
-    from workers.model import all_params
+    from workers.param_specs import all_params
 
     return {p.name: list(p.shape) for p in all_params(ModelSpec(**model))}
 
