@@ -503,6 +503,37 @@ def test_corrupt_newest_step_is_refused_and_the_previous_one_resumes(cluster, en
     assert all(store.verify(s) == [] for s in store.complete_steps())
 
 
+@pytest.mark.ray
+def test_a_keeper_whose_node_went_before_it_was_placed_is_lost_and_the_snapshot_skips_it(cluster):
+    """The autoscaler may remove an idle node between a job listing the nodes and placing a keeper there (seen in
+    tests/test_fleet_autoscaler.py under load: two T4 nodes brought up and removed idle within a second, and the
+    job failed on `ActorUnschedulableError`). A keeper pinned to a node that is gone counts as lost: the peer
+    snapshot skips that step, as for a keeper whose node went, and the job goes on."""
+    from orchestrator.state.calls import RayCalls
+    from orchestrator.state.fakes import LocalGroup, model_units
+    from orchestrator.state.tiers import TieredState
+    from planner import Pipeline, Plan, Stage
+
+    calls = RayCalls()
+    gone = calls.start_keeper("gone", "ab" * 28)  # no node has this id
+    with pytest.raises(calls.lost) as got:
+        calls.get(gone.ping.remote(), timeout=60)
+    assert type(got.value).__name__ == "ActorUnschedulableError"
+
+    class NodeGoneAtPlacing(RayCalls):
+        def alive_nodes(self):  # the listing still has the node the autoscaler is removing
+            return super().alive_nodes() | {"gone": "ab" * 28}
+
+    plan = Plan(model_name="m", num_layers=4, global_batch=8, pipelines=[Pipeline(
+        num_samples=8, micro_batch_size=1, num_micro_batches=8, stages=[
+            Stage(layer_start=0, layer_end=4, gpu_type=BASE.gpu_type, node=BASE.name, devices=[f"{BASE.name}/0"])])])
+    store = TieredState(1, calls=NodeGoneAtPlacing(), model_units=model_units(4))
+    group = LocalGroup(plan, calls)
+    group.commit(0)
+    store.after_step(group, 0)  # the rank's peer copy goes off its node, to "gone": this raised out of the job before
+    assert "gone" not in store.keeper_set.keepers  # forgotten: the next snapshot is placed afresh
+
+
 def test_controller_receives_metadata_only_whatever_the_model_size(cluster):
     """Acceptance 7: through snapshots every step, a worker crash, salvage and restore, the bytes the
     controller takes in stay under a small bound that does not grow with the model (16x the parameters)."""

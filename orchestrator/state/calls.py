@@ -19,7 +19,10 @@ class RayCalls:
         import ray
 
         self._ray = ray
-        self.lost = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)  # a keeper or its node gone
+        # A keeper or its node gone; or its node gone before the keeper was placed there (pinned to it, Ray answers
+        # ActorUnschedulableError: an idle node the autoscaler removed between listing the nodes and placing one).
+        self.lost = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                     ray.exceptions.ActorUnschedulableError)
 
     def start_keeper(self, node: str, node_id: str):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
