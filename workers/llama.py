@@ -1,4 +1,4 @@
-"""The Llama architecture beside the GPT: its canonical parameters and its block.
+"""The Llama architecture beside the GPT: its block (its canonical parameters are in workers/param_specs.py).
 
 RMSNorm, rotary position embeddings (RoPE), grouped-query attention (GQA:
 `num_kv_heads` key/value heads shared by groups of query heads), a SwiGLU MLP,

@@ -1,8 +1,8 @@
 """A GPT decoder in the spirit of nanoGPT (and the Llama of workers/llama.py), split into pipeline stages and TP shards.
 
-Read top to bottom: the canonical parameters (names and full shapes), how a TP
-rank slices them, the two Megatron collectives, a transformer block, and the
-stage that chains blocks between an optional embedding and an optional head.
+Read top to bottom (the canonical parameters, names and full shapes and how a TP rank slices them, are
+workers/param_specs.py's, without torch): their initialisation, the two Megatron collectives, a transformer
+block, and the stage that chains blocks between an optional embedding and an optional head.
 
 - Pre-norm blocks, causal attention through `scaled_dot_product_attention`,
   GELU MLP, learned positions, untied embedding and LM head. No dropout.
