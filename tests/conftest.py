@@ -8,6 +8,13 @@ from pathlib import Path
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
+# typer sets PYDANTIC_DISABLE_PLUGINS while it parses a command line and deletes it after (when it was unset): a thread
+# that reads the whole environment meanwhile (botocore's proxy lookup, on each new client) fails with KeyError. A user's
+# `hetspot` parses before it starts a thread; tests run the CLI in-process (CliRunner) beside their own threads (a
+# killer thread, S3 pollers), so the variable is set here, empty, which disables no pydantic plugin, and typer then
+# only rewrites it. tests/test_cli_plan.py shows the race and that this closes it.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "")
+
 # hypothesis keeps its files (example database, constants) outside the checkout, not in a `.hypothesis/` folder
 # of the user's clone.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
