@@ -12,7 +12,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # that reads the whole environment meanwhile (botocore's proxy lookup, on each new client) fails with KeyError. A user's
 # `hetspot` parses before it starts a thread; tests run the CLI in-process (CliRunner) beside their own threads (a
 # killer thread, S3 pollers), so the variable is set here, empty, which disables no pydantic plugin, and typer then
-# only rewrites it. tests/test_cli_plan.py shows the race and that this closes it.
+# only rewrites it. tests/test_cli_plan.py shows the variable deleted during a parse without this, and none with it.
 os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "")
 
 # hypothesis keeps its files (example database, constants) outside the checkout, not in a `.hypothesis/` folder

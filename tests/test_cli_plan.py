@@ -227,7 +227,6 @@ def test_stop_reports_as_json(monkeypatch):
         assert res.exit_code == 0 and json.loads(res.output) == {"job_id": job_id, "stopped": stopped}
 
 
-
 _UNSET_DURING_PARSE = """
 import os, sys
 import numpy  # noqa: F401 (its import puts and unsets OPENBLAS_MAIN_FREE through os.putenv, outside os.environ)
