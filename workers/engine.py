@@ -128,6 +128,13 @@ class Engine(GradSync, OptimizerState):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
         rendezvous = {"init_method": init_method} if store is None else {"store": store}
+        if not dist.is_initialized():
+            # torch names a group by a per-process counter (its rendezvous keys are "<name>/..."), which only
+            # destroying the world resets. An init_process_group that failed (a rank that never came) advances it
+            # and leaves no world to destroy: a kept process would then name its next world "1" while a fresh
+            # peer names it "0", each waiting on keys the other never writes, every re-plan after. Every
+            # process starts a world's names at 0.
+            dist.distributed_c10d._world.group_count = 0
         dist.init_process_group(backend, **rendezvous, rank=self.rank, world_size=world, timeout=timeout)
         self.tp_group = None
         for ranks in layout.tp_groups(self.plan):
