@@ -243,7 +243,7 @@ class PlanRun:
         spans = layout.rank_spans(self.plan)
         wants = [(r.node, spans[i][1:]) for i, r in enumerate(layout.ranks(self.plan))]
         taken = pool.take(wants) if pool is not None else [None] * len(wants)
-        joined = []
+        configured = []  # per rank: its reconfigure (a kept process) or its constructor (a new one) ended
         try:
             for p in self.plan.pipelines:
                 for st in p.stages:
@@ -254,28 +254,32 @@ class PlanRun:
                         if kept is not None:
                             self.workers.append(kept.actor)
                             self.pgs.append(kept.pg)
-                            joined.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.node]))
+                            configured.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.node]))
                             continue
                         pg = _gpu_pg(ids[st.node])
                         self.pgs.append(pg)
                         self.workers.append(_new_worker(self.job, pg, plan_json, rank, slow[st.node],
                                                         torch_threads(self.job, by_name.get(st.node))))
+                        configured.append(self.workers[-1].ready.remote())
         except BaseException:  # the processes taken for ranks not reached go back to the pool, not astray
             if pool is not None:
                 rest = [k for k in taken[len(self.kept):] if k is not None]
                 pool.warm += [k for k in rest if k.ready is not None]
                 pool.idle += [k for k in rest if k.ready is None]
             raise
+        joined = sum(1 for k in self.kept if k is not None)
         if joined:
             warm = sum(1 for k in self.kept if k is not None and k.ready is not None)
             log.info("%d of %d workers stay in their processes, %d take a warm worker; %d start",
-                     len(joined) - warm, len(self.workers), warm, len(self.workers) - len(joined))
+                     joined - warm, len(self.workers), warm, len(self.workers) - joined)
         t0 = time.perf_counter()
         self._await_placement(self.timeouts.startup_s, node_ids)
-        if joined:
-            self._gather(joined, "start-up", self.timeouts.startup_s)  # the kept processes' stages are built
+        # Every rank is configured (a kept process's stage built, a new process's constructor run: imports, the
+        # stage) before any rank enters the rendezvous, whose wait is the collective timeout: a process start on a
+        # loaded node is bounded by runtime.timeouts.startup_s, not by the collective timeout. In rank order, so a
+        # failure names its rank.
+        self._gather(configured, "start-up", self.timeouts.startup_s)
         t1 = time.perf_counter()
-        # Inside _gather, so an error in a worker's constructor names the rank and is classified.
         init = self._gather([self.workers[0].rendezvous_address.remote()], "start-up", self.timeouts.startup_s)[0]
         self.pids = self._gather([w.connect.remote(init, self.job.runtime.collective_timeout_s)
                                   for w in self.workers], "start-up", self.timeouts.startup_s)
