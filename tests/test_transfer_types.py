@@ -103,3 +103,18 @@ def test_payload_bytes_counts_data_by_its_bytes_and_containers_by_their_parts():
               HeldRow("", (), 0, (), 0.0, Tier.S3), NeedRow("h.3.mlp", ((0, 24), (8, 16)), 1 << 40),
               NeedRow("", (), 0)):
         assert payload_bytes(r) == _parts_bytes([getattr(r, f.name) for f in fields(r)], (torch.Tensor, np.ndarray))
+
+
+def test_payload_bytes_of_a_process_whose_torch_is_half_imported(monkeypatch):
+    """Another thread of the controller importing torch leaves it in sys.modules without its attributes for a
+    while; a count taken then (a restore's manifests) must not fail on it: no tensor exists before torch.Tensor."""
+    import sys
+    import types
+
+    import numpy as np
+
+    from workers.transfer import payload_bytes
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # what a half-run `import torch` leaves
+    assert payload_bytes([]) == 0
+    assert payload_bytes({"a": np.zeros(2, dtype=np.int64), "b": [1.5, None]}) == (1 + 16) + (1 + 2 * 8)

@@ -284,11 +284,13 @@ _SCALARS = (int, float, bool, type(None))
 def payload_bytes(obj) -> int:
     """Bytes of a value as it crosses a process boundary: tensors by their data, containers by their parts.
     torch is not imported for it: a value that holds a torch tensor was made in (or unpickled into) a process
-    that has torch already, and the controller, which counts every rank's answers, otherwise never needs it."""
+    that has torch already, and the controller, which counts every rank's answers, otherwise never needs it.
+    torch may also be in sys.modules half imported (another thread of the process importing it now): a value
+    holding a tensor cannot exist before torch.Tensor does, so only a defined torch.Tensor is looked for."""
     import numpy as np
 
-    torch = sys.modules.get("torch")
-    return _payload_bytes(obj, (np.ndarray,) if torch is None else (torch.Tensor, np.ndarray))
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return _payload_bytes(obj, (np.ndarray,) if tensor is None else (tensor, np.ndarray))
 
 
 def _payload_bytes(obj, arrays: tuple) -> int:
