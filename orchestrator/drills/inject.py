@@ -92,6 +92,8 @@ class FaultInjection:
 
         c = self.c
         if f.kind in ("preempt", "preempt-during-recovery"):
+            if f.at_step is not None:
+                self._quiet_state_plane()
             self._stall(f.nodes, c.progress.committed + 1)
             self._later(0.5, self.kill, f.nodes)
             self._record(f)
@@ -137,6 +139,17 @@ class FaultInjection:
         t.daemon = True
         t.start()
         self.threads.append(t)
+
+    def _quiet_state_plane(self) -> None:
+        """A kill at a step lands on a quiet state plane: the committed step's peer copies in the keepers and the
+        S3 uploads asked for ended (written or failed). What a scenario expects of the kill (bytes per tier, no
+        failed upload) then does not hang on how fast a loaded machine copies and uploads; training never waits
+        for either. A kill racing them is what preempt-during-upload and a trace drill's timed faults do."""
+        try:
+            self.c.store.wait_snapshots(timeout_s=60.0)
+            self.c.store.flush()
+        except Exception as e:  # noqa: BLE001 - a copy's node already gone, or S3 still refusing: the kill goes on
+            log.info("the state plane was not quiet before the kill (%s: %s)", type(e).__name__, e)
 
     def _stall(self, nodes: list[str], step: int) -> None:
         """The nodes' ranks stall inside `step`, so the kill lands mid-step (their peers wait in a collective)."""

@@ -9,8 +9,9 @@ faults to inject, each at a step or a time, and what the recovery must show:
       - {kind: preempt, at_step: 3, nodes: [l4-a]}
     expect: {lost_steps: 0, replans: 1, bytes: {s3: 0, in_place: ">0"}}
 
-Fault kinds (`KINDS`): preempt (hard kill; at a step the node's ranks stall
-inside that step first, so the kill lands mid-step), notice (a cloud spot notice
+Fault kinds (`KINDS`): preempt (hard kill; at a step the committed step's peer
+copies land and the uploads asked for end, then the node's ranks stall inside
+that step, so the kill lands mid-step), notice (a cloud spot notice
 through the node's fake metadata service, or a Ray drain; the node is killed at
 `deadline_s`), preempt-during-upload (the step's S3 upload is held in the
 keepers when the node dies), preempt-during-recovery (`then` nodes die while
