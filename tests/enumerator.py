@@ -100,6 +100,12 @@ class _Enum:
         self.hw = [cost.hardware_id(self.slots[k]) for k in self.kinds]
         self.stage_times = cache(lambda *a: cost.stage_times(a[0], model, train, *a[1:]))
         self.stage_memory = cache(lambda *a: cost.stage_memory(a[0], model, train, *a[1:]))
+        self.stage_sync = cache(self._stage_sync)
+
+    def _stage_sync(self, params: float, num_r: int, bws: tuple[float, ...]) -> float:
+        """A stage's gradient-sync time over its layers' sync bandwidths, summed in layer order (memoized: the
+        search scores the same stages in many plans)."""
+        return sum(cost.sync_s(params, self.train, num_r, bw) for bw in bws)
 
     def _bw_of(self, idx: frozenset[int]) -> float:
         slots = [cost.make_slot(self.cluster, self.train, self.nodes[i].name, 1) for i in idx]
@@ -243,7 +249,7 @@ class _Enum:
                 syncs, at = [], 0
                 for i, nl in enumerate(split):
                     layer_p = self.model.layer_params / self.kinds[seq[i]][1]
-                    s = sum(cost.sync_s(layer_p, self.train, num_r, bws[layer]) for layer in range(at, at + nl))
+                    s = self.stage_sync(layer_p, num_r, tuple(bws[at:at + nl]))
                     if i == 0:
                         s += cost.sync_s(self.model.embed_params, self.train, num_r, embed_bw)
                     if i == len(split) - 1:

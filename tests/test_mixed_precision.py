@@ -3,12 +3,14 @@ One rank, gloo with world size 1, no Ray.
 
 Tolerance for bf16 against fp32: bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.39%); every matmul
 input, activation and logit is rounded to it, while the update itself runs on fp32 masters, so the two
-runs drift apart only through the rounded forward and backward. Over 20 steps of the `small` preset the
+runs drift apart only through the rounded forward and backward. Over 10 steps of the `small` preset the
 per-step losses stay within 2% of the fp32 run's, and the final weights' distance from the fp32 run's
 within 25% of how far fp32 training moved them (AdamW divides by sqrt(v), which turns rounding noise in
-small gradients into full-size update noise, so weights drift more than losses). A real bug (a gradient
-lost in the master copy, a missing cast back, an update on the 16-bit copy) shows as no training or an
-error of the size of the update itself.
+small gradients into full-size update noise, so weights drift more than losses). Measured at 10 steps in
+every offload mode: losses within 0.22%, the loss down 0.26, the weights' distance 6% of the fp32 run's
+move. A real bug (a gradient lost in the master copy, a missing cast back, an update on the 16-bit copy)
+shows as no training or an error of the size of the update itself. (Ten steps, not twenty: 16-bit matmuls
+on a CPU without bf16 instructions run about 8x slower than fp32 ones, and ten steps show the same.)
 """
 
 
@@ -21,13 +23,14 @@ from workers.engine import Engine, compute_dtype
 
 pytestmark = pytest.mark.unit
 B, MB = 8, 4
+STEPS = 10  # of the bf16 and fp32 runs compared (see above)
 MODEL = ModelSpec.preset("small")
 
 
-def _plan(offload: dict) -> Plan:
-    st = Stage(layer_start=0, layer_end=MODEL.num_layers, gpu_type="A100-80GB", node="a", devices=["a/0"],
+def _plan(offload: dict, model: ModelSpec = MODEL) -> Plan:
+    st = Stage(layer_start=0, layer_end=model.num_layers, gpu_type="A100-80GB", node="a", devices=["a/0"],
                offload=offload)
-    return Plan(model_name=MODEL.name, num_layers=MODEL.num_layers, global_batch=B,
+    return Plan(model_name=model.name, num_layers=model.num_layers, global_batch=B,
                 pipelines=[Pipeline(num_samples=B, micro_batch_size=MB, num_micro_batches=B // MB, stages=[st])])
 
 
@@ -50,7 +53,7 @@ def run(precision: str, dtype: torch.dtype, steps: int, offload: dict | None = N
 
 @pytest.fixture(scope="module")
 def fp32():
-    return run("fp32", torch.float32, 20)
+    return run("fp32", torch.float32, STEPS)
 
 
 @pytest.mark.parametrize("offload",
@@ -58,7 +61,7 @@ def fp32():
                          ids=["device", "optimizer-offload", "param-offload"])
 def test_bf16_trains_like_fp32_within_bf16_tolerance(fp32, offload):
     ref, start, ref_end, _ = fp32
-    got, start16, end16, e = run("bf16", torch.bfloat16, 20, offload)
+    got, start16, end16, e = run("bf16", torch.bfloat16, STEPS, offload)
     assert all(q.dtype == torch.float32 for q in e.opt_params.values())  # fp32 masters
     assert all(p.dtype == torch.bfloat16 for n, p in e.module.params.items() if p is not e.opt_params[n])
     for n in start:
@@ -95,12 +98,14 @@ def test_bf16_device_bytes_within_10_percent_of_the_planner(name, offload):
 
 def test_fp16_loss_scale_skips_an_overflowing_step_on_every_rank_and_recovers():
     def huge_scale(e):
-        e.loss_scale = 2.0 ** 30  # the scaled gradients overflow fp16 at once
+        # The scaled gradients overflow fp16 at once: this model's first steps overflow up to a scale of 2^20
+        # and train at 2^19, so 2^24 skips five steps and the last three train.
+        e.loss_scale = 2.0 ** 24
 
-    got, start, end, e = run("fp16", torch.float16, 16, setup=huge_scale)
+    got, start, end, e = run("fp16", torch.float16, 8, setup=huge_scale)
     skipped = [r.extra["skipped_update"] for r in got]
     assert skipped[0] and not skipped[-1]  # overflow skipped, then the halved scale trains
-    assert got[-1].extra["loss_scale"] < 2.0 ** 30
+    assert got[-1].extra["loss_scale"] < 2.0 ** 24
     assert all(torch.isfinite(q).all() for q in end.values())
     assert any(not torch.equal(end[n], start[n]) for n in end)
 

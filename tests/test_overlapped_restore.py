@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from orchestrator.control.migration import WEIGHTS_SHARE
-from planner import TrainSpec
-from tests.test_mixed_precision import MODEL, B, _plan
+from planner import ModelSpec, TrainSpec
+from tests.test_mixed_precision import B, _plan
 from workers.data import make_dataset
 from workers.engine import Engine, StepError
 from workers.state import (
@@ -24,10 +24,13 @@ from workers.state import (
 )
 
 pytestmark = pytest.mark.unit
+# Two layers of the `small` preset's shape at a quarter of its width: what is restored (weights, moments, masters)
+# is the same kinds of tensors whatever the size, and 16-bit matmuls are slow on a CPU without bf16 instructions.
+MODEL = ModelSpec(name="restore-test", num_layers=2, hidden_size=64, num_heads=4, vocab_size=256, seq_len=64)
 
 
 def engine(precision: str, dtype: torch.dtype, offload: dict) -> Engine:
-    e = Engine(_plan(offload), 0, MODEL, TrainSpec(global_batch=B, lr=0.01, precision=precision),
+    e = Engine(_plan(offload, MODEL), 0, MODEL, TrainSpec(global_batch=B, lr=0.01, precision=precision),
                make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
     e.connect_alone(30)
     return e
