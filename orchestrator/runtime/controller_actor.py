@@ -126,6 +126,7 @@ class ControllerActor:
         self.tb = TensorBoardLog(tb) if tb else None
         self.reported = -1
         self.plan_seen: Plan | None = None
+        self.embedded = embedded
 
     def phase(self) -> str:
         return self.controller.progress.phase
@@ -169,8 +170,11 @@ class ControllerActor:
             self.metrics.recoveries(c.progress.events, c.clock.now() - c.started_at)
         self.record.update(out["rows"], c.progress.events, state.value, c.error, c.clock.now() - c.started_at,
                            c.progress.phase)
-        if state in (State.DONE, State.FAILED) and self.tb is not None:
-            self.tb.close()
+        if state in (State.DONE, State.FAILED):
+            if self.tb is not None:
+                self.tb.close()
+            if not self.embedded:
+                publish_last_rows()
         return out
 
     def summary(self) -> dict:
@@ -185,6 +189,20 @@ class ControllerActor:
                 "upload_lag": c.store.upload_lag(c.progress.committed),
                 "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
                 "events": c.progress.events, "history": c.progress.history, "run_record": self.record.location}
+
+
+def publish_last_rows() -> None:
+    """Keep this process up for one of Ray's metrics exports, so the last step's gauges reach the node's metrics
+    agent before the job ends (and its actors with it): a core worker exports its gauges once per
+    `metrics_report_interval_ms` (10 s by default, at least 1 s), and a gauge it never exported is lost. The agent
+    keeps a finished worker's last export for a while after that, where Prometheus scrapes it."""
+    import time
+
+    try:
+        interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+    except Exception:  # (a private accessor: Ray's default if it moves)
+        interval_s = 10.0
+    time.sleep(interval_s + 0.5)
 
 
 def drive(actor, on_row: Callable[[dict], None] | None = None, on_event: Callable[[dict], None] | None = None,
