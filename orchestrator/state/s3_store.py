@@ -31,6 +31,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -171,7 +172,7 @@ class Lease:
         if not force and (self.key is None or now - self.taken_at < self.ttl_s / 2):
             return
         s = self.store
-        key = f"{s.dir}{LEASES}/step-{self.step:010d}/{self.holder}.{int(now + self.ttl_s)}"
+        key = f"{s.dir}{LEASES}/step-{self.step:010d}/{self.holder}.{math.ceil(now + self.ttl_s)}"  # never short
         try:
             s.client.put_object(Bucket=s.bucket, Key=key, Body=b"")
         except Exception as e:  # noqa: BLE001 - reading goes on without a hold; said once
