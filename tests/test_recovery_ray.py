@@ -425,12 +425,12 @@ def test_node_killed_during_an_s3_upload_uses_the_previous_complete_step(cluster
     c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
     run_until(c, 1)
     c.store.flush()
-    ray.get([k.delay_uploads.remote(3.0) for k in c.store.keepers.values()])
+    ray.get([k.hold_uploads.remote() for k in c.store.keepers.values()])
     run_until(c, 2)  # step 2's upload is held in the keepers
     kill(cluster, "up-a")
     for name, k in list(c.store.keepers.items()):
         if name != "up-a":
-            ray.get(k.delay_uploads.remote(0.0))
+            ray.get(k.release_uploads.remote())
     assert c.run() == State.DONE, c.error
     r = restore_events(c)[0]
     assert r["step"] == 1 and r["tier"] == "s3" and r["bytes_by_tier"]["live"] == r["bytes_by_tier"]["peer"] == 0

@@ -131,19 +131,20 @@ def test_an_upload_a_restore_went_back_from_is_not_written_and_the_redo_is(endpo
         store.after_step(group, step)
         store.flush()
     for k in calls.keepers.values():
-        k.upload_delay_s = 1.0
+        k.hold_uploads()  # step 2's first try stays in flight until the redo below is queued, however slow the machine
     group.commit(2)
     store.after_step(group, 2)
     until = time.monotonic() + 10
     while store._inflight != 2:
         assert time.monotonic() < until, "step 2's upload never started"
         time.sleep(0.01)
-    time.sleep(0.3)  # its keepers are reading their copies (slowly)
     new = LocalGroup(NEW, calls)
     assert store.restore(new).step == 1  # from S3 only: step 2 is not there yet
     for step in (2, 3, 4):  # the redo: each step's upload waits behind the one in flight
         new.commit(step)
         store.after_step(new, step)
+    for k in calls.keepers.values():
+        k.release_uploads()  # the first try of step 2 reads its copies now, after the redo replaced them
     store.flush()
     assert [(u.step, u.status) for u in store.uploads[2:]] == [
         (2, "dropped"), (3, "dropped"), (2, "failed"), (4, "written")], store.uploads  # the redo's 2 and 3, then

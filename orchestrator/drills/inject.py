@@ -104,14 +104,14 @@ class FaultInjection:
             self._notice(f)
         elif f.kind == "preempt-during-upload":
             c.store.flush()
-            ray.get([k.delay_uploads.remote(3.0) for k in c.store.keepers.values()])
+            ray.get([k.hold_uploads.remote() for k in c.store.keepers.values()])  # until the kill, however long
             step = c.progress.committed + 1
 
             def kill_mid_upload() -> None:
                 self.kill(f.nodes)
                 for name, k in list(c.store.keepers.items()):
                     if name not in f.nodes:
-                        ray.get(k.delay_uploads.remote(0.0))
+                        ray.get(k.release_uploads.remote())
                 self._record(f, upload_step=step)
             return [(step, kill_mid_upload)]
         elif f.kind == "corrupt-s3":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 import ray
@@ -58,9 +57,10 @@ class KeeperStore:
         self.node, self.keep_peer_steps = node, keep_peer_steps
         self.lock = threading.Lock()
         self.held: dict[tuple[Tier, int, int], tuple[dict, float]] = {}  # (tier, step, rank) -> (shards, opt steps)
-        self.upload_delay_s = 0.0
         self.moments_go = threading.Event()  # tests: an overlapped restore's moments wait for it (hold_moments)
         self.moments_go.set()
+        self.uploads_go = threading.Event()  # tests: every upload waits for it (hold_uploads)
+        self.uploads_go.set()
         self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
         self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
         self.s3_lock = threading.Lock()
@@ -158,16 +158,20 @@ class KeeperStore:
         tensors = cut(self.s3_read[piece.key] | {"slice": piece.region}, req.region)
         return Piece(Tier.S3, tensors, read)
 
-    def delay_uploads(self, seconds: float) -> None:
-        """Drills: hold every later upload this long first, so a test can kill a node mid-upload."""
-        self.upload_delay_s = seconds
-
     def hold_moments(self) -> None:
         """Tests: hold every later answer of an overlapped restore's moments until `release_moments`."""
         self.moments_go.clear()
 
     def release_moments(self) -> None:
         self.moments_go.set()
+
+    def hold_uploads(self) -> None:
+        """Tests and drills: hold every later upload until `release_uploads`, so a node can die mid-upload (or a
+        test keep an upload in flight) on a machine of any speed."""
+        self.uploads_go.clear()
+
+    def release_uploads(self) -> None:
+        self.uploads_go.set()
 
     def check_write(self, at: CheckpointLocation) -> str | None:
         """Can this node write the checkpoint bucket? None, or what S3 answered (with this node's credentials)."""
@@ -184,8 +188,8 @@ class KeeperStore:
         entries (metadata only)."""
         from orchestrator.state.s3_store import S3Checkpoints
 
-        if self.upload_delay_s:
-            time.sleep(self.upload_delay_s)
+        if not self.uploads_go.wait(timeout=120):
+            raise TimeoutError("uploads held for 120 s (hold_uploads without release_uploads)")
         store = S3Checkpoints.at(at)
         out = []
         for p in pieces:  # the step stays pinned: the state plane unpins it when the upload
