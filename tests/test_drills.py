@@ -51,7 +51,8 @@ def test_one_scenario_per_fault_kind_and_at_least_one_runs_by_default():
 
 @pytest.fixture(scope="module")
 def shared():
-    """One head-only Ray cluster and one moto S3 server; each drill adds its nodes and removes them after."""
+    """One head-only Ray cluster and one moto S3 server; each drill adds the nodes it needs, and leaves the idle
+    ones to the next (runner.Drill._start_nodes, tested below)."""
     import os
 
     from orchestrator.cluster.embedded import EmbeddedCluster
@@ -92,6 +93,42 @@ def test_drill_scenario_holds_the_oracle(shared, path):
     assert result.oracle_holds
     assert out["faults"] and all(f["injected_s"] > 0 for f in out["faults"])  # every fault was injected
     assert out["recoveries"], "a fault with no recovery event"
+
+
+@pytest.mark.ray
+def test_a_shared_cluster_keeps_idle_nodes_declared_alike_and_replaces_the_rest(shared):
+    """Drills on one cluster reuse each other's nodes (a node start is a raylet and two agents, about 1.7 s of CPU):
+    a node is kept only while no actor holds its resources, and only for a drill that declares it alike; any
+    other node goes before a drill starts, so its job sees exactly its first nodes."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from orchestrator.drills.runner import Drill
+
+    ec, s3 = shared
+    sc = load_scenario(ROOT / "drills" / "s3-outage.yaml")  # l4-a, t4-b, t4-c; no notice, no joining node
+    first = Drill(sc, cluster=ec, s3=s3)
+    first._start_nodes()
+    ec.nodes["stray"] = ec.add(sc.job.cluster.nodes[0].model_copy(update={"name": "stray"}))
+    ids = {n: ec.nodes[n].node_id for n in ec.nodes}
+
+    @ray.remote(num_gpus=1)
+    class Holder:
+        def ping(self) -> bool:
+            return True
+
+    holder = Holder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids["t4-b"], soft=False)).remote()
+    ray.get(holder.ping.remote(), timeout=60)
+    assert ec.idle(list(ec.nodes), wait_s=1.0) == {"l4-a", "t4-c", "stray"}  # t4-b's GPU is held
+    ray.kill(holder)
+    assert ec.idle(list(ec.nodes)) == {"l4-a", "t4-b", "t4-c", "stray"}
+    n, _ = ec.declared["t4-c"]
+    ec.declared["t4-c"] = (n.model_copy(update={"market": "on-demand"}), {})  # declared otherwise than the job does
+    Drill(sc, cluster=ec, s3=s3)._start_nodes()
+    assert set(ec.nodes) == {"l4-a", "t4-b", "t4-c"}  # the stray node went
+    assert {n: ec.nodes[n].node_id == ids[n] for n in ec.nodes} == {"l4-a": True, "t4-b": True, "t4-c": False}
+    alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
+    assert ids["stray"] not in alive and ids["t4-c"] not in alive
 
 
 @pytest.mark.unit

@@ -37,12 +37,14 @@ class EmbeddedCluster:
                             "dashboard_host": "127.0.0.1", "_system_config": HEALTH},
         )
         self.nodes = {}
+        self.declared: dict[str, tuple] = {}  # node name -> (its NodeSpec, the labels `add` was given)
         for n in spec.nodes:
             self.nodes[n.name] = self.add(n)
 
     def add(self, n, labels: dict[str, str] | None = None):
         """Start a Ray node for NodeSpec `n`; `labels` adds to hetspot's (e.g. a fake metadata-service URL)."""
         extra = {} if self.object_store is None else {"object_store_memory": self.object_store}
+        self.declared[n.name] = (n, labels or {})
         return self.cluster.add_node(
             num_cpus=n.num_gpus, num_gpus=n.num_gpus, **extra,
             resources={f"accelerator_type:{n.gpu_type}": 1},
@@ -52,6 +54,27 @@ class EmbeddedCluster:
 
     def remove(self, name: str) -> None:
         self.cluster.remove_node(self.nodes.pop(name))
+        self.declared.pop(name, None)
+
+    def idle(self, names: list[str], wait_s: float = 5.0) -> set[str]:
+        """Which of these nodes are up with their CPUs, GPUs and custom resources all free (no actor left on them),
+        as Ray reports them within `wait_s` (an actor's resources come back a moment after it is killed)."""
+        import time
+
+        import ray
+        from ray._private.state import available_resources_per_node
+
+        ids = {self.nodes[n].node_id: n for n in names if n in self.nodes}
+        until = time.monotonic() + wait_s
+        while True:
+            total = {x["NodeID"]: x["Resources"] for x in ray.nodes() if x["Alive"] and x["NodeID"] in ids}
+            free = available_resources_per_node()
+            idle = {ids[i] for i, res in total.items()
+                    if all(free.get(i, {}).get(k, 0.0) >= v for k, v in res.items()
+                           if k not in ("memory", "object_store_memory") and not k.startswith("node:"))}
+            if idle == set(ids.values()) or time.monotonic() > until:
+                return idle
+            time.sleep(0.2)
 
     @property
     def address(self) -> str:

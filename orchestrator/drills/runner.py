@@ -77,7 +77,6 @@ class Drill(FaultInjection):
         self.fired: list[dict] = []
         self.main_queue: list[Fault] = []
         self.threads: list[threading.Thread] = []
-        self.ref_nodes: list[str] = []  # nodes started for the replayed reference
         self.lags: list[dict] = []  # the S3 tier's standing at each commit (TieredState.upload_lag)
         self.c = None
         self.t0 = 0.0
@@ -95,8 +94,14 @@ class Drill(FaultInjection):
             self.say(f"starting the embedded Ray cluster: {len(first)} nodes")
             self.cluster = EmbeddedCluster(ClusterSpec.model_construct(nodes=[]))
             self.cluster.connect()
+        # A shared cluster keeps an earlier drill's idle nodes (_release): one this drill starts with, declared
+        # alike, is used as it is; every other one goes, so the job sees exactly its first nodes.
+        want = {n.name: (n, {}) for n in first if n.name not in self.imds}
+        kept = {x for x, d in self.cluster.declared.items() if want.get(x) == d}
+        self.kill([x for x in self.cluster.nodes if x not in kept])
         for n in first:
-            self._add(n)
+            if n.name not in kept:
+                self._add(n)
 
     def _add(self, n: NodeSpec) -> None:
         from orchestrator.preemption.ray_notices import LABEL_METADATA_URL
@@ -259,7 +264,6 @@ class Drill(FaultInjection):
         added, placed = place([p for _, _, p in segments], list(declared.values()), alive)
         for n in added:
             self._add(n)
-            self.ref_nodes.append(n.name)
         self.say(f"reference run: the drill's {steps} steps on its {len(segments)} plan(s), without faults")
         job = self.job.model_copy(update={"checkpoint": None, "cluster": ClusterSpec(
             nodes=[declared[n] for n in alive] + added)})
@@ -278,8 +282,10 @@ class Drill(FaultInjection):
     def _release(self) -> None:
         if self.own_cluster:
             self.cluster.shutdown()
-        else:  # a shared cluster: this scenario's nodes go, the next one adds its own
-            self.kill([n.name for n in self.job.cluster.nodes] + self.ref_nodes)
+        else:  # a shared cluster: the nodes left idle stay for the next drill (one without a notice, no actor left)
+            noticed = {n for f in self.sc.faults if f.kind == "notice" for n in f.nodes}
+            idle = self.cluster.idle([x for x in self.cluster.nodes if x not in noticed])
+            self.kill([x for x in self.cluster.nodes if x not in idle])
 
     # -- the result -----------------------------------------------------------------------------
     def _result(self, steps: int, reference: list[float], commits, wall: float, error: str | None,
