@@ -327,8 +327,12 @@ def test_a_killed_node_is_replaced_by_the_autoscaler_and_the_job_moves_onto_it(f
     assert r.returncode == 0, r.stderr
     job_id = json.loads(r.stdout)["job_id"]
 
-    def status() -> dict:
-        return json.loads(hetspot("status", job_id, "--address", URL, "--json").stdout)
+    from orchestrator.runtime.ray_jobs import RayJobs
+
+    jobs = RayJobs(URL)
+
+    def status() -> dict:  # what `hetspot status --json` prints, asked in this process (not a process a second)
+        return jobs.status(job_id)
 
     def until(what: str, ok, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -361,6 +365,8 @@ def test_a_killed_node_is_replaced_by_the_autoscaler_and_the_job_moves_onto_it(f
     while (st := status())["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
         assert time.monotonic() < deadline, st
         time.sleep(1.0)
+    cli = json.loads(hetspot("status", job_id, "--address", URL, "--json").stdout)  # the user's command, at the end
+    assert (cli["status"], kinds(cli)) == (st["status"], kinds(st)), (cli, st)
     log = hetspot("logs", job_id, "--address", URL).stdout
     events = st.get("events") or []
     print(f"kill -> moved onto the replacement L4 in {moved_s:.1f} s; events:",
