@@ -97,6 +97,7 @@ class _Enum:
         self.pipe_time = cache(self._pipe_time)
         self.bw_of = cache(self._bw_of)
         self._choice_cache: dict = {}
+        self._stage_cache: dict = {}
         self.hw = [cost.hardware_id(self.slots[k]) for k in self.kinds]
         self.stage_times = cache(lambda *a: cost.stage_times(a[0], model, train, *a[1:]))
         self.stage_memory = cache(lambda *a: cost.stage_memory(a[0], model, train, *a[1:]))
@@ -157,24 +158,40 @@ class _Enum:
         A stage's choice that is no faster on any micro-batch, no cheaper in optimizer time and no longer
         in its last backward (which hides the sync) than another is dropped."""
         m = math.ceil(n / b)
-        sizes = [b] * (m - 1) + [n - (m - 1) * b]
         stages = []
         for i in range(len(seq)):
-            opts = []
-            for kn, slot, shape, nxt, prv, k in self._stage_opts(seq, split, i, b, m, modes and modes[i]):
-                ts = [self.stage_times(slot, shape, x, k, kn, nxt, prv) for x in sizes]
-                busy = sum(t.fwd_s + t.bwd_s for t in ts)
-                fwd = sum(t.fwd_s for t in ts)
-                opt = cost.optimizer_s(slot, self.model, self.train, shape, kn, busy, fwd)
-                opts.append((kn, [t.fwd_s + t.bwd_s for t in ts], opt, ts[-1].bwd_s))
+            g = seq[i]
+            slot = self.slots[self.kinds[g]]
+            nxt = cost.link_bw(slot, self.slots[self.kinds[seq[i + 1]]]) if i + 1 < len(seq) else None
+            prv = cost.link_bw(slot, self.slots[self.kinds[seq[i - 1]]]) if i > 0 else None
+            # A stage's options depend on its hardware, links, layers and position, not on the rest of the
+            # pipeline: shared by every pipeline that has such a stage.
+            key = (self.hw[g], self.host == "node" and self.nodes[self.kinds[g][0]].host_mem, split[i], i == 0,
+                   i == len(seq) - 1, cost.inflight(i, len(seq), m, "1f1b"), nxt, prv, n, b, modes and modes[i])
+            opts = self._stage_cache.get(key)
+            if opts is None:
+                opts = self._stage_cache[key] = self._stage_front(seq, split, i, n, b, m, modes and modes[i])
             if not opts:
                 return []
-            stages.append([o for o in opts if not any(
-                q is not o and all(x <= y for x, y in zip(q[1], o[1], strict=True)) and q[2] <= o[2] and q[3] >= o[3]
-                and (q[1], q[2], q[3]) != (o[1], o[2], o[3]) for q in opts)])
+            stages.append(opts)
         return [(cost.pipeline_time([[c[1][j] for c in choice] for j in range(m)]),
                  tuple((c[2], c[3]) for c in choice), tuple(c[0] for c in choice))
                 for choice in itertools.product(*stages)]
+
+    def _stage_front(self, seq, split, i, n, b, m, mode):
+        """Stage i's offload choices at n samples in micro-batches of b: (knobs, per micro-batch time, optimizer
+        s, last backward s), less those another choice is no worse than on every count."""
+        sizes = [b] * (m - 1) + [n - (m - 1) * b]
+        opts = []
+        for kn, slot, shape, nxt, prv, k in self._stage_opts(seq, split, i, b, m, mode):
+            ts = [self.stage_times(slot, shape, x, k, kn, nxt, prv) for x in sizes]
+            busy = sum(t.fwd_s + t.bwd_s for t in ts)
+            fwd = sum(t.fwd_s for t in ts)
+            opt = cost.optimizer_s(slot, self.model, self.train, shape, kn, busy, fwd)
+            opts.append((kn, [t.fwd_s + t.bwd_s for t in ts], opt, ts[-1].bwd_s))
+        return [o for o in opts if not any(
+            q is not o and all(x <= y for x, y in zip(q[1], o[1], strict=True)) and q[2] <= o[2] and q[3] >= o[3]
+            and (q[1], q[2], q[3]) != (o[1], o[2], o[3]) for q in opts)]
 
     def _pipe_time(self, seq, split, n, syncs, modes=None):
         """(fastest finish of one pipeline on n samples, (b, m, knobs per stage)); syncs: gradient-sync seconds
