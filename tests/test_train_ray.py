@@ -150,11 +150,13 @@ def test_equivalence_with_one_device(cluster, name):
     assert_equivalent(job(p.global_batch), p)
 
 
-# a and b in the slow run: h has Llama under uneven DP (5 and 3 samples) with a pipeline and TP=2, and the GPT b
-# has the uneven layer split, which does not depend on the architecture
+# a, b and d in the slow run: h has Llama under uneven DP (5 and 3 samples) with a pipeline, TP=2 in both of its
+# replicas (the key/value heads split per TP rank, as d's) and offload; the GPT b has the uneven layer split, which
+# does not depend on the architecture
 @pytest.mark.parametrize("name", [pytest.param("a-dp-5-and-3", marks=pytest.mark.slow),
                                   pytest.param("b-pp-1-and-3", marks=pytest.mark.slow),
-                                  "d-tp2-in-pipeline-beside-tp2", "h-param-offload-tp-pipeline-beside-dp"])
+                                  pytest.param("d-tp2-in-pipeline-beside-tp2", marks=pytest.mark.slow),
+                                  "h-param-offload-tp-pipeline-beside-dp"])
 def test_llama_equivalence_with_one_device(cluster, name):
     """Issue 17: the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA with 4 query heads on 2 key/value heads,
     untied head) under uneven DP, uneven PP, and TP=2 (one key/value head per TP rank), and with offload."""
