@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.cluster.embedded import EmbeddedCluster  # noqa: E402
 from orchestrator.drills.inject import S3Server  # noqa: E402
 from orchestrator.drills.runner import CREDS, Drill  # noqa: E402
-from orchestrator.drills.scenario import Expect, load_scenario  # noqa: E402
+from orchestrator.drills.scenario import Expect, load_scenario, scenario_files  # noqa: E402
 from planner import ClusterSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,9 +66,7 @@ def main() -> None:
           "| goodput | drill s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
-        for path in sorted((ROOT / "drills").glob("*.yaml")):
-            if path.name.startswith("job-"):
-                continue
+        for path in scenario_files(ROOT / "drills"):
             sc = load_scenario(path)
             if (sc.slow and not args.all) or (args.only and sc.name not in args.only):
                 continue

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.drills.results import check_samples
-from orchestrator.drills.scenario import load_scenario
+from orchestrator.drills.scenario import load_scenario, scenario_files
 from orchestrator.drills.trace import drill_events, fleet_slots, parse_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-DRILLS = sorted(p for p in (ROOT / "drills").glob("*.yaml") if not p.name.startswith("job-"))
+DRILLS = scenario_files(ROOT / "drills")
 HETSPOT = str(Path(sys.executable).parent / "hetspot")
 
 

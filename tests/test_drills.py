@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.drills.scenario import load_scenario
+from orchestrator.drills.scenario import load_scenario, scenario_files
 from orchestrator.drills.trace import parse_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-DRILLS = sorted(p for p in (ROOT / "drills").glob("*.yaml") if not p.name.startswith("job-"))
+DRILLS = scenario_files(ROOT / "drills")
 
 
 # Scenarios the README's own test runs in the default run (tests/test_readme.py: `hetspot drill drills/preempt.yaml`

@@ -138,6 +138,11 @@ def _strip_lines(x):
     return x
 
 
+def scenario_files(folder: str | Path) -> list[Path]:
+    """The scenarios of a drills folder, by name: its YAML files but the jobs they name (`job-*.yaml`)."""
+    return sorted(p for p in Path(folder).glob("*.yaml") if not p.name.startswith("job-"))
+
+
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
     if p.is_dir() or not p.is_file():
