@@ -139,6 +139,10 @@ class RuntimeSpec(_Section):
         "0: the plan that finishes soonest, migration included); the event says what was traded")
     max_restarts: int = Field(default=100, ge=0, description="re-plans after failures before the job gives up (a "
                               "spot job sees many; a deterministic error stops it at once whatever this is)")
+    max_failures_without_progress: int = Field(
+        default=5, ge=1, description="the job stops at this many failures in a row that lost no node with no step "
+        "committed between them (a restore or a collective failing the same way on every new plan): re-planning "
+        "does not get past those. A failure that takes a node (a spot loss) never counts")
     profile: bool = Field(default=True, description="on a running cluster, measure each GPU type before planning "
                                                     "(skipped on fake GPUs)")
     tensorboard_dir: str | None = Field(default=None, description="write per-step scalars here (needs tensorboardX); "

@@ -64,6 +64,42 @@ def test_too_many_failures_abort_with_cause():
     assert "node lost" in c.error and "gave up after 2" in c.error
 
 
+def test_a_failure_that_takes_no_node_and_comes_back_on_every_plan_stops_the_job_at_the_fifth():
+    """A transient kind that every new plan meets again at the same step (here a timeout of step 1, no node
+    gone) stops the job at runtime.max_failures_without_progress, not after max_restarts re-plans."""
+    c, log, groups = make(FakeNodes(BIG), failures=[[1] for _ in range(8)], group_kw={"fail_kind": "timeout"})
+    assert c.run() == State.FAILED
+    assert len(groups) == 5 and c.progress.restarts == 4  # four re-plans, the fifth failure stops it
+    assert "timeout" in c.error and "5 failures in a row with no node lost and no step committed" in c.error
+    assert "max_failures_without_progress" in c.error
+    assert c.progress.losses == {0: 10.0}  # step 0 stays committed; nothing past it was trained
+
+
+def test_failures_that_take_nodes_or_come_after_progress_never_add_up_to_the_stop():
+    # Eight node losses in a row at the same step: each a spot loss the next plan leaves out; none counts.
+    c, _, groups = make(FakeNodes(BIG), failures=[[1] for _ in range(8)], steps=3)
+    assert c.run() == State.DONE and c.progress.restarts == 8
+    # Six timeouts, each one step later than the last (the job goes on between them): none follows another
+    # with no step committed, so the job finishes with its uninterrupted losses.
+    c, _, groups = make(FakeNodes(BIG), failures=[[s] for s in range(1, 7)], steps=8, group_kw={"fail_kind": "timeout"})
+    assert c.run() == State.DONE and c.progress.restarts == 6
+    assert c.progress.losses == {s: 10.0 - s for s in range(8)}
+    # Two stalled timeouts, a node loss, then four more stalled timeouts: the loss starts the count over.
+    c, _, _ = make(FakeNodes(BIG), failures=[[1] for _ in range(7)], steps=3, max_stalled=5,
+                   group_kw={"fail_kind": "timeout"})
+    kinds = iter(["timeout", "timeout", "node lost", "timeout", "timeout", "timeout", "timeout"])
+    c.make_group = _with_kinds(c.make_group, kinds)
+    assert c.run() == State.DONE and c.progress.restarts == 7
+
+
+def _with_kinds(factory, kinds):
+    def make_group(plan):
+        g = factory(plan)
+        g.fail_kind = next(kinds, "timeout")
+        return g
+    return make_group
+
+
 def test_failure_during_launch_is_a_decision():
     c, _, _ = make(FakeNodes(BIG, SMALL), fail_start=True)
     c.step(), c.step()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from orchestrator.control.drain import drain_copy_s, notice_decision
-from orchestrator.control.failure import Replan, failure_policy
+from orchestrator.control.failure import Replan, failure_policy, loses_a_node
 from orchestrator.control.protocols import (
     Clock,
     InterruptionSource,
@@ -90,7 +90,7 @@ class Controller:
                  make_group: Callable[[Plan], WorkerGroup], *, store: StatePlane | None = None,
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
-                 max_restarts: int = 100, snapshot_every: int = 1, drain_margin_s: float = 1.0,
+                 max_restarts: int = 100, max_stalled: int = 5, snapshot_every: int = 1, drain_margin_s: float = 1.0,
                  on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0,
                  capacity=None, sleep: Callable[[float], None] | None = None, replan_tolerance: float = TOLERANCE):
         self.model, self.train, self.steps = model, train, steps
@@ -99,6 +99,9 @@ class Controller:
         self.store = store or MemorySnapshots(snapshot_every)
         self.clock, self.interruptions = clock or SystemClock(), interruptions or NoInterruptions()
         self.max_restarts, self.snapshot_every, self.replan_user_plan = max_restarts, snapshot_every, replan_user_plan
+        # Failures in a row that lost no node with no step committed between them (the failure policy's `stalled`),
+        # and the steps committed so far when the last failure came (a count that rollbacks do not lower).
+        self.max_stalled, self._stalled, self._commits, self._commits_at_failure = max_stalled, 0, 0, 0
         self.on_phase = on_phase or (lambda phase: None)
         self.planner = Planner(model, train)  # keeps its cost caches across re-plans
         self.progress = Progress()
@@ -284,6 +287,7 @@ class Controller:
             loss = self.workers.step(s)
             self.progress.step_time_s[s] = self.clock.now() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
+            self._commits += 1
             self.progress.samples[s] = list(getattr(self.group, "last_samples", []))
             self._mark("first_step_s")
             if self.store.after_step(self.workers, s, self.doomed):
@@ -492,8 +496,12 @@ class Controller:
     # -- the executor of decisions -------------------------------------------------
     def _decide(self, failure: WorkerFailure) -> State:
         detected_s = round(self.clock.now() - self.started_at, 3)  # before salvage and shutdown
+        if loses_a_node(failure) or self._commits != self._commits_at_failure:
+            self._stalled = 0
+        self._stalled += not loses_a_node(failure)
+        self._commits_at_failure = self._commits
         decision = failure_policy(failure, self.progress.restarts, self.max_restarts, self.user_plan,
-                                  self.replan_user_plan)
+                                  self.replan_user_plan, self._stalled, self.max_stalled)
         log.warning("worker failure (%s): %s -> %s", failure.kind, failure, type(decision).__name__)
         self._staged = None  # a failure re-plans from what is left (warm workers stay in the pool)
         self._join_dropped("a failure re-planned first")

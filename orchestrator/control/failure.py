@@ -60,9 +60,22 @@ class Abort:
 Decision = Replan | Abort
 
 
+def loses_a_node(failure: WorkerFailure) -> bool:
+    """Whether the failure came with a node gone: a loss the next plan works around by leaving the node out."""
+    return failure.kind == FailureKind.NODE_LOST or bool(failure.nodes)
+
+
 def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int,
-                   user_plan: bool = False, replan_user_plan: bool = False) -> Decision:
+                   user_plan: bool = False, replan_user_plan: bool = False,
+                   stalled: int = 1, max_stalled: int = 5) -> Decision:
     """Re-plan after a transient loss while restarts remain; abort on a deterministic error at once.
+
+    `stalled`: the failures in a row, this one included, that lost no node with no step committed between them
+    (0 when this one lost a node). A transient kind that comes back that way on every new plan (a restore whose
+    source keeps failing, a collective that times out on healthy nodes) is not a loss that re-planning gets
+    past: the job stops at the `max_stalled`-th instead of spending `max_restarts` re-plans on it. Spot losses,
+    however many in a row, each take a node and never count (SkyPilot's managed jobs likewise retry
+    preemptions without bound but errors a few times only).
 
     A user-supplied plan is replaced by a planner plan only when the user said so
     (`hetspot submit --plan P --replan-on-loss`).
@@ -71,6 +84,10 @@ def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int,
         return Abort(f"{failure} (an error that any plan would hit again: not re-planning)")
     if restarts >= max_restarts:
         return Abort(f"{failure} (gave up after {restarts} re-plans)")
+    if stalled >= max_stalled:
+        return Abort(f"{failure} ({stalled} failures in a row with no node lost and no step committed between "
+                     "them: another plan does not get past it, so not re-planning; "
+                     "runtime.max_failures_without_progress sets how many)")
     if user_plan and not replan_user_plan:
         return Abort(f"{failure} (the job runs the plan given with --plan; pass --replan-on-loss to let "
                      "hetspot re-plan on the surviving GPUs)")

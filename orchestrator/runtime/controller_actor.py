@@ -47,7 +47,8 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
                                                job.runtime.notice_poll_s, grace_s=job.runtime.notice_grace_s),
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
                       on_phase=on_phase, scale_check_every=job.runtime.scale_check_every,
-                      max_restarts=job.runtime.max_restarts, capacity=capacity,
+                      max_restarts=job.runtime.max_restarts, max_stalled=job.runtime.max_failures_without_progress,
+                      capacity=capacity,
                       replan_tolerance=job.runtime.replan_tolerance)
 
 
