@@ -118,10 +118,12 @@ def assert_inventory(r: subprocess.CompletedProcess) -> None:
     assert {n["name"]: n["market"] for n in inv["nodes"]} == {"head-a100": "on-demand", "t4-spot": "spot"}
 
 
-def wait_status(head: RealHead, job_id: str, want: tuple[str, ...], *auth: str, timeout: float = 180, **kw) -> dict:
+def wait_status(head: RealHead, job_id: str, want: tuple[str, ...], *auth: str, timeout: float = 600, **kw) -> dict:
     """Wait until the job is in one of `want` (or ended), then read it with `hetspot status --json` as the user
-    would. The wait asks Ray's job client in this process, with the head's token (a `hetspot status` a second
-    would start a Python process a second, about 0.7 s of CPU each, beside the other worker's clusters)."""
+    would. `timeout` is there to catch a job that hangs, not a slow one: a 4-step job ends in about 20 s on a quiet
+    2-core machine and was still running after 240 s there beside two CPU busy loops. The wait asks Ray's job
+    client in this process, with the head's token (a `hetspot status` a second would start a Python process a
+    second, about 0.7 s of CPU each, beside the other worker's clusters)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     jobs, deadline = JobSubmissionClient(head.url, headers=head.headers), time.monotonic() + timeout
@@ -263,7 +265,8 @@ def test_cli_against_a_real_head(head, tmp_path):
     outputs.append(r.stdout)
     r = cli(head, "stop", long_id, "--address", head.url, *auth, home=user_home)
     assert r.returncode == 0 and "stop requested" in r.stdout
-    st = wait_status(head, long_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=60, home=user_home)
+    st = wait_status(head, long_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180,  # STOP_GRACE_S + load
+                    home=user_home)
     assert st["status"] == "STOPPED"
     outputs += [r.stdout, json.dumps(st)]
     for out in outputs:  # the token never shows in --json output, status or logs
