@@ -63,6 +63,7 @@ CASES = {
     "warm-workers-negative": (_with("runtime", warm_workers=-1), ["warm_workers", "0"]),
     "warm-workers-too-many": (_with("runtime", warm_workers=65), ["warm_workers", "64"]),
     "warm-workers-text": (_with("runtime", warm_workers="some"), ["warm_workers"]),
+    "stall-limit-zero": (_with("runtime", max_failures_without_progress=0), ["max_failures_without_progress", "1"]),
     "gpu-unknown": (_node(gpu_type="B9000"), ["gpu_type"]),
     "gpus-zero": (_node(num_gpus=0), ["num_gpus"]),
     "gpus-bool": (_node(num_gpus=True), ["num_gpus"]),
