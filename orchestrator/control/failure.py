@@ -74,8 +74,8 @@ def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int,
     (0 when this one lost a node). A transient kind that comes back that way on every new plan (a restore whose
     source keeps failing, a collective that times out on healthy nodes) is not a loss that re-planning gets
     past: the job stops at the `max_stalled`-th instead of spending `max_restarts` re-plans on it. Spot losses,
-    however many in a row, each take a node and never count (SkyPilot's managed jobs likewise retry
-    preemptions without bound but errors a few times only).
+    however many in a row, each take a node and never count (SkyPilot's managed jobs likewise recover from
+    preemptions without a limit, and restart after a user error only as often as `max_restarts_on_errors` says).
 
     A user-supplied plan is replaced by a planner plan only when the user said so
     (`hetspot submit --plan P --replan-on-loss`).
