@@ -496,9 +496,8 @@ class Controller:
     # -- the executor of decisions -------------------------------------------------
     def _decide(self, failure: WorkerFailure) -> State:
         detected_s = round(self.clock.now() - self.started_at, 3)  # before salvage and shutdown
-        if loses_a_node(failure) or self._commits != self._commits_at_failure:
-            self._stalled = 0
-        self._stalled += not loses_a_node(failure)
+        stalled_before = self._stalled if self._commits == self._commits_at_failure else 0
+        self._stalled = 0 if loses_a_node(failure) else stalled_before + 1
         self._commits_at_failure = self._commits
         decision = failure_policy(failure, self.progress.restarts, self.max_restarts, self.user_plan,
                                   self.replan_user_plan, self._stalled, self.max_stalled)
