@@ -23,8 +23,8 @@ os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
 
 MARKERS = {"unit", "sweep", "ray", "gpu", "slow"}
 
-# Seconds each of the longest modules took in a serial run (session 20's clean-clone rehearsal, 2 cores; the recovery
-# module's, the training, drill and resume modules' alone, session 24). `make
+# Seconds each of the longest modules took in `make test`'s first part on 2 cores (its `--durations` figures, setup and
+# teardown included, summed by module; 2026-12). `make
 # test` runs the suite on two xdist workers (`--dist loadfile`, with the scheduler below): every module with Ray
 # tests is in one scope, so one worker runs them one after another (two embedded test clusters side by side on 2
 # cores each ran over twice as slow, and a node's raylet has 30 s to register), while the other worker first runs the
@@ -32,9 +32,12 @@ MARKERS = {"unit", "sweep", "ray", "gpu", "slow"}
 # time waiting for nodes and jobs), then the pure modules, a module at a time, longest first. The figures only
 # order; a stale one costs time, never a result.
 MODULE_SECONDS: dict[str, float] = {
-    "test_recovery_ray.py": 488, "test_train_ray.py": 383, "test_drills.py": 538, "test_planner_invariants.py": 346,
-    "test_planner_optimality.py": 237, "test_resume_and_lost_controller.py": 208, "test_readme.py": 165,
-    "test_host_memory.py": 146, "test_fleet_choice.py": 125, "test_s3_hostile.py": 121,
+    "test_drills.py": 508, "test_recovery_ray.py": 508, "test_train_ray.py": 419, "test_readme.py": 183,
+    "test_resume_and_lost_controller.py": 173, "test_data_s3.py": 51, "test_run_record.py": 30,
+    "test_fleet_autoscaler.py": 526, "test_real_head.py": 322,
+    "test_fleet_choice.py": 173, "test_planner_optimality.py": 153, "test_host_memory.py": 112,
+    "test_planner_invariants.py": 102, "test_s3_hostile.py": 88, "test_bad_job_files.py": 53,
+    "test_drill_files.py": 48, "test_types.py": 32, "test_cli_plan.py": 31, "test_mixed_precision.py": 30,
 }
 
 
