@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,11 @@ def fleet_cluster():
 
     global URL, GCS
     home = tempfile.mkdtemp(prefix="hetspot-fleet-home-")
+    # A Ray temp dir of its own (short: Ray's socket paths stay under 107 bytes), as tests/test_real_head.py's heads.
+    # Ray Jobs give a job's driver RAY_ADDRESS from `ray_current_cluster` in the head's temp dir, the address of the
+    # newest head started there: in the shared /tmp/ray, an embedded test cluster that the other xdist worker starts
+    # after this head takes this head's jobs (their drivers connect to it, and their py_modules are not in its GCS).
+    ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")
     port, dash = free_port(), free_port()
     URL, GCS = f"http://127.0.0.1:{dash}", f"{get_node_ip_address()}:{port}"
     mark = new_mark()
@@ -107,12 +113,14 @@ def fleet_cluster():
                 ["ray", "start", "--head", f"--autoscaling-config={config}", f"--port={port}",
                  f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
                  f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-                 f"--num-cpus={self._head_resources['CPU']}", "--disable-usage-stats",
+                 f"--num-cpus={self._head_resources['CPU']}", "--disable-usage-stats", f"--temp-dir={ray_tmp}",
                  "--system-config=" + json.dumps(_system_config, separators=(",", ":"))],
                 env=env, check=True, capture_output=True, timeout=180)
 
         def shutdown(self):
             stop_marked(mark)
+            for d in (ray_tmp, home):
+                shutil.rmtree(d, ignore_errors=True)
 
     old_path = os.environ.get("PATH", "")
     os.environ["PATH"] = f"{BIN}:{old_path}"  # `ray` (and the jobs' `python`) from this environment, as activated
