@@ -24,6 +24,17 @@ def new_mark() -> dict[str, str]:
     return {MARK: secrets.token_hex(8)}
 
 
+def new_temp_dir() -> str:
+    """A Ray temp dir for one head (`ray start --head --temp-dir=...`; its nodes take the head's). Short, since Ray's
+    socket paths must stay under 107 bytes. Of its own, since Ray Jobs give a job's driver RAY_ADDRESS from
+    `ray_current_cluster` in the head's temp dir, the address of the newest head started there: in the shared
+    /tmp/ray, an embedded test cluster that the other xdist worker starts after this head would take this head's
+    jobs (their drivers connect to it, and their py_modules are not in its GCS)."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="hs-", dir="/tmp")
+
+
 def _processes() -> dict[int, tuple[int, str]]:
     """This user's live processes (zombies left out): pid -> (parent pid, environment)."""
     out = {}

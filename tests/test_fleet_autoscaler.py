@@ -75,15 +75,11 @@ def fleet_cluster():
 
     from orchestrator.cluster.embedded import HEALTH
     from tests.net import free_port
-    from tests.own_ray import new_mark, stop_marked
+    from tests.own_ray import new_mark, new_temp_dir, stop_marked
 
     global URL, GCS
     home = tempfile.mkdtemp(prefix="hetspot-fleet-home-")
-    # A Ray temp dir of its own (short: Ray's socket paths stay under 107 bytes), as tests/test_real_head.py's heads.
-    # Ray Jobs give a job's driver RAY_ADDRESS from `ray_current_cluster` in the head's temp dir, the address of the
-    # newest head started there: in the shared /tmp/ray, an embedded test cluster that the other xdist worker starts
-    # after this head takes this head's jobs (their drivers connect to it, and their py_modules are not in its GCS).
-    ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")
+    ray_tmp = new_temp_dir()
     port, dash = free_port(), free_port()
     URL, GCS = f"http://127.0.0.1:{dash}", f"{get_node_ip_address()}:{port}"
     mark = new_mark()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.net import free_port
-from tests.own_ray import new_mark, stop_marked
+from tests.own_ray import new_mark, new_temp_dir, stop_marked
 
 # Each head has ports of its own and stops only its own processes (tests/own_ray.py): these run beside the embedded
 # test clusters, in the other xdist worker (tests/conftest.py). The rendered AWS config's own commands run `ray stop`
@@ -60,10 +60,7 @@ class RealHead:
     def start(self, head_gpu: str | None = "A100-80GB",
               nodes: tuple[tuple[str, str], ...] = (("t4-spot", "T4"),)) -> None:
         """The head (2 fake GPUs of `head_gpu`, or none), then one 2-GPU spot node per (name, GPU type)."""
-        import tempfile
-
-        # short: Ray's socket paths must stay under 107 bytes
-        ray_tmp = self.ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")
+        ray_tmp = self.ray_tmp = new_temp_dir()
         gpus = [f'--resources={{"accelerator_type:{head_gpu}": 1}}', "--num-gpus=2",
                 f"--labels=hetspot/gpu-type={head_gpu},hetspot/node=head-a100"] if head_gpu else ["--num-gpus=0"]
         self._ray("start", "--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1",
