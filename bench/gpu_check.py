@@ -83,13 +83,23 @@ def build(m: ModelSpec, gpu: str, batch: int, precision: str, device: str, offlo
     return e
 
 
-def _step_times(e, steps: int, device: str) -> list[float]:
+def _step_times(e, steps: int, device: str, sync_debug: str = "off") -> list[float]:
+    """Wall time of each step, the host update it overlaps counted in it. With `sync_debug` "error" every step
+    after the first runs under `torch.cuda.set_sync_debug_mode("error")`: a host synchronization inside it
+    raises (the warm-up step may sync: first-use allocations, cuBLAS handles)."""
     times = []
     for s in range(steps):
         _sync(device)
         t0 = time.perf_counter()
-        e.step(s)
-        e.settle()  # an offloaded stage's host update overlaps the next step: count it in this one
+        strict = sync_debug == "error" and s > 0 and device.startswith("cuda")
+        if strict:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            e.step(s)
+            e.settle()  # an offloaded stage's host update overlaps the next step: count it in this one
+        finally:
+            if strict:
+                torch.cuda.set_sync_debug_mode(0)
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times
@@ -106,17 +116,36 @@ def predicted(m: ModelSpec, gpu: str, batch: int, precision: str, offload: dict 
             "host_gib": sum(est.host_gib.values()), "bottleneck": est.bottleneck}
 
 
-def top_kernels(e, step: int, device: str, n: int = 12) -> dict[str, list[dict]]:
+def top_kernels(e, step: int, device: str, n: int = 12, stacks: bool = False) -> dict[str, list[dict]]:
     """The torch profiler over one step: the kernels with the most device time, and the host ops with the most
-    time of their own (where an offloaded step's host side goes)."""
+    time of their own (where an offloaded step's host side goes); with `stacks`, the host ops also grouped by
+    the hetspot line that called them (`by_caller`)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=stacks) as prof:
         e.step(step)
         e.settle()
         _sync(device)
     ops = [k for k in prof.key_averages() if not k.key.startswith("ProfilerStep")]
+    callers: list[dict] = []
+    if stacks:  # each op's own host time, charged to the innermost hetspot frame above it (the Python tracer's)
+        by: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ".py(" in ev.name or ev.name.startswith(("<built-in", "ProfilerStep")):
+                continue
+            frame, up = "?", ev.cpu_parent
+            while up is not None:
+                if up.name.startswith(("workers/", "planner/")) or "/workers/" in up.name:
+                    frame = up.name.split("/")[-1]
+                    break
+                up = up.cpu_parent
+            got = by.setdefault(f"{ev.name[:40]} <- {frame}", [0.0, 0])
+            got[0] += ev.self_cpu_time_total / 1e3
+            got[1] += 1
+        total_ms = sum(ms for ms, _ in by.values()) or 1.0
+        callers = [{"op": key[:90], "ms": ms, "calls": c, "share": ms / total_ms}
+                   for key, (ms, c) in sorted(by.items(), key=lambda kv: -kv[1][0])[:n]]
 
     def rows(attr: str) -> list[dict]:
         total = sum(getattr(k, attr, 0.0) for k in ops)
@@ -125,29 +154,66 @@ def top_kernels(e, step: int, device: str, n: int = 12) -> dict[str, list[dict]]
                  "share": getattr(k, attr) / total if total else 0.0} for k in top]
 
     return {"device": rows("device_time_total" if device.startswith("cuda") else "cpu_time_total"),
-            "host_self": rows("self_cpu_time_total")}
+            "host_self": rows("self_cpu_time_total"), "by_caller": callers}
+
+
+def sync_sites(e, step: int, device: str) -> dict:
+    """One step under `torch.cuda.set_sync_debug_mode("warn")`: every host synchronization it makes, by the
+    hetspot line that made it (the Python stack when the warning is raised). On CPU there is none to find."""
+    import traceback
+    import warnings
+
+    if not device.startswith("cuda"):
+        return {"syncs": 0, "sites": {}}
+    sites: dict[str, int] = {}
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                if "/workers/" in f.filename or "/planner/" in f.filename]
+        key = " <- ".join(ours[-3:][::-1]) or f"{filename}:{lineno}"
+        sites[key] = sites.get(key, 0) + 1
+
+    old = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            e.step(step)
+            e.settle()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old
+    _sync(device)
+    return {"syncs": sum(sites.values()), "sites": sites}
 
 
 def mfu(model_name: str, steps: int, batch: int, precision: str = "bf16", device: str = "cuda",
-        gpu: str | None = None) -> dict:
+        gpu: str | None = None, offload: dict | None = None, sync_debug: str = "off") -> dict:
+    """Item 3 (and the Llama item, with `offload`): one stage holding the whole model, step time, MFU, peak device
+    memory, each beside the planner's; the step's host synchronizations (`sync_sites`) after the timed steps."""
     gpu = gpu or _gpu_type()
     m = ModelSpec.preset(model_name)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    e = build(m, gpu, batch, precision, device)
+    e = build(m, gpu, batch, precision, device, offload)
     try:
-        times = _step_times(e, steps, device)
+        times = _step_times(e, steps, device, sync_debug)
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
-        kernels = top_kernels(e, steps, device)
+        syncs = sync_sites(e, steps, device)
+        kernels = top_kernels(e, steps + 1, device)
     finally:
         e.close()
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     flops = batch * cost.model_flops_per_sample(m) / step
-    want = predicted(m, gpu, batch, precision)
+    want = predicted(m, gpu, batch, precision, offload)
     return {"gpu": gpu, "precision": precision, "model": m.name, "params_b": m.num_params / 1e9, "batch": batch,
             "seq_len": m.seq_len, "step_s": step, "step_times_s": times, "tokens_per_s": batch * m.seq_len / step,
             "tflops": flops / 1e12, "mfu_vs_bf16_peak": flops / (gpu_info(gpu).peak_tflops * 1e12),
-            "peak_mem_gib": peak / 2**30, "predicted": want, "top_kernels": kernels}
+            "peak_mem_gib": peak / 2**30, "predicted": want, "top_kernels": kernels, "sync_sites": syncs,
+            "offload": offload or {}, "sync_debug": sync_debug}
 
 
 def host_adamw_rate(params: float = 50e6, repeats: int = 5) -> float:
@@ -177,7 +243,8 @@ def offload_bound(model_name: str, steps: int, batch: int, precision: str, compu
     e = build(m, gpu, batch, precision, device, OFFLOAD)
     try:
         times = _step_times(e, steps, device)
-        profiled = top_kernels(e, steps, device)
+        syncs = sync_sites(e, steps, device)
+        profiled = top_kernels(e, steps + 1, device, stacks=True)
     finally:
         e.close()
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
@@ -187,65 +254,82 @@ def offload_bound(model_name: str, steps: int, batch: int, precision: str, compu
              "d2h_s": m.num_params * 4 / (d2h_gb_s * 1e9), "cpu_adamw_s": m.num_params / rate}
     bound = max(terms.values())
     return {"model": m.name, "step_s": step, "step_times_s": times, "bound_s": bound, "ratio": step / bound,
-            "terms": terms, "host_adamw_params_per_s": rate, "top_ops": profiled,
+            "terms": terms, "host_adamw_params_per_s": rate, "top_ops": profiled, "sync_sites": syncs,
             "predicted": predicted(m, gpu, batch, precision, OFFLOAD)}
 
 
 COLD = r"""
 import json, sys, time
-t = {"spawned": time.time()}
+def seg(key, at=None):  # each segment as it ends, so a child cut short still says how far it got
+    print("SEG " + json.dumps([key, time.time() if at is None else at]), flush=True)
+seg("spawned")
 import torch
-t["import_torch"] = time.time()
+seg("import_torch")
 sys.path.insert(0, sys.argv[1])
 from bench.gpu_check import build
 from planner import ModelSpec
 from workers.state import KEYS, export_shards, import_full
-t["import_hetspot"] = time.time()
+seg("import_hetspot")
 dev = sys.argv[5]
 if dev.startswith("cuda"):
     torch.zeros(1, device=dev); torch.cuda.synchronize()
-t["cuda_context"] = time.time()
+seg("cuda_context")
 m = ModelSpec.preset(sys.argv[2])
 e = build(m, sys.argv[3], int(sys.argv[4]), "bf16", dev)
+if dev.startswith("cuda"):
+    torch.cuda.synchronize()
+seg("stage_built")
 e.step(0); e.settle()  # allocates the AdamW state, as a worker that has loaded a step holds it
 if dev.startswith("cuda"):
     torch.cuda.synchronize()
-t["built_and_state_allocated"] = time.time()
+built = time.time()
+seg("state_allocated", built)
 pin = (lambda v: v.pin_memory()) if dev.startswith("cuda") else (lambda v: v)
 held = {n: {k: pin(s[k]) for k in KEYS if s[k] is not None}
-        for n, s in export_shards(e).items()}  # what a peer or the host would hold
+        for n, s in export_shards(e).items()}  # what a peer or the host would hold (not counted: set-up)
 t0 = time.time()
 import_full(e, held, 1.0)
 if dev.startswith("cuda"):
     torch.cuda.synchronize()
-t["state_loaded"] = time.time() - t0 + t["built_and_state_allocated"]
+loaded = time.time() - t0 + built
+seg("state_loaded", loaded)
 t0 = time.time()
 e.step(1); e.settle()
 if dev.startswith("cuda"):
     torch.cuda.synchronize()
-t["first_step"] = time.time() - t0 + t["state_loaded"]
+seg("first_step", time.time() - t0 + loaded)
 e.close()
-print("COLD " + json.dumps(t), flush=True)
 """
 
 
-def cold_start(model_name: str, batch: int, trials: int, device: str = "cuda", gpu: str | None = None) -> dict:
+def cold_start(model_name: str, batch: int, trials: int, device: str = "cuda", gpu: str | None = None,
+               timeout_s: float = 600) -> dict:
     """A worker process from nothing to its first step, in segments (medians over trials), seconds from the
-    parent's spawn."""
+    parent's spawn. The set-up between the state's allocation and its load (exporting and pinning what a peer
+    would hold) is not counted: the segments after it are shifted back by it. A child cut short by `timeout_s`
+    keeps the segments it reached (`complete` false)."""
     gpu = gpu or _gpu_type()
-    runs = []
+    runs, complete = [], True
     for _ in range(trials):
         t0 = time.time()
-        out = subprocess.run([sys.executable, "-c", COLD, str(ROOT), model_name, gpu, str(batch), device],
-                             capture_output=True, text=True, timeout=600, cwd=ROOT)
-        line = [ln for ln in out.stdout.splitlines() if ln.startswith("COLD ")]
-        if out.returncode or not line:
-            raise RuntimeError(f"the cold-start child failed ({out.returncode}): {out.stderr[-2000:]}")
-        t = json.loads(line[0][5:])
+        proc = subprocess.Popen([sys.executable, "-c", COLD, str(ROOT), model_name, gpu, str(batch), device],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            complete = False
+        t = dict(json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith("SEG "))
+        if proc.returncode and complete:
+            raise RuntimeError(f"the cold-start child failed ({proc.returncode}): {err[-2000:]}")
         runs.append({k: v - t0 for k, v in t.items()})
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return {"model": model_name, "trials": trials, "median_s": med, "runs": runs,
-            "to_ready_s": med["state_loaded"], "to_first_step_s": med["first_step"]}
+        if not complete:
+            break
+    keys = [k for k in runs[0] if all(k in r for r in runs)]
+    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    return {"model": model_name, "trials": len(runs), "complete": complete, "median_s": med, "runs": runs,
+            "to_ready_s": med.get("state_loaded"), "to_first_step_s": med.get("first_step")}
 
 
 def measure_links(gpu: str) -> dict:
@@ -305,17 +389,26 @@ def _ops(rows: list[dict]) -> list[list[str]]:
     return [[f"`{k['op']}`", f"{k['ms']:.2f}", str(k["calls"]), f"{k['share']:.1%}"] for k in rows]
 
 
+def _mfu_table(r: dict) -> None:
+    p = r["predicted"]
+    where = "optimizer on the host" if r.get("offload") else "all on the device"
+    _table(["GPU", "model", "state", "precision", "params", "step s (planner)", "tokens/s", "TFLOPS",
+            "MFU (of bf16 peak)", "peak GiB (planner)"],
+           [[r["gpu"], r["model"], where, r["precision"], f"{r['params_b']:.2f}B",
+             f"{r['step_s']:.3f} ({p['step_s']:.3f})", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.1f}",
+             f"{r['mfu_vs_bf16_peak']:.1%}", f"{r['peak_mem_gib']:.1f} ({p['mem_gib']:.1f})"]])
+    _table(["kernel", "ms", "calls", "share"], _ops(r["top_kernels"]["device"]))
+    _syncs(r)
+
+
+def _syncs(r: dict) -> None:
+    sites = r.get("sync_sites", {}).get("sites", {})
+    _table([f"host syncs in one step: {sum(sites.values())}", "count"], [[f"`{k}`", str(v)] for k, v in sites.items()])
+
+
 def _print_tables(d: dict) -> None:
-    r = d.get("mfu", {})
-    if "step_s" in r:
-        p = r["predicted"]
-        _table(["GPU", "model", "precision", "params", "step s (planner)", "tokens/s", "TFLOPS", "MFU (of bf16 peak)",
-                "peak GiB (planner)"],
-               [[r["gpu"], r["model"], r["precision"], f"{r['params_b']:.2f}B",
-                 f"{r['step_s']:.3f} ({p['step_s']:.3f})", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.1f}",
-                 f"{r['mfu_vs_bf16_peak']:.1%}",
-                 f"{r['peak_mem_gib']:.1f} ({p['mem_gib']:.1f})"]])
-        _table(["kernel", "ms", "calls", "share"], _ops(r["top_kernels"]["device"]))
+    if "step_s" in d.get("mfu", {}):
+        _mfu_table(d["mfu"])
     o = d.get("offload", {})
     if "step_s" in o:
         t = o["terms"]
@@ -323,7 +416,11 @@ def _print_tables(d: dict) -> None:
                [[f"{o['step_s']:.3f} ({o['predicted']['step_s']:.3f})", f"{t['compute_s']:.3f}", f"{t['h2d_s']:.3f}",
                  f"{t['d2h_s']:.3f}", f"{t['cpu_adamw_s']:.3f}", f"{o['bound_s']:.3f}", f"{o['ratio']:.2f}x"]])
         _table(["offloaded step: host op (own time)", "ms", "calls", "share"], _ops(o["top_ops"]["host_self"]))
+        _table(["offloaded step: host op <- hetspot caller", "ms", "calls", "share"], _ops(o["top_ops"]["by_caller"]))
         _table(["offloaded step: kernel", "ms", "calls", "share"], _ops(o["top_ops"]["device"]))
+        _syncs(o)
+    if "step_s" in d.get("llama", {}):
+        _mfu_table(d["llama"])
     g = d.get("links", {})
     if "matmul_tflops" in g:
         _table(["bf16 matmul TFLOPS (measured / catalog)", "H2D GB/s", "D2H GB/s"],
@@ -331,8 +428,11 @@ def _print_tables(d: dict) -> None:
                  f"{g['d2h_gb_s']:.1f}"]])
     c = d.get("cold_start", {})
     if "median_s" in c:
-        _table([f"cold start, s from spawn (median of {c['trials']})", ""],
+        _table([f"cold start, s from spawn (median of {c['trials']}{'' if c['complete'] else ', cut short'})", ""],
                [[k, f"{v:.2f}"] for k, v in c["median_s"].items()])
+
+
+ITEMS = ("tests", "offload_bench", "links", "mfu", "offload", "llama", "cold_start")
 
 
 def main() -> None:
@@ -341,10 +441,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="item 3's train.precision")
-    ap.add_argument("--skip-tests", action="store_true", help="only the measurements (items 3-5)")
+    ap.add_argument("--items", default=",".join(ITEMS), help=f"which items, comma-separated, of {', '.join(ITEMS)}")
+    ap.add_argument("--skip-tests", action="store_true", help="only the measurements (no tests, no offload_bench)")
+    ap.add_argument("--sync-debug", default="error", choices=["off", "warn", "error"],
+                    help="item 3's timed steps under torch.cuda.set_sync_debug_mode (error: a host sync fails it)")
+    ap.add_argument("--llama", default="llama-8b", help="the Llama item's preset (its optimizer on the host)")
+    ap.add_argument("--llama-batch", type=int, default=4)
     ap.add_argument("--cold-trials", type=int, default=2, help="item 5's worker starts (0: skip it)")
+    ap.add_argument("--cold-timeout", type=float, default=300, help="seconds a cold-start child may take")
     ap.add_argument("--json", help="write the figures here, after every item")
     args = ap.parse_args()
+    items = set(args.items.split(","))
+    if unknown := items - set(ITEMS):
+        print(f"error: --items: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ITEMS)}", file=sys.stderr)
+        raise SystemExit(2)
+    if args.skip_tests:
+        items -= {"tests", "offload_bench"}
     if not torch.cuda.is_available():
         print("error: no CUDA device: the GPU checklist needs one (docs/gpu.md); on this machine run `make test`",
               file=sys.stderr)
@@ -352,17 +464,22 @@ def main() -> None:
     rep = Report(args.json)
     dev = rep.item("device", _device)
     print(dev)
-    if not args.skip_tests:
+    if "tests" in items:
         rep.item("gpu_tests", _run, [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TESTS], 300)
+    if "offload_bench" in items:
         rep.item("offload_bench", _run, [sys.executable, "bench/offload.py"], 300)
     gpu = _gpu_type()
-    links = rep.item("links", measure_links, gpu)
-    r = rep.item("mfu", mfu, args.model, args.steps, args.batch, args.precision)
-    if "step_s" in r and "h2d_gb_s" in links:
+    links = rep.item("links", measure_links, gpu) if "links" in items or "offload" in items else {}
+    r = rep.item("mfu", mfu, args.model, args.steps, args.batch, args.precision, sync_debug=args.sync_debug) \
+        if "mfu" in items or "offload" in items else {}
+    if "offload" in items and "step_s" in r and "h2d_gb_s" in links:
         rep.item("offload", offload_bound, args.model, max(3, args.steps // 2), args.batch, args.precision,
                  r["step_s"], links["h2d_gb_s"], links["d2h_gb_s"])
-    if args.cold_trials:
-        rep.item("cold_start", cold_start, args.model, args.batch, args.cold_trials)
+    if "llama" in items:
+        rep.item("llama", mfu, args.llama, max(3, args.steps // 2), args.llama_batch, args.precision,
+                 offload={"offload_optimizer": True}, sync_debug=args.sync_debug)
+    if "cold_start" in items and args.cold_trials:
+        rep.item("cold_start", cold_start, args.model, args.batch, args.cold_trials, timeout_s=args.cold_timeout)
     _print_tables(rep.data)
     failed = [k for k, v in rep.data.items() if isinstance(v, dict) and ("error" in v or v.get("returncode"))]
     if failed:

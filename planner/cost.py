@@ -251,21 +251,61 @@ def stage_memory(
     layer_p = model.layer_params / tp
     edge_p = shape.first * model.embed_params + shape.last * model.head_params
     p_dev = n * layer_p + edge_p
+    # Offloaded parameters: the layers in flight (prefetch_depth ahead of the one computing) in the compute dtype.
     weights = (min(n, policy.prefetch_depth + 1) * layer_p + edge_p) * pb if policy.offload_params else p_dev * pb
-    # Offloaded optimizer: each gradient streams to the host as soon as backward produces
-    # it (workers/offload.py), so one tensor's gradient is on the device at a time.
-    biggest = max(model.ffn * model.hidden_size / tp if n else 0.0,
-                  model.vocab_size * model.hidden_size if shape.first or shape.last else 0.0)
-    grads = biggest * pb if policy.offload_optimizer else p_dev * train.grad_bytes  # offloaded: fp32 on the host
+    # Offloaded optimizer: gradients stream to the host a layer at a time (workers/offload.py GradStream).
+    grads = offload_grad_bytes(model, train, tp, n > 0, shape.first, shape.last) + fetch_staging(model, train, tp) \
+        if policy.offload_optimizer else p_dev * train.grad_bytes
     opt = 0.0 if policy.offload_optimizer else p_dev * train.optimizer_bytes_per_param
     full = s * b * h * act_units(model, tp) * pb / 2
     ckpt = s * b * h * pb
     # Recomputed layers are the stage's first ones (policy.to_policy), which backward reaches
     # last: by the time one of them is recomputed, the stored layers above it are freed.
     per_mb = (n - r) * full + r * ckpt
-    acts = (inflight - 1) * per_mb + max(per_mb, r * ckpt + full if r else 0.0)
-    logits = 2 * s * b * model.vocab_size * 4 if shape.last else 0.0
-    return weights + grads + opt + acts + logits
+    logits = s * b * model.vocab_size * head_bytes(train) if shape.last else 0.0
+    # Two peaks: forward's end (every stored activation, and the logits with their gradient while the head
+    # back-propagates), and a recomputed layer's working set in backward, beside an offloaded layer's gradients
+    # in flight, once the head's logits are gone.
+    in_bwd = grad_bucket(model, tp, n > 0, shape.first, shape.last) * pb if policy.offload_optimizer else 0.0
+    acts = (inflight - 1) * per_mb + max(per_mb + logits, r * ckpt + full + in_bwd if r else 0.0)
+    return weights + grads + opt + acts
+
+
+def head_bytes(train: TrainSpec) -> float:
+    """Bytes per logit at the head's backward, the last stage's peak (measured by the engine's device meter):
+    the logits in the compute dtype, their fp32 copy (or themselves, at 4 bytes and over), the log-softmax
+    cross-entropy saves and two gradients of that size: 14 bytes in bf16/fp16, 16 in fp32."""
+    wide = max(train.param_bytes, 4)
+    return 3 * wide + train.param_bytes
+
+
+GRAD_RING = 2  # workers/offload.py GradStream.RING: device buffers of a layer's (or a chunk's) fp32 gradients
+OFFLOAD_CHUNK = 1 << 26  # elements an offloaded stage moves in one copy at most (256 MiB of fp32): a layer larger
+# than this (a 70B block, a large vocabulary's head) moves in chunks, so the device buffers stay this size
+
+
+def fetch_staging(model: ModelSpec, train: TrainSpec, tp: int) -> float:
+    """Device bytes of the buffer an offloaded stage's masters arrive in, a layer's in one copy, before their
+    cast to a 16-bit compute dtype or their scatter into a resident layer's tensors (workers/copy_lane.py
+    Lanes.upload: a block's size, at most `OFFLOAD_CHUNK`, reused by every fetch and copy back)."""
+    return min(model.layer_params / tp, OFFLOAD_CHUNK) * train.grad_bytes
+
+
+def grad_bucket(model: ModelSpec, tp: int, has_layers: bool, first: bool, last: bool) -> float:
+    """Parameters per device of the largest layer of a stage (a block, the embedding or the head): what an
+    offloaded optimizer's gradient stream moves at once (workers/offload.py GradStream)."""
+    return max(model.layer_params / tp if has_layers else 0.0,
+               model.embed_params if first else 0.0, model.head_params if last else 0.0)
+
+
+def offload_grad_bytes(model: ModelSpec, train: TrainSpec, tp: int, has_layers: bool, first: bool,
+                       last: bool) -> float:
+    """Device bytes an offloaded optimizer's gradients hold all step: the ring of `GRAD_RING` buffers of the
+    stage's largest layer (at most `OFFLOAD_CHUNK` elements) in the masters' dtype, each layer packed and cast
+    into them a chunk at a time, then copied to the host.
+    (One layer's gradients in the compute dtype live between backward producing them and their packing: a
+    transient of backward, `grad_bucket` x param_bytes, counted with a recomputed layer's working set.)"""
+    return GRAD_RING * min(grad_bucket(model, tp, has_layers, first, last), OFFLOAD_CHUNK) * train.grad_bytes
 
 
 def host_bytes(model: ModelSpec, train: TrainSpec, shape: StageShape, tp: int, policy: Knobs) -> float:

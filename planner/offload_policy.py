@@ -99,11 +99,12 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
     edge_p = first * model.embed_params + last * model.head_params
     p_dev = n * layer_p + edge_p  # cost.stage_memory's
     p_shape = n * model.layer_params / tp + first * model.embed_params + last * model.head_params  # params_per_device
-    biggest = max(model.ffn * model.hidden_size / tp, model.vocab_size * model.hidden_size if first or last else 0.0)
+    off_grads = cost.offload_grad_bytes(model, train, tp, True, first, last) + cost.fetch_staging(model, train, tp)
+    in_bwd = cost.grad_bucket(model, tp, True, first, last) * pb  # cost.stage_memory's, under optimizer offload
     full = s * b * h * cost.act_units(model, tp) * pb / 2
     ckpt = s * b * h * pb
     saving = inflight * (full - ckpt)
-    logits = 2 * s * b * model.vocab_size * 4 if last else 0.0
+    logits = s * b * model.vocab_size * cost.head_bytes(train) if last else 0.0
     eff = slot.flops_per_gpu * cost._util(b * s)
     lf = cost.layer_fwd_flops(model, b)
     fwd_c = (n * lf / tp + last * cost.head_fwd_flops(model, b)) / eff
@@ -111,15 +112,15 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
     fwd0 = fwd_c + tp_comm
     bwd0 = 2 * fwd_c + 0.0 + tp_comm * (1 + 0 / n)
     per_mb0 = n * full + 0 * ckpt
-    acts0 = (inflight - 1) * per_mb0 + per_mb0
+    acts0 = (inflight - 1) * per_mb0 + (per_mb0 + logits)
     masters = 0 if pb < 4 else pb
     host_ok = ~(p_shape * (train.optimizer_bytes_per_param + train.grad_bytes + masters) > slot.host_cap_bytes)
     p_pb, p_grad, p_opt = p_dev * pb, p_dev * train.grad_bytes, p_dev * train.optimizer_bytes_per_param
     prefetched = (np.minimum(n, 2) * layer_p + edge_p) * pb  # prefetch_depth 1
     out, unsettled = [], np.zeros(num_layers, dtype=bool)
     for opt, params in _MODES:
-        static = (prefetched if params else p_pb) + (biggest * pb if opt else p_grad) + (0.0 if opt else p_opt)
-        mem = static + acts0 + logits
+        static = (prefetched if params else p_pb) + (off_grads if opt else p_grad) + (0.0 if opt else p_opt)
+        mem = static + acts0
         fits = mem <= cap
         r = np.zeros(num_layers, dtype=np.int64)
         ok = host_ok if opt else None
@@ -127,7 +128,8 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
             lo = np.maximum(1, np.ceil((mem - cap) / saving)).astype(np.int64)
             r_lo = np.minimum(lo, n)
             per_mb = (n - r_lo) * full + r_lo * ckpt
-            mem_lo = static + ((inflight - 1) * per_mb + np.maximum(per_mb, r_lo * ckpt + full)) + logits
+            mem_lo = static + ((inflight - 1) * per_mb + np.maximum(per_mb + logits,
+                                                                     r_lo * ckpt + full + (in_bwd if opt else 0.0)))
             fit_lo = ~fits & (lo <= n) & (mem_lo <= cap)  # the bound is the answer where it fits; lo == n alone
             unsettled |= ~fits & (lo <= n - 1) & ~(mem_lo <= cap) & (host_ok if opt else True)
             r = np.where(fit_lo, lo, 0)

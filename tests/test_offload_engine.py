@@ -15,6 +15,7 @@ from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, Tra
 from planner.offload_policy import cheapest, fitting_policies, to_policy
 from workers.data import make_dataset
 from workers.engine import Engine
+from workers.param_specs import all_params
 
 pytestmark = pytest.mark.unit
 
@@ -121,6 +122,7 @@ def test_host_update_runs_first_layers_first_and_overlaps_the_next_forward():
     import threading
     import time
 
+    from workers.adamw import FusedAdamW
     from workers.offload import LayerwiseUpdate
 
     params = {layer: [torch.nn.Parameter(torch.ones(4))] for layer in (-1, 0, 1, 2)}
@@ -132,22 +134,22 @@ def test_host_update_runs_first_layers_first_and_overlaps_the_next_forward():
         if layer == 2:  # the last layer's update is slow
             release.wait(5)
 
-    up = LayerwiseUpdate(sorted(params.items(), reverse=True), lambda ps: torch.optim.AdamW(ps, lr=0.1), after)
+    up = LayerwiseUpdate(sorted(params.items(), reverse=True), lambda ps: FusedAdamW([{"params": ps}], lr=0.1), after)
     up.start()
     up.wait(-1)
     up.wait(0)  # the next forward can use the first layers ...
-    assert not up.ready[2].is_set()  # ... while the last one is still updating
+    assert not up.ready[2].issued.is_set()  # ... while the last one is still updating
     release.set()
     up.join()
     assert up.log == [-1, 0, 1, 2]
     assert all(float(ps[0].detach()[0]) < 1.0 for ps in params.values())
 
-    serial = LayerwiseUpdate(sorted(params.items()), lambda ps: torch.optim.AdamW(ps, lr=0.1),
+    serial = LayerwiseUpdate(sorted(params.items()), lambda ps: FusedAdamW([{"params": ps}], lr=0.1),
                              lambda layer: time.sleep(0.01), overlap=False)
     for ps in params.values():
         ps[0].grad = torch.ones(4)
     serial.start()
-    assert all(ev.is_set() for ev in serial.ready.values()) and serial.thread is None
+    assert all(t.issued.is_set() for t in serial.ready.values()) and serial.log == [-1, 0, 1, 2]
 
 
 def test_overlapped_and_serial_host_updates_train_identically():
@@ -226,3 +228,58 @@ def test_engine_issues_transfers_and_updates_in_the_schedules_priority_order(dep
     need = {(o.kind, o.layer): rank for rank, o in enumerate(o for o in ops if o.lane == "compute")}
     adam = sorted({o.layer for o in ops if o.kind == "adam"}, key=lambda layer: need[("fwd", layer)])
     assert updated == [-1, *adam, n]  # the embedding is needed first, the head last
+
+
+def _copies(model: ModelSpec, offload: dict, steps: int, dtype=torch.float32) -> list[dict[str, int]]:
+    """The copy lanes' counts in each step (commit included: a resident layer's copy back follows its update)."""
+    e = Engine(one_stage_plan(model, offload), 0, model, TRAIN, make_dataset("synthetic", model.seq_len,
+                                                                            model.vocab_size, 0), dtype)
+    e.connect_alone(30)
+    try:
+        out, before = [], e.lanes.copies()
+        for s in range(steps):
+            e.step(s)
+            e.settle()
+            now = e.lanes.copies()
+            out.append({k: now[k] - before[k] for k in now})
+            before = now
+        return out
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("name", ["optimizer", "param+optimizer"])
+def test_copies_per_step_are_per_layer_not_per_parameter(name):
+    """Two micro-batches: every layer (the embedding and the head are layers here) goes to the host once per
+    micro-batch and its sum comes back once for the last one; a resident layer's new weights come back once; a
+    fetched block's weights once per forward and once per backward. Per parameter it would be 6x as many."""
+    model = ModelSpec.preset("small")
+    layers, m = model.num_layers + 2, B // MB
+    steps = _copies(model, POLICIES[name](model), 3)
+    fetched = model.num_layers if name == "param+optimizer" else 0
+    want = {"d2h": layers * m, "h2d": (layers - fetched) + (m - 1) * layers + 2 * m * fetched}
+    assert steps[1] == steps[2] == want
+    assert len(all_params(model)) > 5 * layers  # per parameter, every count above would be over 5x
+
+
+def test_a_layer_larger_than_a_chunk_moves_in_chunks_and_trains_the_same(monkeypatch, baseline):
+    """OFFLOAD_CHUNK (256 MiB of fp32 on a GPU) bounds the device buffers of a large layer: set to 1000
+    elements here, every layer of `tiny` moves in several chunks, and training is unchanged."""
+    import workers.engine
+    import workers.offload
+
+    monkeypatch.setattr(workers.offload, "OFFLOAD_CHUNK", 1000)
+    monkeypatch.setattr(workers.engine, "OFFLOAD_CHUNK", 1000)
+    model = ModelSpec.preset("tiny")
+    results, params = run(model, POLICIES["all"](model), steps=4)
+    ref_results, ref_params = baseline
+    for got, want in zip(results, ref_results, strict=True):
+        assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, msg=n)
+    steps = _copies(model, POLICIES["optimizer"](model), 2, torch.float64)
+    per_layer: dict = {}
+    for spec in all_params(model):
+        per_layer[spec.layer] = per_layer.get(spec.layer, 0) + int(torch.Size(spec.shape).numel())
+    chunks = sum(-(-n // 1000) for n in per_layer.values())
+    assert steps[1]["d2h"] == chunks * (B // MB)

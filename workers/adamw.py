@@ -11,7 +11,11 @@ What is kept: the update is torch's own kernel, so parameters and moments are eq
 bit (`tests/test_adamw.py` steps both side by side), and the state is torch's layout, per parameter:
 `step` (a float32 scalar tensor on the parameter's device), `exp_avg`, `exp_avg_sq`. The engine reads and sets it
 as it did torch's (`state`, `step()`, `zero_grad(set_to_none=True)`). No amsgrad, no maximize, no scaler
-arguments: hetspot's fp16 loss scale skips a step before the optimizer (workers/grad_sync.py).
+argument beyond torch's own `grad_scale` and `found_inf`, which the engine passes as tensors on the parameters'
+device: every gradient is divided by `grad_scale` inside the kernel (the fp16 loss scale over the clip
+coefficient: unscaling and global-norm clipping without a pass of their own over the gradients, and without the
+host reading the norm), and a nonzero `found_inf` leaves parameters, moments and step count as they were
+(workers/grad_sync.py computes both on the device).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class FusedAdamW:
         self.state: dict[torch.Tensor, dict] = {}
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
         for g in self.param_groups:
             by_kind: dict[tuple, tuple[list, ...]] = {}  # torch groups its fused call by device and dtype
             for p in g["params"]:
@@ -52,7 +56,9 @@ class FusedAdamW:
                 torch._foreach_add_(steps, 1)
                 torch._fused_adamw_(params, grads, avgs, sqs, [], steps, amsgrad=False, lr=g["lr"], beta1=beta1,
                                     beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
-                                    grad_scale=None, found_inf=None)
+                                    grad_scale=grad_scale, found_inf=found_inf)
+                if found_inf is not None:  # a skipped step does not count (torch.optim.AdamW's fused path alike)
+                    torch._foreach_sub_(steps, [found_inf] * len(steps))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:

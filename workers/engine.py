@@ -37,15 +37,17 @@ import torch.distributed as dist
 from planner import layout
 from planner.catalog import gpu_info
 from planner.contract import check_runtime_plan
+from planner.cost import OFFLOAD_CHUNK
 from planner.layout import extended_layer
+from planner.p2p import Exchange, program
 from planner.plan_types import Plan
-from planner.schedule import op_order
 from planner.specs import ModelSpec, TrainSpec
+from workers.copy_lane import Lanes
 from workers.data import Dataset
 from workers.engine_parts import grad as grad_of
 from workers.grad_sync import GradSync
 from workers.model import Stage
-from workers.offload import DeviceMeter, LayerwiseUpdate, ParamStore
+from workers.offload import DeviceMeter, GradStream, HostLayers, LayerwiseUpdate, ParamStore
 from workers.optim_state import OptimizerState
 from workers.transfer import StepResult  # noqa: F401 (re-exported: a step's record lives with the other records)
 
@@ -163,18 +165,27 @@ class Engine(GradSync, OptimizerState):
         self.module = Stage(self.model, st.layer_start, st.layer_end, self.first, self.last,
                             self.info.tp_rank, st.tp, self.tp_group, self.train.seed, master,
                             frozenset(st.offload.recompute_layers)).to(self.device)
-        # Optimizer offload (AutoHete): master weights and AdamW state live in host memory
-        # (pinned on CUDA); the device keeps working copies. The host copies are the
-        # optimizer's parameters, so export/import and the update read them.
+        # Optimizer offload (AutoHete): master weights, gradients and AdamW state live in host memory, a flat
+        # buffer per layer (pinned on CUDA; workers/offload.py HostLayers); the device keeps working copies. The
+        # host copies are the optimizer's parameters, so export/import and the update read them.
         self.offload_opt = st.offload.offload_optimizer or st.offload.offload_params
         self.separate = self.offload_opt or self.mixed  # masters apart from the compute copies
         pin = self.device.type == "cuda"
-        self.opt_params = {
-            n: (torch.nn.Parameter(p.detach().to("cpu", copy=True).pin_memory() if pin
-                                   else p.detach().to("cpu", copy=True))
-                if self.offload_opt else torch.nn.Parameter(p.detach().clone()) if self.mixed else p)
-            for n, p in self.module.params.items()
-        }
+        n_layers = self.model.num_layers
+        self.host: HostLayers | None = None
+        self.lanes: Lanes | None = None
+        if self.offload_opt:
+            by_layer: dict[int, list[tuple[str, torch.Tensor]]] = {}
+            for n, p in self.module.params.items():
+                by_layer.setdefault(extended_layer(self.module.specs[n].layer, n_layers), []).append((n, p))
+            self.host = HostLayers(by_layer, pin)
+            block = max((self.host.size(layer) for layer in self.host.spans if 0 <= layer < n_layers), default=0)
+            self.lanes = Lanes(self.device, min(block or self.model.layer_params // st.tp, OFFLOAD_CHUNK),
+                               lambda t: self.meter.track(t))
+            self.opt_params = {n: self.host.params[n] for n in self.module.params}
+        else:
+            self.opt_params = {n: torch.nn.Parameter(p.detach().clone()) if self.mixed else p
+                               for n, p in self.module.params.items()}
         if self.mixed:  # the stage's working copies in the compute dtype, cast from the fp32 masters
             with torch.no_grad():
                 for p in self.module.params.values():
@@ -183,40 +194,45 @@ class Engine(GradSync, OptimizerState):
         self.store: ParamStore | None = None
         if st.offload.offload_params:
             # Parameter offload: block weights leave the device; the module reads them through the store.
+            assert self.host is not None and self.lanes is not None  # (parameter offload offloads the optimizer)
             blocks = {n for n, spec in self.module.specs.items() if isinstance(spec.layer, int)}
             for n in blocks:
                 self.module.params[n] = self.opt_params[n]
                 self.module.register_parameter(n.replace(".", "__"), self.opt_params[n])
-            self.store = ParamStore({n: self.opt_params[n] for n in blocks}, lambda n: int(self.module.specs[n].layer),
-                                    list(range(st.layer_start, st.layer_end)), self.device,
-                                    st.offload.prefetch_depth, self.meter, self.dtype)
+            self.store = ParamStore(self.host, list(range(st.layer_start, st.layer_end)), self.device,
+                                    st.offload.prefetch_depth, self.meter, self.lanes, self.dtype)
             self.module.store = self.store
-        self.resident = {n: p for n, p in self.module.params.items() if p.device == self.device and
-                         (self.store is None or n not in self.store.host)}
+        fetched = {n for ns in self.store.names.values() for n in ns} if self.store is not None else set()
+        self.resident = {n: p for n, p in self.module.params.items() if p.device == self.device and n not in fetched}
         self.updater = None
-        if self.separate:
-            # Gradients go to the masters as backward produces them (to the host under offload) and
-            # accumulate there in fp32 over the micro-batches.
-            for n, p in self.resident.items():
-                p.register_post_accumulate_grad_hook(self._grad_to_master(self.opt_params[n]))
+        self.grads: GradStream | None = None
+        self.program = program(self.plan, self.rank)  # compute operations and the batches of sends and receives
+        self.posted: list[Exchange] = []  # the batches posted, in order (tests compare them with the program)
+        self.host_reads = 0  # reads of device values on the host: one per step (`_read_summary`)
+        self._plan_sync()
         if self.offload_opt:
-            # The host optimizer runs per layer on a thread, first layers first (LayerwiseUpdate).
-            by_layer: dict[int, list] = {}
+            assert self.host is not None and self.lanes is not None  # (built above)
+            # Gradients stream to the host a layer at a time as backward produces them (GradStream); the host
+            # optimizer runs per layer on the cpu lane, first layers first (LayerwiseUpdate).
+            self.grads = GradStream(self.host, self.lanes, self.device, self.meter,
+                                    {n for n in self.module.params if self._counted(n)}, self.layer_groups, pin)
+            for n, p in self.resident.items():
+                p.register_post_accumulate_grad_hook(self._to_stream(n))
             self.resident_by_layer: dict[int, list[str]] = {}
-            for n, q in self.opt_params.items():
-                layer = extended_layer(self.module.specs[n].layer, self.model.num_layers)
-                by_layer.setdefault(layer, []).append(q)
-                if n in self.resident:
-                    self.resident_by_layer.setdefault(layer, []).append(n)
-            self.updater = LayerwiseUpdate(sorted(by_layer.items()), self._adamw, self._copy_back, self.overlap_update)
+            for n in self.resident:
+                self.resident_by_layer.setdefault(self.grads.layer[n], []).append(n)
+            self.updater = LayerwiseUpdate(
+                [(layer, [self.host.params[n] for n, *_ in spans]) for layer, spans in sorted(self.host.spans.items())],
+                self._adamw, self._copy_back, self.overlap_update, self.lanes.cpu, self.grads.ready)
             self.module.before_layer = self.updater.wait
             if self.store is not None:
-                self.store.before_copy = self.updater.wait
+                self.store.updated, self.store.stream = self.updater.updated, self.grads
             self.optimizer = None
         else:
+            if self.mixed:  # gradients go to the fp32 masters on the device as backward produces them
+                for n, p in self.resident.items():
+                    p.register_post_accumulate_grad_hook(self._grad_to_master(self.opt_params[n]))
             self.optimizer = self._adamw(list(self.opt_params.values()))
-        self.peers = layout.p2p_peers(self.plan, self.info.pipeline, self.info.stage, self.info.tp_rank)
-        self._plan_sync()
         self.meter.set_static(self._device_state())
         self._moments_counted = False  # AdamW's moments join the meter's static state after the first step
         self.restoring: Future | None = None  # an overlapped restore's second half (AdamW's moments), in flight
@@ -224,10 +240,13 @@ class Engine(GradSync, OptimizerState):
 
     def close(self) -> None:
         updater, store = getattr(self, "updater", None), getattr(self, "store", None)
+        lanes = getattr(self, "lanes", None)
         if updater is not None:
             updater.join()
         if store is not None:
             store.close()
+        if lanes is not None:
+            lanes.close()
         self.drop_groups()
 
     def drop_groups(self) -> None:
@@ -319,7 +338,7 @@ class Engine(GradSync, OptimizerState):
         self.meter.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        big_b, seq = self.plan.global_batch, self.model.seq_len
+        big_b = self.plan.global_batch
         start = step_index * big_b + self.plan.sample_offsets()[self.info.pipeline]
         sizes = self.pipe.micro_batch_sizes()
         starts = [start + sum(sizes[:j]) for j in range(len(sizes))]
@@ -327,73 +346,74 @@ class Engine(GradSync, OptimizerState):
         if reads and hasattr(self.data, "prefetch"):  # remote data: this step's micro-batches and the next step's,
             self.data.prefetch([range(a, a + n) for a, n in zip(starts, sizes, strict=True)]  # read ahead of use
                                + [range(a + big_b, a + big_b + n) for a, n in zip(starts, sizes, strict=True)])
-        recv_act, send_act, recv_grad, send_grad = self.peers
-        h = self.model.hidden_size
-        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        pending: list = []
-        loss_total = 0.0
-        ops = op_order(self.info.stage, len(self.pipe.stages), len(sizes), self.pipe.schedule)
-        last_b = max(i for i, (kind, _) in enumerate(ops) if kind == "B")
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        sent: dict[tuple[str, int], torch.Tensor] = {}  # what this rank's next batch sends
+        got: dict[tuple[str, int], torch.Tensor] = {}  # what its batches received
+        # The loss stays on the device, summed over micro-batches, until the step's one read (no host sync
+        # inside a step: a read per micro-batch would stall the device each time).
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        last_b = max(i for i, item in enumerate(self.program) if not isinstance(item, Exchange) and item[0] == "B")
         self.sync_trace, self._final_bwd = [], False
         self._count = dict(self._left)
+        backwards = 0
         with self.meter.tracking():  # device-side bytes as they live (CPU accounting)
-            for i, (kind, j) in enumerate(ops):
+            for i, item in enumerate(self.program):
+                if isinstance(item, Exchange):  # sends and receives posted together (planner/p2p.py)
+                    self._exchange(item, sizes, sent, got)
+                    continue
+                kind, j = item
                 self._final_bwd = i == last_b
                 t_op = time.perf_counter()
                 if kind == "F":
-                    tokens = self.data.batch(range(starts[j], starts[j] + sizes[j])).to(self.device) if reads else None
+                    tokens = self._tokens(starts[j], sizes[j]) if reads else None
                     if self.first:
                         assert tokens is not None  # (the first stage reads the batch)
                         inp = tokens[:, :-1]
                     else:
-                        inp = torch.empty(sizes[j], seq, h, dtype=self.dtype, device=self.device)
-                        dist.recv(inp, src=recv_act, tag=2 * j)
-                        inp.requires_grad_()
+                        inp = got.pop(("act", j)).requires_grad_()
                     with self._saved_hooks():
                         out = self.module(inp)
                     if self.last:
                         assert tokens is not None  # (the last stage reads the batch)
                         out = self.module.loss_sum(out, tokens[:, 1:]) / big_b
-                        loss_total += out.item()
+                        loss_sum += out.detach()
                         if self.loss_scale != 1.0:  # fp16: gradients scaled up past fp16's underflow
                             out = out * self.loss_scale
                     else:
-                        act = out.detach().contiguous()
-                        pending += [dist.isend(act, dst=d, tag=2 * j) for d in send_act]
-                    saved[j] = (inp, out)
+                        sent[("act", j)] = out.detach().contiguous()
+                    saved[j] = (inp, out, None)
                 else:
-                    inp, out = saved.pop(j)
-                    if self.last:
-                        grad = None
-                    else:
-                        grad = torch.empty_like(out)
-                        dist.recv(grad, src=recv_grad, tag=2 * j + 1)
+                    inp, out, _ = saved.pop(j)
+                    grad = None if self.last else got.pop(("grad", j))
                     if self.store is not None:
                         self.store.phase = "bwd"
+                    if self.grads is not None:
+                        self.grads.begin(backwards, len(sizes))
+                    backwards += 1
                     out.backward(grad)
                     out = grad = None  # the micro-batch's graph (and a checkpoint's leftovers) go now
                     if not self.first:
-                        g = grad_of(inp).contiguous()
-                        pending += [dist.isend(g, dst=d, tag=2 * j + 1) for d in send_grad]
+                        sent[("grad", j)] = grad_of(inp).contiguous()
                     inp = None
                     if self.store is not None:
                         self.store.end_backward()
                         self.store.phase = "fwd"
                 self._emulate_slowdown(time.perf_counter() - t_op)
         self._final_bwd = False
-        for w in pending:
-            w.wait()
         if self.store is not None:
             self.store.drain()
-        self._sync_grads()
-        if self.dtype == torch.float16:
-            self._unscale()
-        if not self._skip:
-            self._clip()
+        if self.grads is not None:  # offloaded: synced and normed on the way to the host, a layer at a time
+            local_sq = self.grads.finish()
+        else:
+            self._sync_grads()
+            local_sq = self._local_norm_sq() if self.needs_norm else loss_sum.new_zeros(())
+        self._scales(local_sq)
         waited = self.await_restore()
-        self._pending = step_index
         report = self.last and self.info.tp_rank == 0
-        return StepResult(step_index, self.rank, loss_total if report else None, self.pipe.num_samples,
+        loss, norm_sq = self._read_summary(loss_sum)
+        self._after_read(norm_sq)
+        self._pending = step_index
+        return StepResult(step_index, self.rank, loss if report else None, self.pipe.num_samples,
                           time.perf_counter() - t0, self._peak_mem(),
                           {"device_state_bytes": self.device_state_bytes(), "device_peak_bytes": self.meter.peak,
                            "host_state_bytes": self.host_state_bytes(),
@@ -404,6 +424,46 @@ class Engine(GradSync, OptimizerState):
                            "device": self.device.type,
                            # the sample ranges whose loss this rank computed: drills check each is seen once
                            "samples": [[a, n] for a, n in zip(starts, sizes, strict=True)] if report else []})
+
+    def _tokens(self, start: int, n: int) -> torch.Tensor:
+        """A micro-batch's tokens on the device: through pinned memory and an asynchronous copy on CUDA (a
+        copy from pageable memory would make the host wait for it)."""
+        t = self.data.batch(range(start, start + n))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _exchange(self, ex: Exchange, sizes: list[int], sent: dict, got: dict) -> None:
+        """One batch of sends and receives, posted together and waited for (planner/p2p.py says why: under NCCL
+        a send completes only when its receive is posted, so a pair posted apart can wait on each other). A
+        wait on NCCL orders the compute stream after the batch and returns; on gloo it blocks."""
+        ops, h, seq = [], self.model.hidden_size, self.model.seq_len
+        for op in ex.ops:
+            key, tag = (op.kind, op.micro_batch), 2 * op.micro_batch + (op.kind == "grad")
+            if op.op == "send":
+                ops.append(dist.P2POp(dist.isend, sent[key], op.peer, tag=tag))
+            else:
+                got[key] = torch.empty(sizes[op.micro_batch], seq, h, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, got[key], op.peer, tag=tag))
+        self.posted.append(ex)
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for op in ex.ops:
+            if op.op == "send":
+                sent.pop((op.kind, op.micro_batch), None)
+
+    def _local_norm_sq(self) -> torch.Tensor:
+        """This rank's share of the global gradient norm's square, on the device (GradSync `_norm_sq`)."""
+        return self._norm_sq([grad_of(p) for n, p in self.grad_params.items() if self._counted(n)])
+
+    def _read_summary(self, loss_sum: torch.Tensor) -> tuple[float, float]:
+        """The step's one read of device values on the host: its loss and its global gradient norm squared,
+        copied together after everything else of the step is queued. Counted (`host_reads`): a test holds the
+        step to one read and no other scalar read (tests/test_host_sync.py)."""
+        self.host_reads += 1
+        norm_sq = self._norm_sq_all if self._norm_sq_all is not None else loss_sum.new_zeros(())
+        loss, sq = torch.stack([loss_sum, norm_sq.to(loss_sum.dtype)]).cpu().tolist()
+        return loss, sq
 
     def _saved_hooks(self):
         return self.store.hooks() if self.store is not None else contextlib.nullcontext()

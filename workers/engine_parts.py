@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from planner.layout import RankInfo
     from planner.specs import ModelSpec, TrainSpec
     from workers.adamw import FusedAdamW
+    from workers.copy_lane import Lanes
     from workers.model import Stage
-    from workers.offload import DeviceMeter, LayerwiseUpdate
+    from workers.offload import DeviceMeter, GradStream, HostLayers, LayerwiseUpdate
 
 
 def grad(p: torch.Tensor) -> torch.Tensor:
@@ -31,6 +32,7 @@ class EngineParts:
     train: TrainSpec
     info: RankInfo
     device: torch.device
+    dtype: torch.dtype  # the stage's compute dtype
     mixed: bool  # mixed precision: fp32 masters apart from the compute copies
     loss_scale: float  # fp16's dynamic loss scale (1.0 otherwise)
     overlap_sync: bool
@@ -46,10 +48,20 @@ class EngineParts:
     resident: dict[str, torch.nn.Parameter]
     resident_by_layer: dict[int, list[str]]
     updater: LayerwiseUpdate | None
+    host: HostLayers | None  # an offloaded optimizer's host state, a flat buffer per layer
+    lanes: Lanes | None  # its copy lanes
+    grads: GradStream | None  # where its gradients go in backward
+    layer_groups: dict[int, Any]  # extended layer -> the process group its gradient is all-reduced in
     optimizer: FusedAdamW | None
     _moments_counted: bool
     # set per step (Engine.step)
     _count: dict[int, int]
+    host_reads: int  # device values read on the host, counted: one per step
+    _grad_scale: torch.Tensor | None  # on the device: what the update divides gradients by (loss scale / clip)
+    _found_inf: torch.Tensor | None  # on the device: 1 where an fp16 gradient overflowed
+    _host_scale: torch.Tensor | None  # the same two on the host, from the step's one read (a host optimizer's)
+    _host_inf: torch.Tensor | None
+    _norm_sq_all: torch.Tensor | None  # the global gradient norm squared, on the device
 
     @property
     def grad_params(self) -> dict[str, torch.nn.Parameter]:  # OptimizerState's

@@ -7,6 +7,7 @@ device and train settings.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -27,8 +28,9 @@ class GradSync(EngineParts):
         soon as the last micro-batch's backward has accumulated its last gradient, so the
         all-reduce of layer k runs while layer k-1 is back-propagated (the cost model's
         assumption: the sync overlaps the last micro-batch's backward); `_sync_grads` waits
-        for them before clipping. Offloaded gradients stream to the host instead, and their
-        buckets are reduced after backward, in the same order."""
+        for them before clipping. An offloaded stage's gradients stream to the host instead
+        (workers/offload.py GradStream), each layer all-reduced on the device in the last
+        micro-batch's backward, in the same order, in the group `layer_groups` names."""
         n_layers = self.model.num_layers
         self.buckets: list[tuple[int, object, list[str]]] = []  # (extended layer, group, parameter names)
         for gg, group in self.grad_groups:
@@ -38,6 +40,7 @@ class GradSync(EngineParts):
                 if gg.start <= layer < gg.end:
                     by_layer.setdefault(layer, []).append(name)
             self.buckets += [(layer, group, by_layer[layer]) for layer in sorted(by_layer, reverse=True)]
+        self.layer_groups = {layer: group for layer, group, _ in self.buckets}  # an offloaded stage syncs by layer
         self._final_bwd = False  # counting gradients of the last micro-batch's backward
         self._inflight: list = []
         self.sync_trace: list[tuple[str, int, float]] = []  # ("ready" | "launch", layer, time) of the last step
@@ -72,7 +75,8 @@ class GradSync(EngineParts):
         self._inflight.append((id(bucket), work, flat, params))
 
     def _sync_grads(self) -> None:
-        """Every bucket reduced: those launched during backward are waited for, the others run now."""
+        """Every bucket reduced: those launched during backward are waited for, the others run now. (An
+        offloaded stage's are reduced by its gradient stream, workers/offload.py.)"""
         launched = {b for b, _, _, _ in self._inflight}
         for bucket in self.buckets:
             if id(bucket) not in launched:
@@ -86,33 +90,61 @@ class GradSync(EngineParts):
                 at += p.numel()
         self._inflight = []
 
-    def _unscale(self) -> None:
-        """fp16: gradients back to their true scale; a non-finite one anywhere skips the update on every
-        rank and halves the scale; 2000 good steps in a row double it (torch.amp.GradScaler's rule)."""
-        bad = torch.zeros((), device=self.device)
-        for p in self.grad_params.values():
-            if p.grad is not None:
-                p.grad.mul_(1.0 / self.loss_scale)
-                bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float().to(self.device))
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self._skip = bool(bad.item())
+    def _counted(self, name: str) -> bool:
+        """Whether this rank's copy of `name` counts in the global norm: each element once, so replica 0 only,
+        and TP-replicated parameters on TP rank 0 only."""
+        return self.info.pipeline == 0 and (self.module.specs[name].shard_dim is not None or self.info.tp_rank == 0)
+
+    def _norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of squares of `grads` on the device, in float64: torch's foreach norm per tensor (no copy of
+        a gradient, where squaring each in float64 made one of each), summed over the tensors."""
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).double().square().to(self.device)
+
+    def _scales(self, local_sq: torch.Tensor) -> None:
+        """The global norm (every rank's sum of squares all-reduced) and what the update divides gradients by,
+        as device tensors: no value is read on the host here (the step reads its summary once, at its end).
+
+        `_grad_scale` = loss scale / clip coefficient, which the fused AdamW applies inside its kernel (unscaling
+        and clipping without a pass of their own); `_found_inf` (fp16) is 1 when any gradient anywhere is not
+        finite, which makes the kernel skip the update on every rank alike (torch.amp.GradScaler's rule; the
+        scale is then halved on the host once the step's summary is read)."""
+        fp16 = self.dtype == torch.float16
+        self._norm_sq_all: torch.Tensor | None = None
+        if not self.needs_norm:
+            self._grad_scale = self._found_inf = None
+            return
+        dist.all_reduce(local_sq)
+        self._norm_sq_all = local_sq
+        norm = local_sq.sqrt() / self.loss_scale
+        scale = torch.full((), self.loss_scale, dtype=torch.float64, device=self.device)
+        if self.train.grad_clip is not None:
+            scale = scale / (self.train.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        self._grad_scale = scale.float()
+        self._found_inf = (~torch.isfinite(norm)).float() if fp16 else None
+
+    def _after_read(self, norm_sq: float) -> None:
+        """The host's half, from the step's one read: whether fp16 overflowed (skip the update, halve the
+        scale; 2000 good steps in a row double it) and, for a host optimizer, the scale as a host value."""
+        self._host_scale = self._host_inf = None
+        if self.needs_norm:  # the device's `_grad_scale` and `_found_inf` again, in the same float64 arithmetic
+            norm = math.sqrt(norm_sq) / self.loss_scale
+            clip = 1.0 if self.train.grad_clip is None else min(1.0, self.train.grad_clip / (norm + 1e-6))
+            self._host_scale = torch.tensor(self.loss_scale / clip if clip else math.inf, dtype=torch.float32)
+            if self.dtype == torch.float16:
+                self._host_inf = torch.tensor(float(not math.isfinite(norm)))
+        if self.dtype != torch.float16:
+            self._skip = False
+            return
+        self._skip = not math.isfinite(norm_sq)
         self._good_steps = 0 if self._skip else self._good_steps + 1
         if self._skip:
             self.loss_scale /= 2
         elif self._good_steps % 2000 == 0:
             self.loss_scale *= 2
 
-    def _clip(self) -> None:
-        """Global-norm clip; each element counted once: replica 0 only, TP-replicated params on TP rank 0."""
-        if self.train.grad_clip is None:
-            return
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.info.pipeline == 0:
-            for name, p in self.grad_params.items():
-                if self.module.specs[name].shard_dim is not None or self.info.tp_rank == 0:
-                    sq += grad(p).double().pow(2).sum().to(self.device)
-        dist.all_reduce(sq)
-        coef = self.train.grad_clip / (float(sq.sqrt()) + 1e-6)
-        if coef < 1.0:
-            for p in self.grad_params.values():
-                grad(p).mul_(coef)
+    @property
+    def needs_norm(self) -> bool:
+        """Whether the step computes the global gradient norm: to clip, or to find an fp16 overflow."""
+        return self.train.grad_clip is not None or self.dtype == torch.float16

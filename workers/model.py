@@ -67,6 +67,42 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _Embed(torch.autograd.Function):
+    """Rows of an embedding table; backward adds the gradient into the rows with `index_add_`.
+
+    torch's own embedding backward on CUDA sorts the ids and reads the count of distinct ones on the host (a
+    stream synchronization inside backward: pytorch/pytorch#20655); `index_add_` accumulates with atomics and
+    reads nothing. The rows are accumulated in float32 under bf16/fp16 (as torch's kernel does).
+    """
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.shape = weight.shape
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+        rows = torch.zeros(ctx.shape, dtype=wide, device=grad.device)
+        rows.index_add_(0, ids.reshape(-1), grad.reshape(-1, ctx.shape[1]).to(wide))
+        return None, rows.to(grad.dtype)
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor, start: int = 0, vocab: int | None = None) -> torch.Tensor:
+    """Look up `ids` in a table holding rows [start, start + len(weight)) of a `vocab`-row vocabulary (the
+    whole table when `vocab` is None or the rows are all of it). Ids outside the rows held give zero rows, so
+    the TP ranks' lookups sum to the whole table's (a vocabulary-parallel embedding, Megatron-LM's
+    VocabParallelEmbedding: the sum is the all-reduce that follows)."""
+    if vocab is None or weight.shape[0] == vocab:
+        return _Embed.apply(ids, weight)
+    local = ids - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    out = _Embed.apply(local.masked_fill(~inside, 0), weight)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
 def _copy(x, group):
     return x if group is None else _CopyToTP.apply(x, group)
 
@@ -130,13 +166,9 @@ class Stage(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, h] elsewhere."""
         wait = self.before_layer or (lambda layer: None)
-        if self.first and self.m.arch == "llama":
+        if self.first:
             wait(-1)
-            x = F.embedding(x, self.params["model.embed_tokens.weight"])
-        elif self.first:
-            wait(-1)
-            pos = torch.arange(x.shape[1])
-            x = F.embedding(x, self.params["wte.weight"]) + self.params["wpe.weight"][pos]
+            x = self._embed(x)
         for i in self.layers:
             wait(i)
             if i in self.recompute:
@@ -150,6 +182,15 @@ class Stage(torch.nn.Module):
             else:
                 x = F.layer_norm(x, (x.shape[-1],), self.params["ln_f.weight"], self.params["ln_f.bias"])
             x = F.linear(x, self.params["lm_head.weight"])
+        return x
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token (and, for the GPT, position) embeddings. Positions are a slice of their table, not a gather by a
+        host-made index (which would copy the index to the device, and wait for it, every micro-batch)."""
+        name = "model.embed_tokens.weight" if self.m.arch == "llama" else "wte.weight"
+        x = embed(ids, self.params[name])
+        if self.m.arch == "gpt":
+            x = x + self.params["wpe.weight"][: ids.shape[1]]
         return x
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from workers.adamw import FusedAdamW
+from workers.copy_lane import Ticket
 from workers.engine_parts import EngineParts
 
 
@@ -22,11 +23,32 @@ class OptimizerState(EngineParts):
         return FusedAdamW([g for g in groups if g["params"]], lr=self.train.lr, betas=self.train.betas,
                           eps=self.train.eps)
 
-    def _copy_back(self, layer: int) -> None:
-        """After a layer's host update: its resident device copies take the new weights."""
-        with torch.no_grad():
-            for n in self.resident_by_layer.get(layer, ()):
-                self.resident[n].copy_(self.opt_params[n], non_blocking=True)
+    def _copy_back(self, layer: int) -> Ticket | None:
+        """After a layer's host update (on the cpu lane): its resident device copies take the new weights, on the
+        h2d lane: the layer's fp32 masters in one copy, cast on the device. The ticket the layer's next use waits
+        on; None where the layer has no resident copy (its weights are fetched)."""
+        names = self.resident_by_layer.get(layer)
+        if not names:
+            return None
+        assert self.host is not None and self.lanes is not None  # (optimizer offload)
+        lanes, offset = self.lanes, {n: a for n, a, *_ in self.host.spans[layer]}
+        pieces = [(offset[n], self.resident[n].detach().view(-1)) for n in names]
+        src = self.host.masters[layer]
+
+        def job() -> None:
+            with torch.no_grad():
+                lanes.upload(src, pieces)
+
+        return lanes.h2d.submit(job)
+
+    def _to_stream(self, name: str):
+        """A resident parameter's gradient, handed to the gradient stream as backward accumulates it."""
+        def hook(p: torch.Tensor) -> None:
+            assert p.grad is not None and self.grads is not None  # (a post-accumulate-grad hook, offload)
+            g, p.grad = p.grad, None
+            self.grads.deliver(name, g)
+
+        return hook
 
     def _grad_to_master(self, master: torch.nn.Parameter):
         pause = self.meter.paused if self.offload_opt else contextlib.nullcontext  # host bytes are not the device's
@@ -49,20 +71,17 @@ class OptimizerState(EngineParts):
         return self.opt_params if self.separate else self.module.params
 
     def _update(self) -> None:
-        if self.updater is not None and self._skip:  # fp16 overflow: no update this step
-            for q in self.opt_params.values():
-                q.grad = None
-            return
         if self.updater is not None:  # host AdamW per layer on a thread; the next forward waits per layer
-            self.updater.start()
+            self.updater.start(self._host_scale, self._host_inf)
             return
-        if not self._skip:
-            self.adamw.step()
+        # Unscaling, clipping and an fp16 overflow's skip happen inside the fused kernel, from device tensors
+        # (GradSync `_scales`): no pass over the gradients and no host read.
+        self.adamw.step(self._grad_scale, self._found_inf)
         self.adamw.zero_grad(set_to_none=True)
-        if self.mixed:  # the compute copies take the new master weights
+        if self.mixed:  # the compute copies take the new master weights, in one foreach copy
             with torch.no_grad():
-                for n, p in self.module.params.items():
-                    p.copy_(self.opt_params[n])
+                names = list(self.module.params)
+                torch._foreach_copy_([self.module.params[n] for n in names], [self.opt_params[n] for n in names])
         if self.meter.enabled and not self._moments_counted:
             self._moments_counted = True
             self.meter.set_static(self._device_state() + [t for st in self.adamw.state.values()
