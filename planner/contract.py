@@ -8,9 +8,10 @@ runtime does not support.
 Tensor parallelism (workers/model.py, Megatron-LM): q, k, v and the MLP's first
 linear are split on output rows by whole heads, the attention output and the
 MLP's second linear on input columns. So a TP degree t needs `num_heads % t == 0`
-(whole heads per rank; `hidden_size % t` follows) and `ffn % t == 0`. The
-embedding and the LM head are replicated in a TP group, so `vocab_size` needs
-no divisibility. The Llama (workers/llama.py) splits k and v by whole
+(whole heads per rank; `hidden_size % t` follows) and `ffn % t == 0`. The token
+embedding and the LM head are split by vocabulary rows in chunks of ceil(vocab / t)
+(Megatron-LM's vocabulary-parallel embedding, head and cross-entropy), so
+`vocab_size` needs no divisibility, only a row for every rank. The Llama (workers/llama.py) splits k and v by whole
 key/value heads too, so it also needs `num_kv_heads % t == 0`. A degree that
 breaks these would silently drop rows of a weight: a different model.
 """
@@ -35,9 +36,12 @@ def tp_problem(model: ModelSpec, tp: int) -> str | None:
         bad.append(f"ffn_size={model.ffn}")
     if model.kv_heads % tp and model.arch == "llama":
         bad.append(f"num_kv_heads={model.kv_heads}")
+    if model.vocab_size < -(-model.vocab_size // tp) * (tp - 1) + 1:  # a rank would hold no vocabulary row
+        bad.append(f"vocab_size={model.vocab_size}")
     if not bad:
         return None
-    return f"TP degree {tp}, which does not divide {' and '.join(bad)} (a TP rank must hold whole heads and MLP rows)"
+    why = "whole heads and MLP rows" + (", and a vocabulary row" if any("vocab" in b for b in bad) else "")
+    return f"TP degree {tp}, which does not divide {' and '.join(bad)} (a TP rank must hold {why})"
 
 
 def runtime_problems(plan: Plan, model: ModelSpec) -> list[str]:

@@ -159,8 +159,25 @@ def layer_fwd_flops(model: ModelSpec, b: int) -> float:
     return b * (2.0 * s * model.matmul_params + 4.0 * s * s * h)
 
 
-def head_fwd_flops(model: ModelSpec, b: int) -> float:
-    return b * 2.0 * model.seq_len * model.hidden_size * model.vocab_size
+def vocab_rows(model: ModelSpec, tp: int) -> int:
+    """Vocabulary rows of the embedding and the head on a TP rank (the largest share): they are split over the
+    TP group (Megatron-LM's vocabulary-parallel embedding and head, workers/model.py)."""
+    return -(-model.vocab_size // tp)
+
+
+def embed_params_dev(model: ModelSpec, tp: int) -> int:
+    """The embedding's parameters on one TP rank: its vocabulary rows (and the GPT's positions, replicated)."""
+    return (vocab_rows(model, tp) + (model.seq_len if model.arch == "gpt" else 0)) * model.hidden_size
+
+
+def head_params_dev(model: ModelSpec, tp: int) -> int:
+    """The head's parameters on one TP rank: its vocabulary rows and the final norm (replicated)."""
+    return vocab_rows(model, tp) * model.hidden_size + (2 if model.arch == "gpt" else 1) * model.hidden_size
+
+
+def head_fwd_flops(model: ModelSpec, b: int, tp: int = 1) -> float:
+    """The head's forward FLOPs on one TP rank (its vocabulary rows)."""
+    return b * 2.0 * model.seq_len * model.hidden_size * vocab_rows(model, tp)
 
 
 def model_flops_per_sample(model: ModelSpec) -> float:
@@ -185,11 +202,11 @@ class StageShape:
     last: bool
 
     def params_per_device(self, model: ModelSpec, tp: int) -> float:
-        # Embedding and head are replicated across the TP group (workers/model.py does the same).
+        # Embedding and head are split by vocabulary rows over the TP group (workers/model.py does the same).
         return (
             self.num_layers * model.layer_params / tp
-            + self.first * model.embed_params
-            + self.last * model.head_params
+            + self.first * embed_params_dev(model, tp)
+            + self.last * head_params_dev(model, tp)
         )
 
 
@@ -209,7 +226,7 @@ def stage_times(
     h, s = model.hidden_size, model.seq_len
     n, r = shape.num_layers, policy.num_recompute
     eff = slot.flops_per_gpu * _util(b * s)
-    fwd_flops = (n * layer_fwd_flops(model, b) / tp) + shape.last * head_fwd_flops(model, b)
+    fwd_flops = (n * layer_fwd_flops(model, b) / tp) + shape.last * head_fwd_flops(model, b, tp)
     fwd_c = fwd_flops / eff
     rec_c = r * layer_fwd_flops(model, b) / tp / eff
     act_bytes = s * b * h * pb
@@ -217,8 +234,9 @@ def stage_times(
     fwd = fwd_c + tp_comm
     bwd = 2 * fwd_c + rec_c + tp_comm * (1 + r / max(n, 1))
     if policy.offload_params:
-        # Weights stream in per micro-batch, once for forward and once for backward.
-        h2d = shape.params_per_device(model, tp) * pb / slot.host_link
+        # Weights stream in per micro-batch, once for forward and once for backward, as fp32 masters cast on
+        # the device (workers/offload.py ParamStore).
+        h2d = shape.params_per_device(model, tp) * train.grad_bytes / slot.host_link
         fwd, bwd = max(fwd, h2d), max(bwd, h2d)
     mem = stage_memory(slot, model, train, shape, b, inflight, policy)
     return with_links(StageTimes(fwd, bwd, mem), model, train, b, p2p_next_bw, p2p_prev_bw)
@@ -249,7 +267,7 @@ def stage_memory(
     h, s, n = model.hidden_size, model.seq_len, shape.num_layers
     r = policy.num_recompute
     layer_p = model.layer_params / tp
-    edge_p = shape.first * model.embed_params + shape.last * model.head_params
+    edge_p = shape.first * embed_params_dev(model, tp) + shape.last * head_params_dev(model, tp)
     p_dev = n * layer_p + edge_p
     # Offloaded parameters: the layers in flight (prefetch_depth ahead of the one computing) in the compute dtype.
     weights = (min(n, policy.prefetch_depth + 1) * layer_p + edge_p) * pb if policy.offload_params else p_dev * pb
@@ -262,7 +280,7 @@ def stage_memory(
     # Recomputed layers are the stage's first ones (policy.to_policy), which backward reaches
     # last: by the time one of them is recomputed, the stored layers above it are freed.
     per_mb = (n - r) * full + r * ckpt
-    logits = s * b * model.vocab_size * head_bytes(train) if shape.last else 0.0
+    logits = s * b * vocab_rows(model, tp) * head_bytes(train) if shape.last else 0.0  # this rank's rows
     # Two peaks: forward's end (every stored activation, and the logits with their gradient while the head
     # back-propagates), and a recomputed layer's working set in backward, beside an offloaded layer's gradients
     # in flight, once the head's logits are gone.
@@ -295,7 +313,7 @@ def grad_bucket(model: ModelSpec, tp: int, has_layers: bool, first: bool, last: 
     """Parameters per device of the largest layer of a stage (a block, the embedding or the head): what an
     offloaded optimizer's gradient stream moves at once (workers/offload.py GradStream)."""
     return max(model.layer_params / tp if has_layers else 0.0,
-               model.embed_params if first else 0.0, model.head_params if last else 0.0)
+               embed_params_dev(model, tp) if first else 0.0, head_params_dev(model, tp) if last else 0.0)
 
 
 def offload_grad_bytes(model: ModelSpec, train: TrainSpec, tp: int, has_layers: bool, first: bool,
@@ -319,27 +337,36 @@ def host_bytes(model: ModelSpec, train: TrainSpec, shape: StageShape, tp: int, p
     return p * (train.optimizer_bytes_per_param + train.grad_bytes + masters)
 
 
+def offload_lanes(slot: Slot, train: TrainSpec, offload_params: bool, p):
+    """Seconds per step of an offloaded optimizer's three lanes for `p` parameters per device (a float, or a
+    numpy array of them), as workers/offload.py and workers/copy_lane.py move them: d2h, every gradient once in
+    the masters' dtype (packed and cast on the device); h2d, a resident layer's new weights back in the masters'
+    dtype (cast on the device; fetched parameters come over in `stage_times` instead); cpu, the host AdamW.
+    The one model of these copies: the search, the closed form and bench/offload.py read it."""
+    gb = train.grad_bytes  # the masters' bytes: fp32 under mixed precision
+    d2h = p * gb / slot.host_link
+    h2d = 0.0 if offload_params else p * gb / slot.host_link
+    return d2h, h2d, p / slot.cpu_adam_per_gpu
+
+
 def optimizer_s(slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShape,
                 policy: Knobs, busy_s: float, fwd_busy_s: float) -> float:
     """Per-step optimizer cost exposed on the device's critical path.
 
-    Offloaded (AutoHete, as workers/offload.py runs it): gradients stream to the
-    host during backward; the host AdamW (and, with resident parameters, the copy
-    of the new weights back) runs layer by layer, first layers first, beside the
-    next step's forward. Global-norm clipping needs every gradient before any
-    update, so with clipping the update hides only behind forward compute
-    (`fwd_busy_s`), without it behind the whole step. One layer's share is exposed.
+    Offloaded (AutoHete, as workers/offload.py runs it): gradients stream to the host during backward, hidden
+    behind it; the host AdamW (and, with resident parameters, the copy of the new weights back) runs layer by
+    layer, first layers first, beside the next step's forward. It cannot start earlier: the global-norm clip
+    (and an fp16 overflow check) needs every gradient first, and the update waits for the step's commit (a
+    failed step must leave the last committed state), so it hides only behind forward compute
+    (`fwd_busy_s`). One layer's share of each lane is exposed.
     """
     p = shape.params_per_device(model, slot.tp)
     pb = train.param_bytes
     if not policy.offload_optimizer:
         return p * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw
-    d2h = p * pb / slot.host_link
-    h2d = 0.0 if policy.offload_params else p * pb / slot.host_link  # offloaded params are fetched anyway
-    cpu = p / slot.cpu_adam_per_gpu
+    d2h, h2d, cpu = offload_lanes(slot, train, policy.offload_params, p)
     tail = (d2h + cpu + h2d) / max(shape.num_layers, 1)
-    window = fwd_busy_s if train.grad_clip is not None else busy_s
-    return max(0.0, d2h - (busy_s - fwd_busy_s), max(h2d, cpu) - window) + tail
+    return max(0.0, d2h - (busy_s - fwd_busy_s), max(h2d, cpu) - fwd_busy_s) + tail
 
 
 def sync_s(params_dev: float, train: TrainSpec, num_replicas: int, bw: float) -> float:

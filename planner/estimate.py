@@ -87,9 +87,9 @@ def profile_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: Trai
             sync = sum(cost.sync_s(layer_p, train, num_r, bws[(layer, 0)])
                        for layer in range(st.layer_start, st.layer_end))
             if sp.shape.first:
-                sync += cost.sync_s(model.embed_params, train, num_r, bws[("embed", 0)])
+                sync += cost.sync_s(cost.embed_params_dev(model, st.tp), train, num_r, bws[("embed", 0)])
             if sp.shape.last:
-                sync += cost.sync_s(model.head_params, train, num_r, bws[("head", 0)])
+                sync += cost.sync_s(cost.head_params_dev(model, st.tp), train, num_r, bws[("head", 0)])
             sp.sync_s = max(0.0, sync - sp.times[-1].bwd_s)
             sp.opt_s = cost.optimizer_s(sp.slot, model, train, sp.shape, cost.knobs(st.offload), sp.busy_s,
                                           sp.fwd_busy_s)

@@ -430,8 +430,10 @@ class PipelineModel:
             if vector:
                 sync = sum(cost.sync_s(self.model.layer_params / slot.tp, self.train, num_replicas, sync_bw[1 + j])
                            for j in range(a, a + nl))
-                sync += shape.first * cost.sync_s(self.model.embed_params, self.train, num_replicas, sync_bw[0])
-                sync += shape.last * cost.sync_s(self.model.head_params, self.train, num_replicas, sync_bw[-1])
+                sync += shape.first * cost.sync_s(cost.embed_params_dev(self.model, slot.tp), self.train, num_replicas,
+                                                  sync_bw[0])
+                sync += shape.last * cost.sync_s(cost.head_params_dev(self.model, slot.tp), self.train, num_replicas,
+                                                 sync_bw[-1])
             else:
                 sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, sync_bw)
             self._syncs[key] = sync
@@ -539,9 +541,7 @@ class PipelineModel:
                 p = self._shape(i, ch.num_layers).params_per_device(self.model, slot.tp)
                 pb = self.train.param_bytes
                 if kn.offload_optimizer:
-                    d2h = p * pb / slot.host_link
-                    h2d = 0.0 if kn.offload_params else p * pb / slot.host_link
-                    cpu = p / slot.cpu_adam_per_gpu
+                    d2h, h2d, cpu = cost.offload_lanes(slot, self.train, kn.offload_params, p)
                     opt = (d2h, max(h2d, cpu), (d2h + cpu + h2d) / max(ch.num_layers, 1))
                 else:
                     opt = p * 2 * (2 * pb + self.train.optimizer_bytes_per_param) / slot.mem_bw
@@ -556,7 +556,6 @@ class PipelineModel:
         last = [t.fwd_s + t.bwd_s for t in last_t]
         t_pipe = cost.closed_form_1f1b(sum(full), max(full), max(last), sum(last), m)
         per_byte = 0.0 if num_replicas <= 1 else 2.0 * (num_replicas - 1) / num_replicas / sync_bw
-        clip = self.train.grad_clip is not None
         extra = 0.0
         for (offloaded, opt, sync_bytes), ch, lt, f, la in zip(self._stage_consts(stages), stages, last_t, full, last,
                                                               strict=True):
@@ -564,7 +563,7 @@ class PipelineModel:
                 busy = (m - 1) * f + la
                 fwd = (m - 1) * ch.times.fwd_s + lt.fwd_s
                 d2h, h2d_cpu, tail = opt
-                opt = max(0.0, d2h - (busy - fwd), h2d_cpu - (fwd if clip else busy)) + tail
+                opt = max(0.0, d2h - (busy - fwd), h2d_cpu - fwd) + tail
             extra = max(extra, max(0.0, sync_bytes * per_byte - lt.bwd_s) + opt)
         return t_pipe + extra
 

@@ -96,18 +96,19 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
     h, s = model.hidden_size, model.seq_len
     cap = slot.mem_cap_bytes
     layer_p = model.layer_params / tp
-    edge_p = first * model.embed_params + last * model.head_params
+    edge_p = first * cost.embed_params_dev(model, tp) + last * cost.head_params_dev(model, tp)
     p_dev = n * layer_p + edge_p  # cost.stage_memory's
-    p_shape = n * model.layer_params / tp + first * model.embed_params + last * model.head_params  # params_per_device
+    p_shape = n * model.layer_params / tp + first * cost.embed_params_dev(model, tp) \
+        + last * cost.head_params_dev(model, tp)  # params_per_device
     off_grads = cost.offload_grad_bytes(model, train, tp, True, first, last) + cost.fetch_staging(model, train, tp)
     in_bwd = cost.grad_bucket(model, tp, True, first, last) * pb  # cost.stage_memory's, under optimizer offload
     full = s * b * h * cost.act_units(model, tp) * pb / 2
     ckpt = s * b * h * pb
     saving = inflight * (full - ckpt)
-    logits = s * b * model.vocab_size * cost.head_bytes(train) if last else 0.0
+    logits = s * b * cost.vocab_rows(model, tp) * cost.head_bytes(train) if last else 0.0
     eff = slot.flops_per_gpu * cost._util(b * s)
     lf = cost.layer_fwd_flops(model, b)
-    fwd_c = (n * lf / tp + last * cost.head_fwd_flops(model, b)) / eff
+    fwd_c = (n * lf / tp + last * cost.head_fwd_flops(model, b, tp)) / eff
     tp_comm = n * 2 * cost._allreduce_s(s * b * h * pb, tp, slot.intra_bw)
     fwd0 = fwd_c + tp_comm
     bwd0 = 2 * fwd_c + 0.0 + tp_comm * (1 + 0 / n)
@@ -142,7 +143,7 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
         if ok is not None:
             fits = fits & ok
         if params:
-            h2d = p_shape * pb / slot.host_link
+            h2d = p_shape * train.grad_bytes / slot.host_link  # cost.stage_times's: fp32 masters, cast on the device
             fwd, bwd = np.maximum(fwd, h2d), np.maximum(bwd, h2d)
         out.append((fits, r, fwd, bwd, mem) if fits.any() else None)
     resident = p_shape * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw  # cost.optimizer_s, kept
@@ -156,9 +157,7 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
     fits, -2 where the scalar path must settle it), recomputed layers, fwd, bwd, memory and stage cost."""
     modes, unsettled, p_shape, resident = fitting
     n = np.arange(1, len(unsettled) + 1)
-    pb = train.param_bytes
     act_bytes = model.seq_len * b * model.hidden_size * train.param_bytes
-    clip = train.grad_clip is not None
     best = None
     for mi, got in enumerate(modes):
         if got is None:
@@ -175,12 +174,10 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
             value = busy + resident
         else:
             fwd_busy = num_mb * fwd
-            d2h = p_shape * pb / slot.host_link
-            h2d = 0.0 if params else p_shape * pb / slot.host_link
-            cpu = p_shape / slot.cpu_adam_per_gpu
+            d2h, h2d, cpu = cost.offload_lanes(slot, train, params, p_shape)
             tail = (d2h + cpu + h2d) / n
-            window = fwd_busy if clip else busy
-            value = busy + (np.maximum(np.maximum(0.0, d2h - (busy - fwd_busy)), np.maximum(h2d, cpu) - window) + tail)
+            value = busy + (np.maximum(np.maximum(0.0, d2h - (busy - fwd_busy)), np.maximum(h2d, cpu) - fwd_busy)
+                            + tail)
         if first_last:
             mode = np.where(fits, mi, -1)
             best = [mode, r, fwd, bwd, mem, np.where(fits, value, np.inf)]

@@ -267,10 +267,11 @@ class _Enum:
                 for i, nl in enumerate(split):
                     layer_p = self.model.layer_params / self.kinds[seq[i]][1]
                     s = self.stage_sync(layer_p, num_r, tuple(bws[at:at + nl]))
+                    tp = self.kinds[seq[i]][1]
                     if i == 0:
-                        s += cost.sync_s(self.model.embed_params, self.train, num_r, embed_bw)
+                        s += cost.sync_s(cost.embed_params_dev(self.model, tp), self.train, num_r, embed_bw)
                     if i == len(split) - 1:
-                        s += cost.sync_s(self.model.head_params, self.train, num_r, head_bw)
+                        s += cost.sync_s(cost.head_params_dev(self.model, tp), self.train, num_r, head_bw)
                     syncs.append(round(s, 15))
                     at += nl
                 per_pipe.append((seq, split, tuple(syncs)))

@@ -126,25 +126,26 @@ def _degrees(p):
 
 
 def test_per_stage_tp_on_one_node_of_three_t4():
-    """Issue 15's case: 3 T4s on one node. A TP2 stage then a TP1 stage beats every plan of one degree (TP3
-    over all three, or three TP1 stages), and it is the optimum of the whole space."""
+    """3 T4s on one node, 16 heads (TP3 cannot split them): a TP1 stage and a TP2 stage beat every plan of one
+    degree (three TP1 stages, or TP2 beside an idle GPU), and they are the optimum of the whole space. (With 24
+    heads, TP3 over all three is the optimum since the embedding and head are split by vocabulary under TP.)"""
     cluster = ClusterSpec(nodes=[NodeSpec(name="n0", gpu_type="T4", num_gpus=3)])
-    model = ModelSpec(name="t", num_layers=4, hidden_size=1536, num_heads=24, vocab_size=32000, seq_len=1024)
+    model = ModelSpec(name="t", num_layers=4, hidden_size=1536, num_heads=16, vocab_size=32000, seq_len=1024)
     train = TrainSpec(global_batch=4, max_micro_batch_size=4, memory_reserve_gib=2.0)
     p = plan(cluster, model, train)
     uniform, _ = best_plan(cluster, model, train, uniform=True)
     best, _ = best_plan(cluster, model, train)
     assert sorted(_degrees(p)[0]) == [1, 2], _degrees(p)
-    # Faster than the best plan of one degree: 3% before the search had embedding- and head-only stages,
-    # which (in the uniform space too) narrow the gap to 2%.
-    assert p.estimate.step_time_s < uniform / 1.015
+    assert p.estimate.step_time_s < uniform / 1.05  # 9% faster than the best plan of one degree
+
     assert p.estimate.step_time_s <= best * 1.01
 
 
-def test_per_stage_tp_replicas_share_each_layers_degree():
-    """Two replicas, each a TP2 stage on a 4-GPU node then a TP1 stage on a 3-GPU node (3 GB/s
-    NICs): every layer has one degree in both replicas (the plan contract checks it), each layer's copies
-    sit on one node, and the plan beats every plan of one degree by more than 10%."""
+def test_per_stage_tp_across_two_nodes_beats_every_plan_of_one_degree():
+    """A 4-GPU node and a 3-GPU node (3 GB/s NICs): a TP4 stage then a TP3 stage, every layer of one degree
+    wherever it is held (the plan contract checks it) with its copies on one node, beating every plan of one
+    degree by over 5%. (Before the embedding and head were split by vocabulary under TP, the optimum here was
+    two replicas of a TP2 and a TP1 stage, and over 10% ahead.)"""
     nodes = [NodeSpec(name="n0", gpu_type="V100-16GB", num_gpus=4, inter_node_bw_gb_s=3.0, intra_node_bw_gb_s=300.0),
              NodeSpec(name="n1", gpu_type="V100-16GB", num_gpus=3, inter_node_bw_gb_s=3.0, intra_node_bw_gb_s=16.0),
              NodeSpec(name="n2", gpu_type="V100-16GB", num_gpus=1, inter_node_bw_gb_s=3.0, intra_node_bw_gb_s=300.0)]
@@ -155,12 +156,12 @@ def test_per_stage_tp_replicas_share_each_layers_degree():
     train = TrainSpec(global_batch=6, max_micro_batch_size=4, memory_reserve_gib=8.0)
     p = plan(cluster, model, train)
     uniform, _ = best_plan(cluster, model, train, uniform=True)
-    assert len(p.pipelines) == 2 and all(sorted(d) == [1, 2] for d in _degrees(p)), _degrees(p)
+    assert all(len(set(d)) > 1 for d in _degrees(p)), _degrees(p)
     p.check_structure()
     for layer in range(model.num_layers):
         holders = {(st.node, st.tp) for pp in p.pipelines for st in pp.stages if st.layer_start <= layer < st.layer_end}
         assert len(holders) == 1, (layer, holders)
-    assert p.estimate.step_time_s < uniform / 1.10
+    assert p.estimate.step_time_s < uniform / 1.05
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],

@@ -26,11 +26,33 @@ import torch.nn.functional as F
 from planner.specs import ModelSpec
 
 
+class _RMSNorm(torch.autograd.Function):
+    """transformers' LlamaRMSNorm, computed the same way (normalised in float32 or wider, scaled in the input's
+    dtype), keeping for backward only the input and the per-token scale: autograd through the same expression
+    keeps float32 copies of the normalised input, two tensors of 4 bytes per activation for each norm (under
+    bf16 that was 16 bytes per token and hidden unit per layer, more than the layer's own bf16 activations)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        wide = x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
+        scale = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, scale)
+        return weight * (wide * scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, scale = ctx.saved_tensors
+        wide = x.to(scale.dtype)
+        normed = wide * scale
+        g_weight = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        g_normed = (grad * weight).to(scale.dtype)
+        g_x = scale * (g_normed - normed * (g_normed * normed).mean(-1, keepdim=True))
+        return g_x.to(x.dtype), g_weight, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' LlamaRMSNorm: normalise in float32 (or wider), scale in the input's dtype."""
-    wide = x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(x.dtype)
+    return _RMSNorm.apply(x, weight, eps)
 
 
 def rope_tables(m: ModelSpec, seq: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:

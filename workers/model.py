@@ -19,8 +19,10 @@ block, and the stage that chains blocks between an optional embedding and an opt
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -103,6 +105,38 @@ def embed(ids: torch.Tensor, weight: torch.Tensor, start: int = 0, vocab: int | 
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over a TP group by vocabulary (Megatron-LM's
+    vocab_parallel_cross_entropy): the max, the softmax's denominator and the target's logit are all-reduced
+    over the group, so no rank gathers the whole logits ([tokens, vocab] is the largest activation of a model
+    with a large vocabulary). Backward is local: softmax minus the target's one-hot, on this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group):
+        rows = logits.shape[-1]
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        z = logits - top.unsqueeze(-1)
+        e = z.exp()
+        total = e.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        local = targets - start
+        inside = (local >= 0) & (local < rows)
+        local = local.masked_fill(~inside, 0)
+        picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside
+        dist.all_reduce(picked, group=group)
+        e.div_(total.unsqueeze(-1))  # this rank's part of the softmax, kept for backward
+        ctx.save_for_backward(e, local, inside)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        soft, local, inside = ctx.saved_tensors
+        g = soft * grad.unsqueeze(-1)
+        g.scatter_add_(-1, local.unsqueeze(-1), (-grad * inside).unsqueeze(-1).to(g.dtype))
+        return g, None, None, None
+
+
 def _copy(x, group):
     return x if group is None else _CopyToTP.apply(x, group)
 
@@ -129,6 +163,8 @@ class Stage(torch.nn.Module):
         specs = (embed_params(model) if first else []) + [p for i in self.layers for p in block_params(model, i)]
         specs += head_params(model) if last else []
         self.specs = {s.name: s for s in specs}
+        vocab = (embed_params(model) + head_params(model))[0]  # the token embedding: its rows' split is the head's
+        self.vocab_start = vocab.local_slice(tp_rank, tp_size)[0].start or 0  # first vocabulary row this rank holds
         self.params: dict[str, torch.nn.Parameter] = {}
         self._rope: dict = {}  # (seq, dtype, device) -> the Llama's cos/sin tables
         start = None
@@ -136,9 +172,16 @@ class Stage(torch.nn.Module):
             from workers.hf_format import read_weights
 
             start = read_weights(model.init_from, model, {s.name: s.shape for s in specs})  # this stage's
-        for s in specs:
+        def local(s: ParamSpec) -> torch.Tensor:
             full = start[s.name].to(dtype) if start is not None else init_full(s, seed, dtype)
-            t = full[s.local_slice(tp_rank, tp_size)].clone()
+            return full[s.local_slice(tp_rank, tp_size)].clone()
+
+        # Each tensor has a generator of its own (seeded by its name), so they are drawn in parallel with the same
+        # values as one after another: a 1.3B stage's draw took 56 s of one core before (a cold start's largest
+        # segment on a GPU machine); torch's generators release the GIL.
+        with ThreadPoolExecutor(max(1, min(len(specs), os.cpu_count() or 1, 32))) as pool:
+            tensors = list(pool.map(local, specs))
+        for s, t in zip(specs, tensors, strict=True):
             self.params[s.name] = torch.nn.Parameter(t)
             self.register_parameter(s.name.replace(".", "__"), self.params[s.name])
 
@@ -181,21 +224,27 @@ class Stage(torch.nn.Module):
                 x = llama.rms_norm(x, self.params["model.norm.weight"], self.m.norm_eps)
             else:
                 x = F.layer_norm(x, (x.shape[-1],), self.params["ln_f.weight"], self.params["ln_f.bias"])
-            x = F.linear(x, self.params["lm_head.weight"])
+            x = F.linear(_copy(x, self.tp_group), self.params["lm_head.weight"])  # this rank's vocabulary rows
         return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token (and, for the GPT, position) embeddings. Positions are a slice of their table, not a gather by a
         host-made index (which would copy the index to the device, and wait for it, every micro-batch)."""
         name = "model.embed_tokens.weight" if self.m.arch == "llama" else "wte.weight"
-        x = embed(ids, self.params[name])
+        x = embed(ids, self.params[name], self.vocab_start, self.m.vocab_size)
+        if self.tp_group is not None:  # each rank looked up its rows of the vocabulary: their sum is the lookup
+            x = _reduce(x, self.tp_group)
         if self.m.arch == "gpt":
             x = x + self.params["wpe.weight"][: ids.shape[1]]
         return x
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Sum over samples of each sample's mean token cross-entropy."""
-        flat = logits.reshape(-1, logits.shape[-1])  # in fp32 under mixed precision, as the planner counts it
-        per_token = F.cross_entropy(flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat,
-                                    targets.reshape(-1), reduction="none")
-        return per_token.view(targets.shape).mean(dim=1).sum()
+        """Sum over samples of each sample's mean token cross-entropy (from this rank's vocabulary rows of the
+        logits under TP: `_VocabParallelCE`)."""
+        wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # fp32, as planned
+        if self.tp_group is not None:
+            per_token = _VocabParallelCE.apply(wide, targets, self.vocab_start, self.tp_group)
+        else:
+            per_token = F.cross_entropy(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1),
+                                        reduction="none").view(targets.shape)
+        return per_token.mean(dim=1).sum()

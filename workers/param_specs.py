@@ -1,5 +1,7 @@
 """The model's parameters by canonical name: shape, TP shard dimension, layer and initialisation, for the GPT-2
-and the llama layouts, without torch. The controller and the S3 tier list a model's units from these, and
+and the llama layouts, without torch. The token embedding and the LM head are split over a TP group by vocabulary
+rows (Megatron-LM's vocabulary-parallel embedding and head: workers/model.py), the largest tensors of a model
+with a large vocabulary. The controller and the S3 tier list a model's units from these, and
 workers/model.py builds its tensors from them.
 """
 
@@ -20,11 +22,14 @@ class ParamSpec:
     init: str  # "normal", "zeros" or "ones"
 
     def local_slice(self, tp_rank: int, tp_size: int) -> tuple[slice, ...]:
+        """This TP rank's part: consecutive chunks of ceil(size / tp) along the shard dimension (equal where the
+        contract requires it, heads and MLP rows; a vocabulary's last rank may hold fewer rows)."""
         if self.shard_dim is None or tp_size == 1:
             return tuple(slice(None) for _ in self.shape)
-        n = self.shape[self.shard_dim] // tp_size
-        return tuple(slice(tp_rank * n, (tp_rank + 1) * n) if d == self.shard_dim else slice(None)
-                     for d in range(len(self.shape)))
+        size = self.shape[self.shard_dim]
+        n = -(-size // tp_size)
+        return tuple(slice(min(tp_rank * n, size), min((tp_rank + 1) * n, size)) if d == self.shard_dim
+                     else slice(None) for d in range(len(self.shape)))
 
 
 def block_params(m: ModelSpec, i: int) -> list[ParamSpec]:
@@ -52,7 +57,7 @@ def block_params(m: ModelSpec, i: int) -> list[ParamSpec]:
 def embed_params(m: ModelSpec) -> list[ParamSpec]:
     if m.arch == "llama":
         return _llama_embed(m)
-    return [ParamSpec("wte.weight", (m.vocab_size, m.hidden_size), None, EMBED, "normal"),
+    return [ParamSpec("wte.weight", (m.vocab_size, m.hidden_size), 0, EMBED, "normal"),
             ParamSpec("wpe.weight", (m.seq_len, m.hidden_size), None, EMBED, "normal")]
 
 
@@ -61,7 +66,7 @@ def head_params(m: ModelSpec) -> list[ParamSpec]:
         return _llama_head(m)
     return [ParamSpec("ln_f.weight", (m.hidden_size,), None, HEAD, "ones"),
             ParamSpec("ln_f.bias", (m.hidden_size,), None, HEAD, "zeros"),
-            ParamSpec("lm_head.weight", (m.vocab_size, m.hidden_size), None, HEAD, "normal")]
+            ParamSpec("lm_head.weight", (m.vocab_size, m.hidden_size), 0, HEAD, "normal")]
 
 
 def all_params(m: ModelSpec) -> list[ParamSpec]:
@@ -87,9 +92,9 @@ def _llama_block(m: ModelSpec, i: int) -> list[ParamSpec]:
 
 
 def _llama_embed(m: ModelSpec) -> list[ParamSpec]:
-    return [ParamSpec("model.embed_tokens.weight", (m.vocab_size, m.hidden_size), None, EMBED, "normal")]
+    return [ParamSpec("model.embed_tokens.weight", (m.vocab_size, m.hidden_size), 0, EMBED, "normal")]
 
 
 def _llama_head(m: ModelSpec) -> list[ParamSpec]:
     return [ParamSpec("model.norm.weight", (m.hidden_size,), None, HEAD, "ones"),
-            ParamSpec("lm_head.weight", (m.vocab_size, m.hidden_size), None, HEAD, "normal")]
+            ParamSpec("lm_head.weight", (m.vocab_size, m.hidden_size), 0, HEAD, "normal")]
