@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,9 @@ import torch  # noqa: E402
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost  # noqa: E402
 from planner.catalog import gpu_info  # noqa: E402
 
-GPU_TESTS = ["tests/test_offload_engine.py"]  # the files holding `gpu`-marked tests (the rest import Ray or moto)
+# the files holding `gpu`-marked tests (the rest import Ray or moto), and the pure point-to-point model check
+GPU_TESTS = ["tests/test_offload_engine.py", "tests/test_host_sync.py", "tests/test_engine_ranks.py"]
+PURE_TESTS = ["tests/test_p2p.py"]
 OFFLOAD = {"offload_optimizer": True, "offload_params": True}
 
 
@@ -96,20 +99,31 @@ def _step_times(e, steps: int, device: str, sync_debug: str = "off") -> list[flo
             torch.cuda.set_sync_debug_mode("error")
         try:
             e.step(s)
-            e.settle()  # an offloaded stage's host update overlaps the next step: count it in this one
         finally:
             if strict:
                 torch.cuda.set_sync_debug_mode(0)
+        e.settle()  # an offloaded stage's host update overlaps the next step: count it in this one
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times
 
 
-def predicted(m: ModelSpec, gpu: str, batch: int, precision: str, offload: dict | None = None) -> dict:
-    """The planner's cost model for the same stage on this GPU type: step time, device and host memory."""
+def model_of(name: str) -> ModelSpec:
+    """A preset, or `preset:layers`: the preset's shapes at that depth (llama-8b:16, its first 16 layers' worth
+    of a model, where the whole one's host state does not fit the machine)."""
+    preset, _, layers = name.partition(":")
+    m = ModelSpec.preset(preset)
+    return m.model_copy(update={"num_layers": int(layers), "name": name}) if layers else m
+
+
+def predicted(m: ModelSpec, gpu: str, batch: int, precision: str, offload: dict | None = None,
+              cpu_adam_params_per_s: float | None = None) -> dict:
+    """The planner's cost model for the same stage on this GPU type: step time, device and host memory. With
+    `cpu_adam_params_per_s`, the node's host AdamW rate as measured here (a job's profiling would give it)."""
     from planner.estimate import closed_form
 
-    cluster = ClusterSpec(nodes=[NodeSpec(name="local", gpu_type=gpu, num_gpus=1)])
+    node = {"cpu_adam_params_per_s": cpu_adam_params_per_s} if cpu_adam_params_per_s else {}
+    cluster = ClusterSpec(nodes=[NodeSpec(name="local", gpu_type=gpu, num_gpus=1, **node)])
     est = closed_form(one_stage(m, gpu, batch, offload), cluster, m, TrainSpec(global_batch=batch,
                                                                               precision=precision))
     return {"step_s": est.step_time_s, "mem_gib": max(est.memory_gib.values()), "mfu": est.mfu,
@@ -170,8 +184,11 @@ def sync_sites(e, step: int, device: str) -> dict:
     def hook(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        ours = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+        stack = traceback.extract_stack()[:-1]
+        ours = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack
                 if "/workers/" in f.filename or "/planner/" in f.filename]
+        if not ours:  # outside hetspot's code (an autograd thread, torch itself): the innermost frames, whatever
+            ours = [f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack[-4:]]
         key = " <- ".join(ours[-3:][::-1]) or f"{filename}:{lineno}"
         sites[key] = sites.get(key, 0) + 1
 
@@ -191,14 +208,17 @@ def sync_sites(e, step: int, device: str) -> dict:
 
 
 def mfu(model_name: str, steps: int, batch: int, precision: str = "bf16", device: str = "cuda",
-        gpu: str | None = None, offload: dict | None = None, sync_debug: str = "off") -> dict:
+        gpu: str | None = None, offload: dict | None = None, sync_debug: str = "off",
+        cpu_adam_params_per_s: float | None = None) -> dict:
     """Item 3 (and the Llama item, with `offload`): one stage holding the whole model, step time, MFU, peak device
     memory, each beside the planner's; the step's host synchronizations (`sync_sites`) after the timed steps."""
     gpu = gpu or _gpu_type()
-    m = ModelSpec.preset(model_name)
+    m = model_of(model_name)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
     e = build(m, gpu, batch, precision, device, offload)
+    build_s = time.perf_counter() - t_build
     try:
         times = _step_times(e, steps, device, sync_debug)
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
@@ -209,11 +229,14 @@ def mfu(model_name: str, steps: int, batch: int, precision: str = "bf16", device
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     flops = batch * cost.model_flops_per_sample(m) / step
     want = predicted(m, gpu, batch, precision, offload)
+    if offload and cpu_adam_params_per_s:
+        want["with_measured_host"] = predicted(m, gpu, batch, precision, offload, cpu_adam_params_per_s)
     return {"gpu": gpu, "precision": precision, "model": m.name, "params_b": m.num_params / 1e9, "batch": batch,
             "seq_len": m.seq_len, "step_s": step, "step_times_s": times, "tokens_per_s": batch * m.seq_len / step,
             "tflops": flops / 1e12, "mfu_vs_bf16_peak": flops / (gpu_info(gpu).peak_tflops * 1e12),
             "peak_mem_gib": peak / 2**30, "predicted": want, "top_kernels": kernels, "sync_sites": syncs,
-            "offload": offload or {}, "sync_debug": sync_debug}
+            "offload": offload or {}, "sync_debug": sync_debug, "build_s": build_s,
+            "host_state_gib": e.host_state_bytes() / 2**30}
 
 
 def host_adamw_rate(params: float = 50e6, repeats: int = 5) -> float:
@@ -233,29 +256,36 @@ def host_adamw_rate(params: float = 50e6, repeats: int = 5) -> float:
 
 
 def offload_bound(model_name: str, steps: int, batch: int, precision: str, compute_s: float, h2d_gb_s: float,
-                  d2h_gb_s: float, device: str = "cuda", gpu: str | None = None) -> dict:
+                  d2h_gb_s: float, device: str = "cuda", gpu: str | None = None,
+                  cpu_adam_params_per_s: float | None = None) -> dict:
     """The offloaded step (optimizer and parameters on the host, prefetch one layer ahead) against
-    max(compute, H2D, D2H, CPU AdamW): compute is the resident step measured in item 3; the weights cross
-    H2D twice a step (forward and backward) in the compute dtype, the gradients cross D2H once in fp32 (the
-    host masters' dtype), and the host AdamW updates every parameter at the rate measured here."""
+    max(compute, H2D, D2H, CPU AdamW), each term measured on this machine: compute is the resident step of item
+    3; the fp32 masters cross H2D twice a step (forward and backward; cast on the device), the gradients cross
+    D2H once in fp32 (cast on the device), and the host AdamW updates every parameter at the rate measured
+    here. Beside it the bound the update's order allows: the update waits for the step's global norm and its
+    commit, so it overlaps the next forward and not this backward (max(compute, AdamW + backward), backward
+    taken as two thirds of compute)."""
     gpu = gpu or _gpu_type()
-    m = ModelSpec.preset(model_name)
+    m = model_of(model_name)
     e = build(m, gpu, batch, precision, device, OFFLOAD)
     try:
         times = _step_times(e, steps, device)
         syncs = sync_sites(e, steps, device)
         profiled = top_kernels(e, steps + 1, device, stacks=True)
+        copies = e.lanes.copies() if e.lanes is not None else {}
     finally:
         e.close()
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    pb = TrainSpec(global_batch=batch, precision=precision).param_bytes
-    rate = host_adamw_rate()
-    terms = {"compute_s": compute_s, "h2d_s": 2 * m.num_params * pb / (h2d_gb_s * 1e9),
+    rate = cpu_adam_params_per_s or host_adamw_rate()
+    terms = {"compute_s": compute_s, "h2d_s": 2 * m.num_params * 4 / (h2d_gb_s * 1e9),
              "d2h_s": m.num_params * 4 / (d2h_gb_s * 1e9), "cpu_adamw_s": m.num_params / rate}
     bound = max(terms.values())
+    ordered = max(bound, terms["cpu_adamw_s"] + 2 * compute_s / 3)
     return {"model": m.name, "step_s": step, "step_times_s": times, "bound_s": bound, "ratio": step / bound,
+            "ordered_bound_s": ordered, "ratio_to_ordered": step / ordered,
             "terms": terms, "host_adamw_params_per_s": rate, "top_ops": profiled, "sync_sites": syncs,
-            "predicted": predicted(m, gpu, batch, precision, OFFLOAD)}
+            "copies": copies, "predicted": predicted(m, gpu, batch, precision, OFFLOAD),
+            "predicted_with_measured_host": predicted(m, gpu, batch, precision, OFFLOAD, rate)}
 
 
 COLD = r"""
@@ -333,13 +363,15 @@ def cold_start(model_name: str, batch: int, trials: int, device: str = "cuda", g
 
 
 def measure_links(gpu: str) -> dict:
+    """The profiling pass (matmul, pinned copies) and the host AdamW rate the offload terms use."""
     from orchestrator.cluster.profiling import measure
 
     got = measure(gpu)
     info = gpu_info(gpu)
     return {"matmul_tflops": got.matmul_tflops, "catalog_peak_tflops": info.peak_tflops,
             "matmul_share_of_peak": got.matmul_tflops / info.peak_tflops, "h2d_gb_s": got.h2d_gb_s,
-            "d2h_gb_s": got.d2h_gb_s}
+            "d2h_gb_s": got.d2h_gb_s, "catalog_host_link_gb_s": info.host_link_gb_s,
+            "host_adamw_params_per_s": host_adamw_rate(), "cpus": os.cpu_count()}
 
 
 def _device() -> dict:
@@ -412,27 +444,36 @@ def _print_tables(d: dict) -> None:
     o = d.get("offload", {})
     if "step_s" in o:
         t = o["terms"]
-        _table(["offloaded step s (planner)", "compute", "H2D", "D2H", "CPU AdamW", "bound", "step / bound"],
-               [[f"{o['step_s']:.3f} ({o['predicted']['step_s']:.3f})", f"{t['compute_s']:.3f}", f"{t['h2d_s']:.3f}",
-                 f"{t['d2h_s']:.3f}", f"{t['cpu_adamw_s']:.3f}", f"{o['bound_s']:.3f}", f"{o['ratio']:.2f}x"]])
+        _table(["offloaded step s", "planner (catalog / measured host)", "compute", "H2D", "D2H", "CPU AdamW", "bound",
+                "step / bound", "AdamW + bwd", "step / that"],
+               [[f"{o['step_s']:.3f}",
+                 f"{o['predicted']['step_s']:.3f} / {o['predicted_with_measured_host']['step_s']:.3f}",
+                 f"{t['compute_s']:.3f}", f"{t['h2d_s']:.3f}", f"{t['d2h_s']:.3f}", f"{t['cpu_adamw_s']:.3f}",
+                 f"{o['bound_s']:.3f}", f"{o['ratio']:.2f}x", f"{o['ordered_bound_s']:.3f}",
+                 f"{o['ratio_to_ordered']:.2f}x"]])
         _table(["offloaded step: host op (own time)", "ms", "calls", "share"], _ops(o["top_ops"]["host_self"]))
         _table(["offloaded step: host op <- hetspot caller", "ms", "calls", "share"], _ops(o["top_ops"]["by_caller"]))
         _table(["offloaded step: kernel", "ms", "calls", "share"], _ops(o["top_ops"]["device"]))
         _syncs(o)
     if "step_s" in d.get("llama", {}):
         _mfu_table(d["llama"])
+    for key in ("llama_big",):
+        if "step_s" in d.get(key, {}):
+            _mfu_table(d[key])
     g = d.get("links", {})
     if "matmul_tflops" in g:
-        _table(["bf16 matmul TFLOPS (measured / catalog)", "H2D GB/s", "D2H GB/s"],
+        _table(["bf16 matmul TFLOPS (measured / catalog)", "H2D GB/s", "D2H GB/s", "catalog link GB/s",
+                "host AdamW M params/s"],
                [[f"{g['matmul_tflops']:.0f} / {g['catalog_peak_tflops']:.0f}", f"{g['h2d_gb_s']:.1f}",
-                 f"{g['d2h_gb_s']:.1f}"]])
+                 f"{g['d2h_gb_s']:.1f}", f"{g['catalog_host_link_gb_s']:.0f}",
+                 f"{g['host_adamw_params_per_s'] / 1e6:,.0f}"]])
     c = d.get("cold_start", {})
     if "median_s" in c:
         _table([f"cold start, s from spawn (median of {c['trials']}{'' if c['complete'] else ', cut short'})", ""],
                [[k, f"{v:.2f}"] for k, v in c["median_s"].items()])
 
 
-ITEMS = ("tests", "offload_bench", "links", "mfu", "offload", "llama", "cold_start")
+ITEMS = ("tests", "offload_bench", "links", "mfu", "offload", "cold_start", "llama", "llama_big")
 
 
 def main() -> None:
@@ -443,9 +484,14 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="item 3's train.precision")
     ap.add_argument("--items", default=",".join(ITEMS), help=f"which items, comma-separated, of {', '.join(ITEMS)}")
     ap.add_argument("--skip-tests", action="store_true", help="only the measurements (no tests, no offload_bench)")
-    ap.add_argument("--sync-debug", default="error", choices=["off", "warn", "error"],
-                    help="item 3's timed steps under torch.cuda.set_sync_debug_mode (error: a host sync fails it)")
-    ap.add_argument("--llama", default="llama-8b", help="the Llama item's preset (its optimizer on the host)")
+    ap.add_argument("--sync-debug", default="off", choices=["off", "warn", "error"],
+                    help="the timed steps under torch.cuda.set_sync_debug_mode (error: a host sync raises and the item "
+                         "has no figures; either way one more step runs under 'warn' and the item fails where it "
+                         "synced: `sync_sites`)")
+    ap.add_argument("--llama", default="llama-1b", help="the Llama item's preset (its optimizer on the host)")
+    ap.add_argument("--llama-big", default="llama-8b:16",
+                    help="the second Llama item (preset[:layers]): llama-8b's shapes at the depth whose host state "
+                         "(16 bytes a parameter) fits this machine's memory")
     ap.add_argument("--llama-batch", type=int, default=4)
     ap.add_argument("--cold-trials", type=int, default=2, help="item 5's worker starts (0: skip it)")
     ap.add_argument("--cold-timeout", type=float, default=300, help="seconds a cold-start child may take")
@@ -466,22 +512,26 @@ def main() -> None:
     print(dev)
     if "tests" in items:
         rep.item("gpu_tests", _run, [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TESTS], 300)
+        rep.item("model_check", _run, [sys.executable, "-m", "pytest", "-q", *PURE_TESTS], 120)
     if "offload_bench" in items:
         rep.item("offload_bench", _run, [sys.executable, "bench/offload.py"], 300)
     gpu = _gpu_type()
-    links = rep.item("links", measure_links, gpu) if "links" in items or "offload" in items else {}
+    links = rep.item("links", measure_links, gpu) if items & {"links", "offload", "llama", "llama_big"} else {}
+    rate = links.get("host_adamw_params_per_s")
     r = rep.item("mfu", mfu, args.model, args.steps, args.batch, args.precision, sync_debug=args.sync_debug) \
         if "mfu" in items or "offload" in items else {}
     if "offload" in items and "step_s" in r and "h2d_gb_s" in links:
-        rep.item("offload", offload_bound, args.model, max(3, args.steps // 2), args.batch, args.precision,
-                 r["step_s"], links["h2d_gb_s"], links["d2h_gb_s"])
-    if "llama" in items:
-        rep.item("llama", mfu, args.llama, max(3, args.steps // 2), args.llama_batch, args.precision,
-                 offload={"offload_optimizer": True}, sync_debug=args.sync_debug)
+        rep.item("offload", offload_bound, args.model, max(5, args.steps // 2), args.batch, args.precision,
+                 r["step_s"], links["h2d_gb_s"], links["d2h_gb_s"], cpu_adam_params_per_s=rate)
     if "cold_start" in items and args.cold_trials:
         rep.item("cold_start", cold_start, args.model, args.batch, args.cold_trials, timeout_s=args.cold_timeout)
+    for key, name in (("llama", args.llama), ("llama_big", args.llama_big)):
+        if key in items:
+            rep.item(key, mfu, name, max(5, args.steps // 2), args.llama_batch, args.precision,
+                     offload={"offload_optimizer": True}, sync_debug=args.sync_debug, cpu_adam_params_per_s=rate)
     _print_tables(rep.data)
-    failed = [k for k, v in rep.data.items() if isinstance(v, dict) and ("error" in v or v.get("returncode"))]
+    failed = [k for k, v in rep.data.items() if isinstance(v, dict) and ("error" in v or v.get("returncode")
+                                                                      or v.get("sync_sites", {}).get("syncs"))]
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
         raise SystemExit(1)

@@ -13,7 +13,7 @@ from tests.net import rendezvous_client, rendezvous_server
 
 
 def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, train_json: str, dtype: str,
-          steps: int, offloads: bool, out) -> None:
+          steps: int, offloads: bool, device: str, out) -> None:
     from planner import ModelSpec, Plan, TrainSpec
     from workers.data import make_dataset
     from workers.engine import DTYPES, Engine
@@ -23,7 +23,7 @@ def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, tra
     plan, model, train = Plan.model_validate_json(plan_json), ModelSpec.model_validate_json(model_json), \
         TrainSpec.model_validate_json(train_json)
     e = Engine(plan, rank, model, train, make_dataset("synthetic", model.seq_len, model.vocab_size, train.seed),
-               DTYPES[dtype], meter_memory=offloads)
+               DTYPES[dtype], meter_memory=offloads, device=device, backend="gloo")
     try:
         e.connect("", 60, store=rendezvous_client(port, world, 60))
         results = [e.step(s) for s in range(steps)]
@@ -35,8 +35,9 @@ def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, tra
         e.close()
 
 
-def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, timeout_s: float = 240) -> dict:
-    """Train `plan` with a process per rank. Returns {"losses": the global loss per step, "params": full
+def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, timeout_s: float = 240,
+              device: str = "cpu") -> dict:
+    """Train `plan` with a process per rank (gloo; on CUDA, every rank on the one GPU). Returns {"losses": the global loss per step, "params": full
     tensors by name, "posted": {rank: [Exchange]}, "peaks": {rank: device meter peak per step}}."""
     from workers.state import assemble
 
@@ -45,7 +46,7 @@ def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, t
     out = ctx.Queue()
     server = rendezvous_server(world, 60)
     procs = [ctx.Process(target=_rank, args=(r, server.port, world, plan.model_dump_json(), model.model_dump_json(),
-                                             train.model_dump_json(), dtype, steps, meter, out))
+                                             train.model_dump_json(), dtype, steps, meter, device, out))
              for r in range(world)]
     for p in procs:
         p.start()

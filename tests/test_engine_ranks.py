@@ -92,3 +92,20 @@ def test_a_tp2_llama_stage_peaks_within_10_percent_of_the_planner(offload):
     want = cost.stage_memory(slot, model, train, cost.StageShape(4, True, True), 4, 1, cost.knobs(st.offload))
     for rank, peaks in got["peaks"].items():  # step 2: AdamW's moments exist
         assert abs(peaks[-1] / want - 1) <= 0.10, (rank, peaks[-1], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_tp2_llama_stage_with_a_vocabulary_parallel_head_trains_like_one_device():
+    """Both TP ranks on the one GPU (gloo: NCCL refuses two ranks on a device), float64: the vocabulary-parallel
+    embedding, head and cross-entropy on CUDA, against the 1-device run on the CPU."""
+    model = ModelSpec.preset("llama-tiny").model_copy(update={"vocab_size": 61})
+    train = TrainSpec(global_batch=6, lr=0.01, precision="fp32")
+    plan = Plan(model_name=model.name, num_layers=4, global_batch=6, pipelines=[
+        Pipeline(num_samples=6, micro_batch_size=3, num_micro_batches=2, stages=[S(0, 4, "a", 2)])])
+    got = run_ranks(plan, model, train, "float64", STEPS, device="cuda")
+    want_losses, want_params = one_device(model, train)
+    for a, b in zip(got["losses"], want_losses, strict=True):
+        assert abs(a - b) <= 1e-7 * abs(b), (got["losses"], want_losses)
+    for name, p in want_params.items():
+        torch.testing.assert_close(got["params"][name], p, msg=name)

@@ -36,12 +36,12 @@ class HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def engine(precision: str, dtype: torch.dtype, offload: dict) -> Engine:
+def engine(precision: str, dtype: torch.dtype, offload: dict, device: str = "cpu") -> Engine:
     st = Stage(layer_start=0, layer_end=4, gpu_type="A100-80GB", node="a", devices=["a/0"], offload=offload)
     plan = Plan(model_name="tiny", num_layers=4, global_batch=8, pipelines=[
         Pipeline(num_samples=8, micro_batch_size=2, num_micro_batches=4, stages=[st])])
     e = Engine(plan, 0, MODEL, TrainSpec(global_batch=8, lr=0.01, precision=precision),
-               make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype)
+               make_dataset("synthetic", MODEL.seq_len, MODEL.vocab_size, 0), dtype, device=device)
     e.connect_alone(30)
     return e
 
@@ -67,5 +67,28 @@ def test_one_read_per_step_and_no_scalar_read_inside_it(name):
             reads = seen.scalar_reads + seen.to_host + getattr(e, "host_reads", 0) - before
             assert reads <= 1, (f"step {step}: {seen.scalar_reads} scalar reads, {seen.to_host} device-to-host "
                                 f"copies and {getattr(e, 'host_reads', 0) - before} summary reads")
+    finally:
+        e.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_on_cuda_a_step_syncs_the_host_once(name):
+    """Every step after the first under `set_sync_debug_mode("error")`: any synchronization but the step's one
+    read (which the engine allows itself) raises, and the step fails. The first step may sync (cuBLAS handles,
+    first allocations, pinned buffers)."""
+    precision, dtype, offload = CASES[name]
+    e = engine(precision, dtype, offload, device="cuda")
+    try:
+        e.step(0)
+        e.settle()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in (1, 2):
+                e.step(step)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        e.settle()
     finally:
         e.close()

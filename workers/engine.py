@@ -96,8 +96,10 @@ class Engine(GradSync, OptimizerState):
     def __init__(self, plan: Plan, rank: int, model: ModelSpec, train: TrainSpec, dataset: Dataset,
                  dtype: torch.dtype = torch.float32, slowdown: float = 1.0, device: str = "cpu",
                  device_budget_bytes: float | None = None, meter_memory: bool = False,
-                 overlap_update: bool = True, overlap_sync: bool = True):
+                 overlap_update: bool = True, overlap_sync: bool = True, backend: str | None = None):
         self.device_budget, self.meter_memory = device_budget_bytes, meter_memory
+        self.backend = backend  # torch.distributed's; None: NCCL on CUDA, gloo on the CPU (tests put two ranks on
+        # one GPU with gloo, which NCCL refuses)
         self.overlap_update, self.overlap_sync = overlap_update, overlap_sync
         check_runtime_plan(plan, model)  # the plan contract (planner/contract.py), checked on every rank
         self.plan, self.rank, self.model, self.train, self.data = plan, rank, model, train, dataset
@@ -127,7 +129,9 @@ class Engine(GradSync, OptimizerState):
         """Join the job's process group and build every group the plan needs (all ranks, same order); with
         `store` (every rank's, rank 0's the server) the rendezvous goes through it instead of `init_method`."""
         world = len(self.plan.devices())
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=timeout_s)
         rendezvous = {"init_method": init_method} if store is None else {"store": store}
         if not dist.is_initialized():
@@ -462,7 +466,17 @@ class Engine(GradSync, OptimizerState):
         step to one read and no other scalar read (tests/test_host_sync.py)."""
         self.host_reads += 1
         norm_sq = self._norm_sq_all if self._norm_sq_all is not None else loss_sum.new_zeros(())
-        loss, sq = torch.stack([loss_sum, norm_sq.to(loss_sum.dtype)]).cpu().tolist()
+        summary = torch.stack([loss_sum, norm_sq.to(loss_sum.dtype)])
+        # The step's one intended synchronization: allowed under torch.cuda.set_sync_debug_mode, which the GPU
+        # checks set to "error" around whole steps so that any other one fails them.
+        mode = torch.cuda.get_sync_debug_mode() if self.device.type == "cuda" else 0
+        if mode:
+            torch.cuda.set_sync_debug_mode(0)
+        try:
+            loss, sq = summary.cpu().tolist()
+        finally:
+            if mode:
+                torch.cuda.set_sync_debug_mode(mode)
         return loss, sq
 
     def _saved_hooks(self):
