@@ -39,6 +39,7 @@ sys.path[0] = str(ROOT)
 
 import torch  # noqa: E402
 
+from orchestrator.cluster.profiling import host_adamw_rate  # noqa: E402
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost  # noqa: E402
 from planner.catalog import gpu_info  # noqa: E402
 
@@ -87,12 +88,15 @@ def build(m: ModelSpec, gpu: str, batch: int, precision: str, device: str, offlo
 
 
 def _step_times(e, steps: int, device: str, sync_debug: str = "off") -> list[float]:
-    """Wall time of each step, the host update it overlaps counted in it. With `sync_debug` "error" every step
-    after the first runs under `torch.cuda.set_sync_debug_mode("error")`: a host synchronization inside it
-    raises (the warm-up step may sync: first-use allocations, cuBLAS handles)."""
+    """Wall time of each step call, back to back as a job runs them: an offloaded stage's host update of one step
+    overlaps the next step's forward, which waits for it layer by layer, so each call's time is the step's
+    share (each step ends with its one read of the device, and the last update is waited for after the last
+    step). With `sync_debug` "error" every step after the first runs under
+    `torch.cuda.set_sync_debug_mode("error")`: a host synchronization inside it raises (the warm-up step may
+    sync: first-use allocations, cuBLAS handles)."""
     times = []
+    _sync(device)
     for s in range(steps):
-        _sync(device)
         t0 = time.perf_counter()
         strict = sync_debug == "error" and s > 0 and device.startswith("cuda")
         if strict:
@@ -102,9 +106,9 @@ def _step_times(e, steps: int, device: str, sync_debug: str = "off") -> list[flo
         finally:
             if strict:
                 torch.cuda.set_sync_debug_mode(0)
-        e.settle()  # an offloaded stage's host update overlaps the next step: count it in this one
-        _sync(device)
         times.append(time.perf_counter() - t0)
+    e.settle()
+    _sync(device)
     return times
 
 
@@ -182,7 +186,7 @@ def sync_sites(e, step: int, device: str) -> dict:
     sites: dict[str, int] = {}
 
     def hook(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
+        if "called a synchronizing" not in str(message):  # not the debug mode's own notice that it is a prototype
             return
         stack = traceback.extract_stack()[:-1]
         ours = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack
@@ -239,22 +243,6 @@ def mfu(model_name: str, steps: int, batch: int, precision: str = "bf16", device
             "host_state_gib": e.host_state_bytes() / 2**30}
 
 
-def host_adamw_rate(params: float = 50e6, repeats: int = 5) -> float:
-    """Parameters per second of the host AdamW the engine runs under optimizer offload (torch's fused AdamW on
-    fp32 host tensors), on this machine's CPU."""
-    ps = [torch.nn.Parameter(torch.randn(int(params) // 8)) for _ in range(8)]
-    for p in ps:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
-    opt.step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return params / statistics.median(times)
-
-
 def offload_bound(model_name: str, steps: int, batch: int, precision: str, compute_s: float, h2d_gb_s: float,
                   d2h_gb_s: float, device: str = "cuda", gpu: str | None = None,
                   cpu_adam_params_per_s: float | None = None) -> dict:
@@ -276,7 +264,7 @@ def offload_bound(model_name: str, steps: int, batch: int, precision: str, compu
     finally:
         e.close()
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    rate = cpu_adam_params_per_s or host_adamw_rate()
+    rate = cpu_adam_params_per_s or host_adamw_rate()  # the profiling pass's measure (a job's planner gets it)
     terms = {"compute_s": compute_s, "h2d_s": 2 * m.num_params * 4 / (h2d_gb_s * 1e9),
              "d2h_s": m.num_params * 4 / (d2h_gb_s * 1e9), "cpu_adamw_s": m.num_params / rate}
     bound = max(terms.values())
@@ -371,7 +359,7 @@ def measure_links(gpu: str) -> dict:
     return {"matmul_tflops": got.matmul_tflops, "catalog_peak_tflops": info.peak_tflops,
             "matmul_share_of_peak": got.matmul_tflops / info.peak_tflops, "h2d_gb_s": got.h2d_gb_s,
             "d2h_gb_s": got.d2h_gb_s, "catalog_host_link_gb_s": info.host_link_gb_s,
-            "host_adamw_params_per_s": host_adamw_rate(), "cpus": os.cpu_count()}
+            "host_adamw_params_per_s": got.host_adamw_params_per_s, "cpus": os.cpu_count()}
 
 
 def _device() -> dict:

@@ -37,8 +37,9 @@ def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, tra
 
 def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, timeout_s: float = 240,
               device: str = "cpu") -> dict:
-    """Train `plan` with a process per rank (gloo; on CUDA, every rank on the one GPU). Returns {"losses": the global loss per step, "params": full
-    tensors by name, "posted": {rank: [Exchange]}, "peaks": {rank: device meter peak per step}}."""
+    """Train `plan` with a process per rank (gloo; on CUDA, every rank on the one GPU). Returns {"losses": the
+    global loss per step, "params": full tensors by name, "posted": {rank: [Exchange]}, "peaks": {rank: device
+    meter peak per step}}."""
     from workers.state import assemble
 
     world = len(plan.devices())

@@ -50,6 +50,11 @@ def test_mixed_fleet_maps_to_gpu_types_counts_memory(ec2):
         assert n.zone.startswith("us-east-1") and n.price_per_hour == PRICES.price(itype, n.zone)
     spec = to_cluster_spec(nodes)
     assert spec.num_gpus == 24 and {n.gpu_type for n in spec.nodes} == {"A100-40GB", "A10G", "T4", "V100-32GB"}
+    # the profiling pass's host AdamW rate (by GPU type) becomes each such node's, the others keep the default
+    measured = to_cluster_spec(nodes, {"T4": 0.4}, {"T4": 3.0e9})
+    for n in measured.nodes:
+        assert n.cpu_adam_params_per_s == (3.0e9 if n.gpu_type == "T4" else spec.nodes[0].cpu_adam_params_per_s)
+    assert measured.calibration == {"T4": 0.4}
 
 
 def test_catalog_names():

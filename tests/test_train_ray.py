@@ -347,8 +347,8 @@ def test_profiling_pass_skips_fake_gpus(cluster):
     from orchestrator.cluster.discovery import RayInventory
     from orchestrator.cluster.profiling import profile_cluster
 
-    calibration, notes = profile_cluster(RayInventory().discover(), timeout_s=60)
-    assert calibration == {}
+    calibration, notes, rates = profile_cluster(RayInventory().discover(), timeout_s=60)
+    assert calibration == {} and rates == {}
     assert set(notes) == {"A100-80GB", "L4", "T4"}
     assert all(n.startswith("skipped: no CUDA") for n in notes.values())
 

@@ -110,10 +110,17 @@ def fake_gpu_nodes(nodes_fn: Callable[[], list[dict[str, Any]]] | None = None) -
     return {d.name for d in RayInventory(nodes_fn).discover() if d.fake}
 
 
-def to_cluster_spec(nodes: list[DiscoveredNode], calibration: dict[str, float] | None = None) -> ClusterSpec:
+def to_cluster_spec(nodes: list[DiscoveredNode], calibration: dict[str, float] | None = None,
+                    host_adamw: dict[str, float] | None = None) -> ClusterSpec:
+    """The planner's cluster: the nodes, the profiling pass's matmul efficiency by GPU type, and its measured
+    host AdamW rate by GPU type as each such node's `cpu_adam_params_per_s` (else the planner's default)."""
     if not nodes:
         raise ValueError("no GPU nodes found: the cluster has no node with GPUs of a known type")
-    return ClusterSpec(nodes=[n.to_spec() for n in nodes], calibration=calibration or {})
+    rates = host_adamw or {}
+    specs = [n.to_spec() for n in nodes]
+    specs = [s.model_copy(update={"cpu_adam_params_per_s": rates[s.gpu_type]}) if s.gpu_type in rates else s
+             for s in specs]
+    return ClusterSpec(nodes=specs, calibration=calibration or {})
 
 
 def known_types() -> list[str]:

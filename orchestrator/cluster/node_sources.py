@@ -29,6 +29,7 @@ class LiveNodes:
     def __init__(self, profile: bool = True):
         self.profile = profile
         self.calibration: dict[str, float] = {}
+        self.host_adamw: dict[str, float] = {}  # per GPU type: its nodes' measured host AdamW rate
         self.notes: dict[str, str] = {}  # per GPU type: what profiling measured, or why it skipped
 
     def discover(self) -> ClusterSpec:
@@ -37,7 +38,8 @@ class LiveNodes:
         nodes = RayInventory().discover()
         new = [n for n in nodes if n.gpu_type not in self.notes]
         if self.profile and new:
-            cal, notes = profile_cluster(new)
+            cal, notes, rates = profile_cluster(new)
             self.calibration |= cal
             self.notes |= notes
-        return to_cluster_spec(nodes, self.calibration)
+            self.host_adamw |= rates
+        return to_cluster_spec(nodes, self.calibration, self.host_adamw)

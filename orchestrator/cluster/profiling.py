@@ -24,6 +24,7 @@ class Measurement:
     h2d_gb_s: float | None
     d2h_gb_s: float | None
     device: str
+    host_adamw_params_per_s: float | None = None  # the node's host AdamW (an offloaded optimizer's), all cores
 
 
 def _median_time(fn, sync, repeats: int) -> float:
@@ -57,7 +58,28 @@ def measure(gpu_type: str, device: str = "cuda", n: int = 4096, copy_mib: int = 
         dev_buf = torch.empty_like(host, device=dev)
         h2d = host.numel() / _median_time(lambda: dev_buf.copy_(host, non_blocking=True), sync, repeats) / 1e9
         d2h = host.numel() / _median_time(lambda: host.copy_(dev_buf, non_blocking=True), sync, repeats) / 1e9
-    return Measurement(gpu_type, tflops, h2d, d2h, device)
+    return Measurement(gpu_type, tflops, h2d, d2h, device, host_adamw_rate() if cuda else None)
+
+
+def host_adamw_rate(params: float = 32e6, repeats: int = 5) -> float:
+    """Parameters per second of the fused AdamW an offloaded optimizer runs on the host (workers/adamw.py), on
+    this node's CPU: what the planner's `cpu_adam_params_per_s` stands for. On one H200 machine of 16 cores it
+    measured 4,566 M params/s against the 1,000 M the planner assumes for a node it has not measured (2026-12-04,
+    bench/gpu_check.py), which made it price that machine's offloaded plans 2.3 to 3.7x slower than they ran."""
+    import torch
+
+    from workers.adamw import FusedAdamW
+
+    ps = [torch.nn.Parameter(torch.randn(int(params) // 8)) for _ in range(8)]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = FusedAdamW([{"params": ps}], lr=1e-4)
+    return params / _median_time(opt.step, lambda: None, repeats)
+
+
+def host_rates(measurements: list[Measurement]) -> dict[str, float]:
+    """Host AdamW parameters per second by GPU type (the node the profiler ran on stands for its type's)."""
+    return {m.gpu_type: m.host_adamw_params_per_s for m in measurements if m.host_adamw_params_per_s}
 
 
 def calibration(measurements: list[Measurement]) -> dict[str, float]:
@@ -71,10 +93,11 @@ def calibration(measurements: list[Measurement]) -> dict[str, float]:
     return out
 
 
-def profile_cluster(nodes, timeout_s: float = 300.0) -> tuple[dict[str, float], dict[str, str]]:
+def profile_cluster(nodes, timeout_s: float = 300.0) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
     """Run one profiling actor per GPU type (on the first node of that type).
 
-    Returns (calibration by type, a note by type: what was measured or why it was skipped).
+    Returns (calibration by type, a note by type: what was measured or why it was skipped, the host AdamW
+    rate by type: the planner's `cpu_adam_params_per_s` for that type's nodes).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -111,7 +134,9 @@ def profile_cluster(nodes, timeout_s: float = 300.0) -> tuple[dict[str, float], 
             notes[t] = "skipped: no CUDA device on the node (fake GPU); using the catalog"
         else:
             bw = f", H2D {m.h2d_gb_s:.1f} GB/s, D2H {m.d2h_gb_s:.1f} GB/s" if m.h2d_gb_s else ""
-            notes[t] = f"measured {m.matmul_tflops:.1f} TFLOPS{bw}"
+            adam = f", host AdamW {m.host_adamw_params_per_s / 1e6:,.0f} M params/s" \
+                if m.host_adamw_params_per_s else ""
+            notes[t] = f"measured {m.matmul_tflops:.1f} TFLOPS{bw}{adam}"
     for t, note in notes.items():
         log.info("profiling %s: %s", t, note)
-    return calibration(measured), notes
+    return calibration(measured), notes, host_rates(measured)
