@@ -346,7 +346,25 @@ def offload_lanes(slot: Slot, train: TrainSpec, offload_params: bool, p):
     gb = train.grad_bytes  # the masters' bytes: fp32 under mixed precision
     d2h = p * gb / slot.host_link
     h2d = 0.0 if offload_params else p * gb / slot.host_link
-    return d2h, h2d, p / slot.cpu_adam_per_gpu
+    return d2h, h2d, p / (slot.cpu_adam_per_gpu * HOST_ADAMW_BESIDE_COPIES)
+
+
+# The host AdamW runs beside the lanes' copies, which take the same host memory bandwidth: on one H200 machine
+# (16 cores, 3,920 M params/s alone; 2026-12-04, bench/gpu_check.py) the offloaded steps of gpt-1.3b and of
+# llama-8b's shapes at 16 layers ran their updates at 0.92 and 0.82 of that rate.
+HOST_ADAMW_BESIDE_COPIES = 0.85
+
+
+def first_layer_share(model: ModelSpec, shape: StageShape, tp: int, p):
+    """The share of a stage's parameters in its first layer, whose update (and copy back) its forward waits for
+    before it starts: the embedding's on a first stage (several blocks' worth with a large vocabulary)."""
+    if shape.first:
+        first = embed_params_dev(model, tp)
+    elif shape.num_layers:
+        first = model.layer_params / tp
+    else:
+        first = head_params_dev(model, tp)
+    return first / p
 
 
 def optimizer_s(slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShape,
@@ -358,14 +376,14 @@ def optimizer_s(slot: Slot, model: ModelSpec, train: TrainSpec, shape: StageShap
     layer, first layers first, beside the next step's forward. It cannot start earlier: the global-norm clip
     (and an fp16 overflow check) needs every gradient first, and the update waits for the step's commit (a
     failed step must leave the last committed state), so it hides only behind forward compute
-    (`fwd_busy_s`). One layer's share of each lane is exposed.
+    (`fwd_busy_s`). The first layer's share of each lane is exposed: the forward waits for it before it starts.
     """
     p = shape.params_per_device(model, slot.tp)
     pb = train.param_bytes
     if not policy.offload_optimizer:
         return p * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw
     d2h, h2d, cpu = offload_lanes(slot, train, policy.offload_params, p)
-    tail = (d2h + cpu + h2d) / max(shape.num_layers, 1)
+    tail = (d2h + cpu + h2d) * first_layer_share(model, shape, slot.tp, p)
     return max(0.0, d2h - (busy_s - fwd_busy_s), max(h2d, cpu) - fwd_busy_s) + tail
 
 

@@ -541,8 +541,10 @@ class PipelineModel:
                 p = self._shape(i, ch.num_layers).params_per_device(self.model, slot.tp)
                 pb = self.train.param_bytes
                 if kn.offload_optimizer:
+                    shape = self._shape(i, ch.num_layers)
                     d2h, h2d, cpu = cost.offload_lanes(slot, self.train, kn.offload_params, p)
-                    opt = (d2h, max(h2d, cpu), (d2h + cpu + h2d) / max(ch.num_layers, 1))
+                    share = cost.first_layer_share(self.model, shape, slot.tp, p)
+                    opt = (d2h, max(h2d, cpu), (d2h + cpu + h2d) * share)
                 else:
                     opt = p * 2 * (2 * pb + self.train.optimizer_bytes_per_param) / slot.mem_bw
                 out.append((kn.offload_optimizer, opt, p * self.train.grad_bytes))

@@ -147,7 +147,8 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
             fwd, bwd = np.maximum(fwd, h2d), np.maximum(bwd, h2d)
         out.append((fits, r, fwd, bwd, mem) if fits.any() else None)
     resident = p_shape * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw  # cost.optimizer_s, kept
-    return out, unsettled, p_shape, resident
+    first_p = cost.embed_params_dev(model, tp) if first else layer_p  # cost.first_layer_share's numerator
+    return out, unsettled, p_shape, resident, first_p
 
 
 def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train: TrainSpec,
@@ -155,7 +156,7 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
     """`cheapest` over `fitting_by_layers`'s policies with a position's links (cost.with_links) for every layer
     count at once, to the bit as the scalar path. Returns per count (mode index into _MODES, -1 where nothing
     fits, -2 where the scalar path must settle it), recomputed layers, fwd, bwd, memory and stage cost."""
-    modes, unsettled, p_shape, resident = fitting
+    modes, unsettled, p_shape, resident, first_p = fitting
     n = np.arange(1, len(unsettled) + 1)
     act_bytes = model.seq_len * b * model.hidden_size * train.param_bytes
     best = None
@@ -175,7 +176,7 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
         else:
             fwd_busy = num_mb * fwd
             d2h, h2d, cpu = cost.offload_lanes(slot, train, params, p_shape)
-            tail = (d2h + cpu + h2d) / n
+            tail = (d2h + cpu + h2d) * (first_p / p_shape)  # cost.first_layer_share
             value = busy + (np.maximum(np.maximum(0.0, d2h - (busy - fwd_busy)), np.maximum(h2d, cpu) - fwd_busy)
                             + tail)
         if first_last:

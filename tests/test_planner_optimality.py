@@ -191,9 +191,6 @@ def test_search_bounds_and_scores_are_honest(inst):
                 assert evaluate(built, cluster, model, train).step_time_s == pytest.approx(got, rel=1e-9)
 
 
-KNOWN_LOSS = ("T4", 4, 1, "gpt-1.3b")  # a multi-stage T4 pipeline: see the xfail test below
-
-
 def _baseline_losses(gpu: str, num_gpus: int, num_nodes: int, preset: str) -> list[tuple]:
     """The baselines (planner/baselines.py) faster than the planner's plan on `num_nodes` nodes of `num_gpus`."""
     cluster = ClusterSpec(nodes=[NodeSpec(name=f"n{i}", gpu_type=gpu, num_gpus=num_gpus, host_mem_gib=64,
@@ -211,16 +208,12 @@ def test_the_planner_never_loses_to_a_baseline_outside_exact_mode(gpu):
     faster. Outside exact mode the split is costed at m = p micro-batches; a one-stage pipeline's offload
     is chosen again at the m it runs (`PipelineModel._policies_at`). Without that, micro-batch 16 priced
     parameter offload as if no micro-batch hid its transfers, and the planner lost to data-parallel+offload
-    by up to 5% (gpt-350m on one T4: 3.5%)."""
+    by up to 5% (gpt-350m on one T4: 3.5%). (One node of 4 T4s with gpt-1.3b lost to megatron-symmetric's
+    4-stage plan by 2.2% before the offload terms followed the engine: fp32 masters over the link, the update
+    hidden behind the next forward only, the first layer's share exposed. It does not now.)"""
     losses = []
     for (num_gpus, num_nodes), preset in itertools.product([(1, 1), (1, 2), (2, 1), (4, 1)], ["gpt-350m", "gpt-1.3b"]):
-        if (gpu, num_gpus, num_nodes, preset) != KNOWN_LOSS:
-            losses += _baseline_losses(gpu, num_gpus, num_nodes, preset)
+        losses += _baseline_losses(gpu, num_gpus, num_nodes, preset)
     assert not losses, losses
 
 
-@pytest.mark.xfail(strict=True, reason="known: on one node of 4 T4s, gpt-1.3b, megatron-symmetric's 4-stage plan "
-                   "beats the planner by 2.2%; deeper pipelines keep offload costed at m = p (re-choosing it there "
-                   "slowed a heterogeneity case, see PipelineModel._policies_at)")
-def test_a_multi_stage_t4_pipeline_does_not_lose_to_megatron_symmetric():
-    assert not _baseline_losses(*KNOWN_LOSS)
