@@ -73,10 +73,11 @@ ROWS = [
         5762.0, "the 500 W power limit (the catalog's H100 runs at its 700 W datasheet peak) and FSDP's gathers"),
     Row("GPT 1.3B, one H200, seq 2048, global batch 8 (measured here)",
         "hetspot's own engine on an NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130), `python "
-        "bench/gpu_check.py --steps 8`, session 18 (2026-11-27): one stage holding the whole `gpt-1.3b` preset "
-        "in bf16 mixed precision, micro-batch 8, median step 0.294 s after the first, 51.1% MFU of the 989 TFLOPS "
-        "bf16 peak (docs/benchmarks.md, GPU runs)",
-        _nodes("H200", 1, 1, 50.0), ModelSpec.preset("gpt-1.3b"), TrainSpec(global_batch=8), "mfu", 0.511,
+        "bench/gpu_check.py --items links,mfu,offload,llama,llama_big --steps 10` (2026-12-04): one stage holding "
+        "the whole `gpt-1.3b` preset in bf16 mixed precision, micro-batch 8, median step 0.277 s of 9 after the "
+        "first, 54.2% MFU of the 989 TFLOPS bf16 peak (51.1% on 2026-11-27, before the step lost its host "
+        "synchronizations; docs/benchmarks.md, GPU runs)",
+        _nodes("H200", 1, 1, 50.0), ModelSpec.preset("gpt-1.3b"), TrainSpec(global_batch=8), "mfu", 0.542,
         "H200's own efficiency: it had H100's 0.45 (held to torchtitan's H100 run at a 500 W limit)"),
     Row("Llama 3 8B, 64 A100-80GB (8 nodes), seq 8192, global batch 64",
         "torchtitan docs/performance.md (Llama 3 on 64 A100): FSDP2, local batch 1, selective layer "

@@ -22,6 +22,7 @@ step time against the transfer bound) need a CUDA device and are skipped without
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -170,6 +171,66 @@ def overlap(steps: int, repeats: int) -> None:
         print(f"| {name} | {t:.3f} | {base / t:.2f}x |")
 
 
+def _copy_gb_s(device: str) -> tuple[float, float]:
+    """Host-to-device and device-to-host GB/s of 256 MiB copies from and to pinned memory (on the CPU: a memcpy,
+    which is what the copy lanes do there)."""
+    from orchestrator.cluster.profiling import _median_time
+
+    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=device == "cuda")
+    dev = torch.empty_like(host, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), sync, 5)
+    d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), sync, 5)
+    return host.numel() / h2d / 1e9, host.numel() / d2h / 1e9
+
+
+def against_the_model(steps: int) -> None:
+    """The offloaded step of the engine against the planner's estimate and against the physical bound, each from
+    this machine's own terms: the resident step (compute), the copy lanes' bandwidth and the host AdamW rate.
+    The planner's estimate is its cost model (cost.offload_lanes, cost.optimizer_s, the fetches of
+    cost.stage_times) with those terms in place of the catalog's; the bound is max(compute, H2D, D2H, AdamW)."""
+    from orchestrator.cluster.profiling import host_adamw_rate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = ModelSpec(name="wide", num_layers=8, hidden_size=512, num_heads=8, vocab_size=256, seq_len=64)
+    h2d_gb_s, d2h_gb_s = _copy_gb_s(device)
+    rate = host_adamw_rate()
+    e = _engine(model, {}, meter=False, mb=8)
+    try:
+        compute = statistics.median(_step_times(e, steps + 2))
+    finally:
+        e.close()
+    slot = dataclasses.replace(
+        cost.make_slot(ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=1)]), TRAIN, "a", 1),
+        host_link=min(h2d_gb_s, d2h_gb_s) * 1e9, cpu_adam_per_gpu=rate)
+    shape = cost.StageShape(model.num_layers, True, True)
+    p = shape.params_per_device(model, 1)
+    print(f"\n## The offloaded step: engine, planner, bound ({model.num_params / 1e6:.1f} M params, one micro-batch "
+          f"of 8, fp32, {device}; H2D {h2d_gb_s:.1f} GB/s, D2H {d2h_gb_s:.1f} GB/s, host AdamW "
+          f"{rate / 1e6:,.0f} M params/s, resident step {compute:.3f} s)\n")
+    print("| policy | engine step s | planner s | bound s | engine / planner | engine / bound | copies a step |")
+    print("|---|---|---|---|---|---|---|")
+    for name, off in (("optimizer offload", {"offload_optimizer": True}),
+                      ("params + optimizer", {"offload_optimizer": True, "offload_params": True})):
+        e = _engine(model, off, meter=False, mb=8)
+        try:
+            before = e.lanes.copies()
+            times = _step_times(e, steps + 2)
+            after = e.lanes.copies()
+        finally:
+            e.close()
+        step = statistics.median(times)
+        kn = cost.knobs(e.stage_spec.offload)
+        d2h, h2d, cpu = cost.offload_lanes(slot, TRAIN, kn.offload_params, p)
+        fetch = p * TRAIN.grad_bytes / slot.host_link if kn.offload_params else 0.0
+        fwd, bwd = max(compute / 3, fetch), max(2 * compute / 3, fetch)
+        planner = fwd + bwd + cost.optimizer_s(slot, model, TRAIN, shape, kn, fwd + bwd, fwd)
+        bound = max(compute, h2d + 2 * fetch, d2h, p / rate)
+        per = {k: (after[k] - before[k]) / (steps + 2) for k in after}
+        print(f"| {name} | {step:.3f} | {planner:.3f} | {bound:.3f} | {step / planner:.2f} | {step / bound:.2f}x | "
+              f"H2D {per['h2d']:.0f}, D2H {per['d2h']:.0f} ({model.num_layers + 2} layers) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=50e6)
@@ -180,9 +241,7 @@ def main() -> None:
     memory(args.steps)
     overlap(args.steps, args.repeats)
     host_update_overlap(args.steps, args.repeats)
-    if not torch.cuda.is_available():
-        print("\nNo CUDA device: the GPU items (largest GPT per policy under a 16 GB cap, step time against "
-              "max(compute, H2D, D2H, CPU AdamW)) were not run.")
+    against_the_model(args.steps)
 
 
 if __name__ == "__main__":

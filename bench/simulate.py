@@ -5,7 +5,7 @@ Runs each trace in DIR (default examples/traces, the shipped Parcae traces) agai
 model, and prints one markdown row per run: tokens per strategy relative to the free re-plan
 oracle (and the oracle that pays joined nodes' start-up), hetspot's goodput in place (with and without
 warm-at-join) and on the restart path, and the simulation's own time. `--sensitivity`: hetspot's share of
-the oracle on the 320-GPU fleet with the 70B, under both recovery paths, for a process start-up of 4, 30
+the oracle on the 320-GPU fleet with the 70B, under both recovery paths, for a process start-up of 4, 13, 30
 and 120 s, detection in 1 or 30 s, and a spot notice delivered (120 s) or not, with the share the oracle
 paying start-up reaches.
 """
@@ -73,7 +73,7 @@ def main() -> None:
 def sensitivity(traces: list[Path], fleet_name: str = "a100-l4-t4-320", model: str = "70b") -> None:
     """hetspot / oracle under both recovery paths as the start-up, the detection and the notice vary."""
     fleet = load_fleet(ROOT / "examples" / "fleets" / f"{fleet_name}.yaml")
-    cols = [(st, d) for st in (4.0, 30.0, 120.0) for d in (1.0, 30.0)]
+    cols = [(st, d) for st in (4.0, 13.0, 30.0, 120.0) for d in (1.0, 30.0)]
     print(f"hetspot / oracle, {model} on {fleet.num_gpus} GPUs ({fleet_name})\n")
     print("| trace | notice | recovery | " + " | ".join(f"start-up {st:.0f} s, detect {d:.0f} s" for st, d in cols)
           + " |")

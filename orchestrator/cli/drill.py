@@ -88,7 +88,8 @@ def simulate(
     global_batch: int = typer.Option(1024, "--global-batch", min=1, max=65536),
     detect_s: float = typer.Option(None, "--detect-s", help="seconds to detect a lost node (default: measured)"),
     startup_s: float = typer.Option(None, "--startup-s", help="seconds from a worker process start to ready "
-                                    "(default 30: an assumption for GPUs; the CPU test cluster measures 4.3)"),
+                                    "(default 13: a gpt-1.3b stage's cold start on an H200, measured; the CPU "
+                                    "test cluster measures 4.3)"),
     reform_s: float = typer.Option(None, "--reform-s", help="seconds for survivors to re-form their groups in place "
                                    "(default: measured on the test cluster)"),
     recovery: str = typer.Option("in-place", "--recovery", help="hetspot's recovery: in-place or restart"),

@@ -29,9 +29,12 @@ class Assumptions:
     detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
     recovery: str = "in-place"  # runtime.recovery: in-place (survivors re-form) or restart (every process anew)
     reform_s: float = 0.3  # in place: detection to restored minus the restore (bench/recovery.py, median, CPU cluster)
-    startup_s: float = 30.0  # a worker process start to ready: the restart path's, and in place that of ranks on GPUs
-    # the old plan did not use. An assumption for GPU fleets (CUDA context, model build, NCCL communicator);
-    # the CPU test cluster measures 4.3 s (bench/recovery.py, restart path)
+    startup_s: float = 13.0  # a worker process start to ready: the restart path's, and in place that of ranks on
+    # GPUs the old plan did not use. Measured on one H200 (2026-12-04, `python bench/gpu_check.py`, its cold
+    # start: median of 2): a new process to a gpt-1.3b stage's state loaded from pinned memory, 13.0 s (torch's
+    # import 3.8 s, hetspot's 0.4, the CUDA context 0.2, the stage built 6.7, AdamW's state 1.1, the load 0.8); the
+    # first step 0.3 s more. Not counted: the NCCL communicator's first use. The CPU test cluster measures 4.3 s
+    # (bench/recovery.py, restart path)
     snapshot_every: int = 1  # peer snapshots every k steps (runtime.snapshot_every)
     s3_every: int = 10  # S3 uploads every k steps, a multiple of snapshot_every (checkpoint.s3_every)
     ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
