@@ -38,6 +38,7 @@ MODULE_SECONDS: dict[str, float] = {
     "test_fleet_choice.py": 173, "test_planner_optimality.py": 153, "test_host_memory.py": 112,
     "test_planner_invariants.py": 102, "test_s3_hostile.py": 88, "test_bad_job_files.py": 53,
     "test_drill_files.py": 48, "test_types.py": 32, "test_cli_plan.py": 31, "test_mixed_precision.py": 30,
+    "test_engine_ranks.py": 20,
 }
 
 
