@@ -87,3 +87,8 @@ class CheckpointError(Exception):
 
     def __reduce__(self):  # crosses Ray's process boundary with its fields
         return (type(self), (str(self), self.refusal, self.step))
+
+
+class ResumeError(CheckpointError):
+    """A resumed run found none of its steps readable (after retrying what may pass): the job stops, exit 2,
+    rather than train fresh weights under the run's name."""

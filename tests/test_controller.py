@@ -335,3 +335,19 @@ def test_a_recovery_runs_with_the_garbage_collector_paused_and_turns_it_back_on(
         assert c.run() == State.DONE and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_resume_that_cannot_read_its_run_fails_the_job_with_exit_2_and_trains_nothing():
+    """The state plane's `ResumeError` (orchestrator/state/restore.py, the resume contract): no step trained, the
+    job failed with the one line, exit code 2 (the user's to fix), not a re-plan."""
+    from orchestrator.control.snapshots import MemorySnapshots
+    from orchestrator.errors import ResumeError
+
+    class Unreadable(MemorySnapshots):
+        def restore(self, group, avoid=frozenset()):
+            raise ResumeError("cannot resume run r1 from s3://b/job: step 7: AccessDenied; nothing was trained")
+
+    c, log, _ = make(FakeNodes(BIG), store=Unreadable(1))
+    assert c.run() == State.FAILED
+    assert c.exit_code == 2 and "cannot resume run r1" in c.error and c.progress.losses == {}
+    assert c.progress.restarts == 0

@@ -256,6 +256,28 @@ def test_pruning_never_deletes_a_readable_step_for_an_expired_one(s3, keep):
     assert_holds(new, 2)
 
 
+def test_pruning_reads_back_the_step_that_stays_and_a_byte_flipped_in_place_never_costs_the_older_ones(s3):
+    """One byte of a piece of step 3 flipped, its size unchanged (an older object version put back, a second
+    writer): the listing still shows step 3 whole, so pruning with keep 1 deleted steps 1 and 2 and left nothing
+    loadable. Now the step that stays is read back first: step 3 is refused as broken and step 2 stays."""
+    url, _ = s3
+    store = store_at(url, "flipped")
+    for s in (1, 2, 3):
+        store.save(s, state(s), float(s), meta())
+    key = store.manifest(3)["units"]["wte.weight"]["pieces"][0]["key"]
+    body = bytearray(store.client.get_object(Bucket="hostile", Key=key)["Body"].read())
+    body[-1] ^= 0xFF
+    store.client.put_object(Bucket="hostile", Key=key, Body=bytes(body))
+    pruned = store.keep_newest(1, identity())
+    assert 2 not in pruned.deleted and 1 in pruned.deleted and 3 in pruned.deleted
+    assert store.complete_steps() == [2]
+    assert store.load_latest(identity())[0] == 2
+    # a sound newest step is read back once: the next prune keeps it without reading it again
+    store.save(4, state(4), 4.0, meta())
+    store.keep_newest(1, identity())
+    assert store.complete_steps() == [4] and 4 in store._read_back
+
+
 # -- acceptance 3: a reader is not pruned under ------------------------------------------------------------------
 def test_a_step_being_read_is_pruned_only_after_its_reader_is_done(s3):
     url, _ = s3
@@ -577,3 +599,65 @@ def test_the_cli_answers_s3_refusals_in_one_line(s3, proxy, tmp_path, monkeypatc
         assert "  " not in res.output.strip().splitlines()[-1].split("error:")[-1].strip()  # no double space
     proxy.clear()
     assert store.verify(1) == []  # nothing was lost
+
+
+# -- the resume contract: a resumed run restores one of its steps or stops; it never starts over ----------------
+def resumed(proxy, prefix: str, group) -> TieredState:
+    """A new controller's state plane for run r1 of `prefix` (its keepers gone: S3 is all there is), resuming."""
+    s3 = S3Checkpoints(f"s3://hostile/{prefix}", proxy.url)
+    return TieredState(1, s3, s3_every=1, keep=3, meta={"job": prefix, "run_id": "r1"}, model_units=model_units(LAYERS),
+                       calls=group.calls, restore_from="s3", resuming=True,
+                       restorer_kw={"retry_s": (0.01, 0.01, 0.01), "sleep": lambda s: None})
+
+
+def deny_every_piece(proxy, s3a: S3Checkpoints, times: int | None) -> None:
+    for step in s3a.complete_steps():
+        for unit in s3a.manifest(step)["units"].values():
+            for piece in unit["pieces"]:
+                proxy.fail("GET", key=piece["key"].split("/", 1)[1], code="AccessDenied", times=times)
+
+
+def test_a_resume_asks_again_where_s3_refused_every_read_once_and_restores_its_newest_step(s3, proxy):
+    """Every piece's first GET denied: a restore that does not hold a run's word refuses steps 3, 2, 1 and 0 in
+    turn and starts over from step 0 (what a resume did before); resuming, it asks again and restores step 3."""
+    _, s3a, _, _ = trained(proxy.url, "resume-once")
+    deny_every_piece(proxy, s3a, times=1)
+    fresh = LocalGroup(NEW, LocalCalls(["a"]))
+    plain = resumed(proxy, "resume-once", fresh)
+    plain.restorer.resuming = False
+    assert plain.restore(fresh) is None  # without the contract: started over, silently
+    proxy.clear()
+    deny_every_piece(proxy, s3a, times=1)
+    new = LocalGroup(NEW, LocalCalls(["a"]))
+    r = resumed(proxy, "resume-once", new).restore(new)
+    assert r is not None and r.step == 3 and r.refused_steps == []
+    assert_holds(new, 3)
+
+
+def test_a_resume_that_cannot_read_its_run_stops_in_one_line_and_trains_nothing(s3, proxy):
+    from orchestrator.errors import ResumeError
+
+    _, s3a, _, _ = trained(proxy.url, "resume-never")
+    deny_every_piece(proxy, s3a, times=None)
+    new = LocalGroup(NEW, LocalCalls(["a"]))
+    with pytest.raises(ResumeError) as e:
+        resumed(proxy, "resume-never", new).restore(new)
+    msg = str(e.value)
+    assert "\n" not in msg and "cannot resume run r1" in msg and "step 3" in msg and "AccessDenied" in msg
+    assert "nothing was trained" in msg and "--resume" in msg and "s3:GetObject" in msg
+    assert not new.holds_state  # the fresh initial weights are not the run's state
+
+
+def test_a_resume_asks_again_where_the_listing_was_refused_and_stops_where_it_stays_refused(s3, proxy):
+    from orchestrator.errors import ResumeError
+
+    trained(proxy.url, "resume-list")
+    proxy.fail("GET", query="list-type", code="AccessDenied", times=1)
+    new = LocalGroup(NEW, LocalCalls(["a"]))
+    r = resumed(proxy, "resume-list", new).restore(new)
+    assert r is not None and r.step == 3
+    proxy.clear()
+    proxy.fail("GET", query="list-type", code="AccessDenied")
+    other = LocalGroup(NEW, LocalCalls(["a"]))
+    with pytest.raises(ResumeError, match="listing its steps was refused"):
+        resumed(proxy, "resume-list", other).restore(other)

@@ -44,7 +44,7 @@ from orchestrator.control.protocols import (
 )
 from orchestrator.control.replan import TOLERANCE, choose_replan, consider_joined, joined_nodes
 from orchestrator.control.snapshots import MemorySnapshots
-from orchestrator.errors import CheckpointError, WorkerFailure
+from orchestrator.errors import CheckpointError, ResumeError, WorkerFailure
 from planner import ClusterSpec, Plan, PlanningError
 from planner.search import CollectionPause, Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
@@ -261,7 +261,8 @@ class Controller:
             return self._decide(e)
         except CheckpointError as e:  # no state to go on from: any plan would fail the same way
             self.group.shutdown()
-            return self._fail(f"restoring state failed: {e}")
+            # a resume that cannot read its run's steps is the user's to fix (credentials, the bucket): exit 2
+            return self._fail(f"restoring state failed: {e}", exit_code=2 if isinstance(e, ResumeError) else 1)
         self._phase("training")
         self._plan_from = self.progress.committed + 2  # the first step on this plan warms up: not measured
         return State.TRAINING

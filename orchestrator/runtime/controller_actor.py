@@ -73,7 +73,7 @@ def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None
             "global_batch": job.train.global_batch}
     return TieredState(job.runtime.snapshot_every, S3Checkpoints.at(c.location), s3_every=c.s3_every, keep=c.keep,
                        meta=meta, restore_from=restore_from or c.restore_from,
-                       model_units={p.name: list(p.shape) for p in all_params(model)})
+                       model_units={p.name: list(p.shape) for p in all_params(model)}, resuming=run_id is not None)
 
 
 def controller_name(job_id: str) -> str:

@@ -198,6 +198,7 @@ class S3Checkpoints:
         self.client = client or new_client(endpoint_url)
         self.multipart_bytes = multipart_bytes
         self.lease_ttl_s = lease_ttl_s
+        self._read_back: set[int] = set()  # steps pruning read back whole and sound (a listing shows sizes only)
 
     @classmethod
     def at(cls, where: CheckpointLocation, **kw) -> S3Checkpoints:
@@ -674,15 +675,36 @@ class S3Checkpoints:
         listing = self._listing()
         kept: list[int] = []
         doomed: list[int] = []
+        good: list[int] = []
         for st in self.survey(identity, listing=listing):
             if st.refusal in (Refusal.FOREIGN, Refusal.UNREADABLE, Refusal.MALFORMED):
                 if st.refusal is not Refusal.FOREIGN:
                     log.warning("not pruning checkpoint step %d: %s", st.step, st.reason)
                 continue
-            if st.ok and len(kept) < keep:
-                kept.append(st.step)
+            (good if st.ok else doomed).append(st.step)
+        # A listing shows a piece's size, not its bytes (a byte flipped in place, an older object version put
+        # back): before an older good step goes, the steps that stay are read back once (`verify`) and a broken
+        # one does not count. A read S3 refuses now leaves every good step where it is.
+        for step in good:
+            if len(kept) == keep:
+                doomed.append(step)
+                continue
+            if len(good) <= keep or step in self._read_back:
+                kept.append(step)
+                continue
+            try:
+                problems = self.verify(step)
+            except CheckpointError as e:
+                log.warning("not pruning older steps of %s: step %d could not be read back (%s)", self.uri, step, e)
+                kept += [g for g in good if g not in kept]
+                break
+            if problems:
+                log.warning("checkpoint step %d of %s is not sound when read back (%s): it does not count",
+                            step, self.uri, problems[0])
+                doomed.append(step)
             else:
-                doomed.append(st.step)
+                self._read_back.add(step)
+                kept.append(step)
         run_id = identity.run_id if identity is not None else None
         aborted = 0
         if kept:  # half-written folders of this run (or an older format) behind its newest good step
@@ -694,6 +716,7 @@ class S3Checkpoints:
             doomed += [i.step for i in self.steps(listing) if not i.complete and i.step < kept[0]
                        and runs.get(i.step, set()) & {None, run_id}]
             aborted = self._abort_uploads(self.dir, run_id, before=kept[0])
+        doomed = [d for d in doomed if d not in kept]
         held = self.leased_steps() & set(doomed) if doomed else set()
         deleted, failed = [], {}
         for step in sorted(set(doomed) - held):

@@ -50,7 +50,8 @@ class TieredState:
 
     def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, *, s3_every: int = 10, keep: int = 3,
                  meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True,
-                 model_units: dict[str, list[int]] | None = None, calls=None):
+                 model_units: dict[str, list[int]] | None = None, calls=None, resuming: bool = False,
+                 restorer_kw: dict | None = None):
         if s3 is not None and s3_every % peer_every:
             raise ValueError(f"s3_every ({s3_every} steps) must be a multiple of peer_every ({peer_every})")
         if s3 is not None and not model_units:
@@ -64,8 +65,9 @@ class TieredState:
         self.keeper_set = KeeperSet(calls or RayCalls(), s3, self.received)
         self.uploader = None if s3 is None else Uploader(self.keeper_set, s3, self.identity, self.meta,
                                                            self.model_units, keep, self.received)
+        # resuming: a run going on from its S3 steps restores one of them or stops (restore.py, the resume contract)
         self.restorer = Restorer(self.keeper_set, self.uploader, s3, self.identity, keep, self.received,
-                                 restore_from, overlap)
+                                 restore_from, overlap, resuming, **(restorer_kw or {}))
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
         self._placed: tuple | None = None  # (group, (avoided, alive nodes), target nodes, keeper handles)
 
