@@ -487,25 +487,25 @@ class LayerwiseUpdate:
         """The ticket of the layer's host update (a fetch of its weights waits on it)."""
         return self.ready.get(layer, DONE)
 
+    @staticmethod
+    def _updated(t: Ticket) -> Ticket | None:
+        """Wait for an update on the host; the ticket of its copy back (None: nothing copied back)."""
+        try:
+            return t.host_wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"the host optimizer failed: {e.__cause__ or e}") from e
+
     def wait(self, layer: int) -> None:
         """Before the layer's next use: its update done, and the compute stream after its copy back."""
         t = self.ready.get(layer)
-        if t is None:
-            return
-        try:
-            back = t.host_wait()
-        except RuntimeError as e:
-            raise RuntimeError(f"the host optimizer failed: {e.__cause__ or e}") from e
+        back = self._updated(t) if t is not None else None
         if back is not None:
             back.device_wait()
 
     def join(self) -> None:
         """Every update and copy back done (before state is read or replaced)."""
         for t in list(self.ready.values()):
-            try:
-                back = t.host_wait()
-            except RuntimeError as e:
-                raise RuntimeError(f"the host optimizer failed: {e.__cause__ or e}") from e
+            back = self._updated(t)
             if back is not None:
                 back.host_wait()
 
