@@ -1,4 +1,4 @@
-"""The cost model against published training runs (issues 33 and 46).
+"""The cost model against published training runs.
 
     python bench/calibration.py            # prints two markdown tables (docs/benchmarks.md)
     python bench/calibration.py --json     # the same as JSON (tests/test_cost_at_scale.py reads it)
@@ -215,7 +215,7 @@ LAYOUT_ROWS += [
         ("145B", 12288, 80, 64, 1536, 2304, 0.47), ("310B", 16384, 96, 128, 1920, 2160, 0.50),
         ("530B", 20480, 105, 280, 2520, 2520, 0.52), ("1T", 25600, 128, 512, 3072, 3072, 0.52)]
 ]
-HELD_OUT_BAND = 0.20  # issue 46: within 20% of the published MFU on every held-out row
+HELD_OUT_BAND = 0.20  # within 20% of the published MFU on every held-out row
 
 
 def fit_efficiency(rows: list[LayoutRow]) -> float:

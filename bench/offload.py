@@ -1,4 +1,4 @@
-"""Offload benchmark (issue 4). On a CPU-only machine it runs the CPU parts; the GPU part needs CUDA.
+"""Offload benchmark. On a CPU-only machine it runs the CPU parts; the GPU part needs CUDA.
 
     python bench/offload.py [--params 50e6] [--repeats 7] [--steps 6]
 

@@ -1,4 +1,4 @@
-"""Planner against exhaustive enumeration on random small clusters (issue 15, acceptance 5).
+"""Planner against exhaustive enumeration on random small clusters.
 
     python bench/optimality.py [--clusters 200] [--seed 1] [--cli 3]
 

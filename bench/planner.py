@@ -120,7 +120,7 @@ def scale(title: str, cluster: ClusterSpec, preset: str, batch: int, lost: set[s
 
 
 def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
-    """Issue 33: CPU time of a warm re-plan after losing 32 nodes spread over every type, at each size (175B,
+    """CPU time of a warm re-plan after losing 32 nodes spread over every type, at each size (175B,
     6 types round robin, nodes of 8); the warm plan against a fresh search on the survivors."""
     types = ["H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4"]
     model, train = ModelSpec.preset("175b"), TrainSpec(global_batch=2048)
@@ -203,7 +203,7 @@ def _round_robin(types: list[str], nodes: int) -> ClusterSpec:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--warm-only", action="store_true", help="only the warm re-plan table (issue 33)")
+    ap.add_argument("--warm-only", action="store_true", help="only the warm re-plan table")
     ap.add_argument("--baseline-sweep", action="store_true", help="only the sweep of small clusters on which "
                     "the planner loses to a baseline")
     ap.add_argument("--collector-on", action="store_true", help="leave Python's garbage collector on during "
@@ -224,7 +224,7 @@ def main() -> None:
           spread={f"n{i:03d}" for i in (0, 1, 2, 3, 64, 65, 66, 67)})
     scale("175B on 4,096 GPUs (6 types, 512 nodes of 8)",
           _round_robin(["H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4"], 512), "175b", 2048,
-          {f"n{i:03d}" for i in range(0, 512, 16)}, repeats, "plan <= 10 s, re-plan <= 1 s (issue 15)")
+          {f"n{i:03d}" for i in range(0, 512, 16)}, repeats, "plan <= 10 s, re-plan <= 1 s")
     warm_replans((1024, 4096, 8192, 16384), 1 if args.quick else 3)
 
 

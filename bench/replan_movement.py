@@ -1,4 +1,4 @@
-"""Movement-aware re-plans (issue 45): bytes moved against throughput kept, with and without the tolerance.
+"""Movement-aware re-plans: bytes moved against throughput kept, with and without the tolerance.
 
     python bench/replan_movement.py [--tolerance 0.02] [--json]
 

@@ -1,5 +1,5 @@
 """The cost model for the symmetric layouts large published runs use: interleaved 1F1B, sequence parallelism
-and a ZeRO-1 distributed optimizer (issue 46).
+and a ZeRO-1 distributed optimizer.
 
 hetspot's own search prices the plans its engine runs (asymmetric replicas, uneven splits, plain 1F1B, one
 optimizer copy per replica: planner/cost.py). The runs people publish at thousands of GPUs use three things

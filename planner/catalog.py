@@ -39,7 +39,7 @@ _PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0  # x16 per direction, PCI-SIG spec rat
 # 2019's single-GPU baseline, 39 TFLOPS; ZeRO-Offload's 10B at 40 TFLOPS). Other types keep 0.55 (no published
 # run checked); a profiling pass on a real cluster replaces any of these (ClusterSpec.calibration).
 _EFF_A100, _EFF_H100, _EFF_V100 = 0.70, 0.45, 0.35
-# H200: measured on one (driver 580.159.04, torch 2.11.0+cu130; `python bench/gpu_check.py`, session 18): hetspot's
+# H200: measured on one (driver 580.159.04, torch 2.11.0+cu130; `python bench/gpu_check.py`, 2026-11-27): hetspot's
 # engine ran the `gpt-1.3b` preset in bf16 at 51.1% MFU (0.294 s a step at micro-batch 8 x 2,048 tokens), which
 # the cost model predicted at 43.1% with H100's 0.45; 0.53 puts it within 1% (bench/calibration.py's H200 row).
 # The same chip as H100 SXM with 1.4x its memory bandwidth: H100 keeps its published-run figure.

@@ -727,7 +727,7 @@ def _mixed_sets(search: _Search, degrees: list[int], bound: float, host: str = "
             # Under an even host split the fastest order is the one to keep. Where a stage may offload into
             # its whole node's RAM, the fastest order alone may overflow the node once its stages share it
             # (`share_node_host` then drops it), so every distinct order is offered and the caller keeps
-            # the fastest that settles (issue 46's sweep: TP1, TP2, TP1 on one node fits where TP2 first does not).
+            # the fastest that settles (the sweep: TP1, TP2, TP1 on one node fits where TP2 first does not).
             orders = [search.best_order(groups, 1, True)] if host == "even" else \
                 _distinct_orders(_stage_order(groups), MIXED_ORDERS, _by_kind_and_node)
             for order in orders:
@@ -1008,7 +1008,7 @@ def kept_pipelines(last: Plan, cluster: ClusterSpec, model: ModelSpec, train: Tr
     they still do), micro-batch sizes and splits unchanged. None where no pipeline lost anything (not a loss),
     none is left, or the result does not fit (more micro-batches in flight where a pipeline had fewer than its
     stages). The search can miss it: a re-plan searches the survivors afresh, and on a large cluster its
-    heuristic sets need not include the old pipelines (issue 46: 94.2% of the throughput kept where dropping
+    heuristic sets need not include the old pipelines (94.2% of the throughput kept where dropping
     the broken pipeline keeps 96.3%), so `Planner` adds it to the re-plan's candidates, and a re-plan is never
     worse than it. It also moves no state."""
     known = {d: n.gpu_type for n in cluster.nodes for d in n.device_ids()}

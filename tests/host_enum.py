@@ -1,4 +1,4 @@
-"""Does any plan fit? A brute-force witness finder for host memory as a node total (issue 33).
+"""Does any plan fit? A brute-force witness finder for host memory as a node total.
 
 Independent of planner/search.py and planner/offload_policy.py: for every ordered selection of TP-1
 groups as one pipeline (a single replica holds the least state), every contiguous layer split (empty

@@ -1,4 +1,4 @@
-"""Malformed job and plan files (issue 15): exit 2, one message naming the field or the file, no traceback, no hang.
+"""Malformed job and plan files: exit 2, one message naming the field or the file, no traceback, no hang.
 
 Each case is a job file given to `hetspot plan` in a subprocess with a time limit, as a user runs it:
 a hang fails the test instead of stalling the suite.

@@ -137,7 +137,7 @@ def _one_line(res) -> str:
 
 
 def test_checkpoint_commands_answer_user_mistakes_in_one_line(tmp_path, endpoint, monkeypatch):
-    """Issue 30, defect 7: each case exits 2 with one line, or 0 with a clear 'nothing found' line."""
+    """Each case exits 2 with one line, or 0 with a clear 'nothing found' line."""
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
     base = ["--endpoint-url", endpoint]
@@ -176,7 +176,7 @@ def test_checksum_error_says_what_was_read_and_what_the_manifest_says(endpoint):
 
 
 def test_a_step_short_of_the_model_fails_verify_and_is_not_exported(tmp_path, endpoint, monkeypatch):
-    """Issue 30, acceptance 4: verify exits 1 naming the missing units; export refuses with exit 2."""
+    """Verify exits 1 naming the missing units; export refuses with exit 2."""
 
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)

@@ -88,7 +88,7 @@ def test_objective_cost_needs_prices(tmp_path):
 
 @pytest.mark.parametrize("columns", ["80", None])
 def test_mixed_cluster_plan_is_never_cut_when_piped_or_narrow(columns):
-    """Issue 15: piped (no terminal) or at COLUMNS=80, no cell is cut with an ellipsis; offload cells are compact
+    """Piped (no terminal) or at COLUMNS=80, no cell is cut with an ellipsis; offload cells are compact
     and their reasons are numbered notes under the table."""
     import os
 
@@ -101,13 +101,13 @@ def test_mixed_cluster_plan_is_never_cut_when_piped_or_narrow(columns):
     assert "opt→host" in r.stdout or "rc " in r.stdout or "none" in r.stdout
     if "[1]" in r.stdout:  # a reason cited in a cell is printed once below the table
         assert "\n[1] " in r.stdout
-    if columns == "80":  # issue 46: the tables fit and no name is broken mid-word
+    if columns == "80":  # the tables fit and no name is broken mid-word
         assert max(len(line) for line in r.stdout.splitlines()) <= 80
         assert "A100-80GB" in r.stdout and "a100-0" in r.stdout
 
 
 def test_the_fleet_table_fits_80_columns_without_breaking_an_instance_type():
-    """Issue 46: at 80 columns the fleet choice's table wraps cells between words, so an instance type such as
+    """At 80 columns the fleet choice's table wraps cells between words, so an instance type such as
     g4dn.12xlarge is printed whole."""
     res = runner.invoke(app, ["plan", str(ROOT / "examples/risk-cost.yaml"), "--fleet", "auto", "--catalog",
                               str(ROOT / "examples/catalog-aws.yaml")], env={"COLUMNS": "80"})
@@ -130,7 +130,7 @@ def test_one_name_per_knob_the_old_spelling_is_read_with_a_warning(tmp_path):
     with pytest.warns(FutureWarning, match="peer_every"):  # read, warned about, then refused
         res = runner.invoke(app, ["plan", _write(tmp_path, both)])
     assert res.exit_code == 2 and "checkpoint.peer_every is the old name of runtime.snapshot_every" in res.output
-    # what a user sees (issue 49): one line naming the file and the field, no library internals
+    # what a user sees: one line naming the file and the field, no library internals
     import subprocess
     import sys
     from pathlib import Path

@@ -140,7 +140,7 @@ def test_ffn_130_plan_with_tp4_is_refused_before_any_actor(tmp_path):
 
 def test_plan_that_does_not_fit_fails_before_actors(tmp_path):
     """A well-formed plan whose stage cannot hold its state: exit 2 naming the device and its memory, not a
-    worker's out-of-memory error later (issue 15: evaluate refuses plans that cannot run)."""
+    worker's out-of-memory error later (evaluate refuses plans that cannot run)."""
     import ray
 
     job = tmp_path / "job.yaml"
@@ -156,7 +156,7 @@ def test_plan_that_does_not_fit_fails_before_actors(tmp_path):
 
 
 def test_status_shows_where_the_s3_tier_stands(monkeypatch):
-    """Issue 30, acceptance 5: the upload lag a committed step's row carries (controller_actor) goes through the
+    """The upload lag a committed step's row carries (controller_actor) goes through the
     driver's progress line to `hetspot status`."""
     from orchestrator.runtime import ray_jobs
     from orchestrator.runtime.progress_lines import last_progress, progress_line
@@ -178,11 +178,11 @@ def test_status_shows_where_the_s3_tier_stands(monkeypatch):
     res = runner.invoke(app, ["status", "job-1", "--address", "http://127.0.0.1:1"])
     assert res.exit_code == 0, res.output
     assert "S3: newest step 38, 3 steps behind, 2 upload(s) in flight or waiting, 1 failed" in res.output
-    assert "S3: no write access from node-7" in " ".join(res.output.split())  # a keeper's own check (issue 29)
+    assert "S3: no write access from node-7" in " ".join(res.output.split())  # a keeper's own check
 
 
 def test_status_says_what_a_re_plan_traded():
-    """Issue 45, item 2: a re-plan event's choice (movement-aware: how much slower, how many fewer bytes) is
+    """A re-plan event's choice (movement-aware: how much slower, how many fewer bytes) is
     printed under the event by `hetspot status`."""
     from rich.console import Console
 

@@ -255,7 +255,7 @@ def test_a_node_that_goes_during_its_drain_is_recovered_like_any_loss():
 
 
 def test_a_staged_drain_the_job_finishes_before_its_switch_closes_its_event():
-    """Issue 44: a notice whose switch is staged but not yet made when the last step commits leaves an event
+    """A notice whose switch is staged but not yet made when the last step commits leaves an event
     with the whole timeline's end (first_step_s None: no step ran on its plan), and says why it ended."""
     from orchestrator.control.fakes import FakeClock, FakeInterruptions
     from orchestrator.control.protocols import Notice

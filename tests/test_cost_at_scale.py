@@ -1,6 +1,6 @@
 """The cost model at scale (planner/at_scale.py): interleaved 1F1B, sequence parallelism and a ZeRO-1 optimizer
 each change what they should by the amount their papers give, and bench/calibration.py, fitted on a training
-split of published runs, holds every held-out run within 20% (issue 46)."""
+split of published runs, holds every held-out run within 20%."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def test_search_step_time_unrolls_the_cost_model_exactly(gpu_type, preset, clip)
 
 def test_evaluate_refuses_plans_that_cannot_run():
     """A plan that leaves layers out, or does not fit its GPUs' or its node's host memory, gets an error that
-    names the problem, not a step time (issue 15)."""
+    names the problem, not a step time."""
     from planner import OffloadPolicy, PlanContractError
 
     model = ModelSpec.preset("7b")

@@ -1,4 +1,4 @@
-"""S3 training data through the node's block cache (issue 42, data at GPU speed): windows come from cached blocks
+"""S3 training data through the node's block cache (data at GPU speed): windows come from cached blocks
 of the object and equal the local file's; windows in one block cost one GET between them, whatever the threads; a
 second process on the node (a replacement worker) reads the blocks its predecessor fetched with no request; the
 folder stays within its bound; and a cache never serves another version of the object. moto's server over HTTP."""

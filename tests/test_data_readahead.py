@@ -1,4 +1,4 @@
-"""Training data at GPU speed (issue 42): only the stages that consume tokens read them (a middle stage of a
+"""Training data at GPU speed: only the stages that consume tokens read them (a middle stage of a
 pipeline never does), and S3 data is read ahead of the step with each micro-batch's windows fetched side by side,
 giving exactly the batches a local file gives. Three ranks (processes, gloo) for the pipeline; moto's server behind
 the drills' fault proxy (20 ms a request) for S3; bench/data_s3.py measures the step time on Ray."""

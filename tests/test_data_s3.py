@@ -1,4 +1,4 @@
-"""Training data in S3 (issue 29, acceptance 7 and 8): `data: {kind: tokens, path: s3://...}` on moto's server.
+"""Training data in S3: `data: {kind: tokens, path: s3://...}` on moto's server.
 
 Each rank reads exactly the byte ranges of its samples; the windows are the local file's; a missing key, a
 wrong dtype, a size that is not a whole number of tokens or refused access exits 2 before Ray starts; and a

@@ -404,7 +404,7 @@ def test_missing_cluster_file_names_the_field(tmp_path):
 
 
 def test_speed_emulation_runs_only_on_nodes_whose_gpus_say_they_are_fake():
-    """Issue 42, acceptance 5 (the decision; tests/test_recovery_ray.py shows it on a Ray cluster): a node is fake
+    """A node is fake
     only with `hetspot/fake-gpu=true`, which no rendered config sets; an unlabelled node is never slowed, and the
     job file asking for emulation gets one warning naming the real nodes."""
     from orchestrator.runtime.worker_group import slowdowns
@@ -465,7 +465,7 @@ def test_a_worker_reads_its_instance_labels_from_imds_inside_the_image(tmp_path)
 
 
 def test_a_jobs_fleet_renders_exactly_its_instance_types_and_counts(tmp_path):
-    """Issue 42, acceptance 7: `deploy render --from-job` emits the node types and most counts the job's fleet
+    """Acceptance 7: `deploy render --from-job` emits the node types and most counts the job's fleet
     asks for: the fleet its `auto:` chooses from the shipped catalog, instance type for instance type (a 1-GPU
     g6.xlarge choice is a g6.xlarge node type, not the 4-GPU default), or its types at max_nodes."""
     from ray.autoscaler._private.util import prepare_config, validate_config
@@ -494,7 +494,7 @@ def test_a_jobs_fleet_renders_exactly_its_instance_types_and_counts(tmp_path):
 
 
 def test_a_fleet_no_node_type_can_serve_is_refused_when_the_job_is_checked(tmp_path):
-    """Issue 42, acceptance 7: a fleet type that no shipped node type serves (an L4 node of 3 GPUs) exits 2 at
+    """A fleet type that no shipped node type serves (an L4 node of 3 GPUs) exits 2 at
     render; on a cluster, the driver checks the job's demand against the autoscaler's own node types (a `ray up`
     head's ~/ray_bootstrap_config.yaml) and exits 2 in one line before it connects, not after fleet.wait_s."""
     import os

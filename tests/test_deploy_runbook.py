@@ -1,6 +1,6 @@
 """docs/deploy.md's runbooks, offline: every ```bash block marked `# offline` (render, lint, policy files, job
 checks) runs in the runbook's order from a fresh copy of the repository, as tests/test_readme.py does for the
-README, each command exiting 0 (issue 42, acceptance 9). What it renders is then held to Ray's own validator."""
+README, each command exiting 0. What it renders is then held to Ray's own validator."""
 
 import copy
 import re

@@ -214,7 +214,7 @@ def test_simulate_charges_in_place_recovery_a_re_form_and_restart_a_process_star
 
 @pytest.mark.unit
 def test_simulate_warms_joined_nodes_so_moves_and_recoveries_onto_them_start_no_process():
-    """Issue 45, warm at join, as the simulator charges it: a rank on a joined node's GPU costs what is left of its
+    """Warm at join, as the simulator charges it: a rank on a joined node's GPU costs what is left of its
     start-up at a recovery (nothing once it is up), and a move onto joined nodes waits for them while the old plan
     trains, stalling only the re-form and the restore. Over the test trace (three nodes join, then most of the
     fleet goes), hetspot in place is down for less time and trains more with it than without, and stays below the

@@ -1,4 +1,4 @@
-"""Recovery drills (issue 13): every scenario in drills/ on the Ray test cluster with moto's S3 server, held to the
+"""Recovery drills: every scenario in drills/ on the Ray test cluster with moto's S3 server, held to the
 job's 1-device run, and a trace drill held to its replayed plans. What needs no Ray (bad scenario and trace files,
 the trace mapping, the samples check, the fleet simulator) is tests/test_drill_files.py, a module the other xdist
 worker takes beside this one.

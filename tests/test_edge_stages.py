@@ -1,4 +1,4 @@
-"""The embedding and the LM head on stages of their own (issue 33): the search proposes a stage with no
+"""The embedding and the LM head on stages of their own: the search proposes a stage with no
 transformer layer where it wins, evaluate agrees, and the plan table says so plainly. The Ray test that
 trains such a plan like the 1-device run is tests/test_train_ray.py::test_planner_plan_with_edge_stages...
 """

@@ -1,4 +1,4 @@
-"""`fleet: {auto: ...}` in the job file (issue 33): the planner's fleet, asked for, and chosen again.
+"""`fleet: {auto: ...}` in the job file: the planner's fleet, asked for, and chosen again.
 
 With a fake autoscaler and clock (as tests/test_capacity.py): the job's fleet is the one `choose_fleet`
 picks from its catalog; when a chosen type does not come within `substitute_after_s`, the demand becomes the

@@ -1,4 +1,4 @@
-"""The fleet on Ray's real autoscaler (issue 29, acceptance 1 to 4): `ray.cluster_utils.AutoscalingCluster`.
+"""The fleet on Ray's real autoscaler: `ray.cluster_utils.AutoscalingCluster`.
 
 The cluster starts with a head and **no GPU node**; its autoscaler (Ray's own, over the fake multi-node
 provider, which starts each node as a local `ray start`) knows node types of fake T4, L4 and A10G GPUs, the
@@ -254,7 +254,7 @@ def test_a_dry_pool_is_substituted_after_its_timeout(fleet_cluster, tmp_path):
 
 
 def test_a_chosen_fleet_whose_type_does_not_come_is_chosen_again_among_what_is_left(fleet_cluster, tmp_path):
-    """Issue 33 (`fleet: {auto: ...}`): hetspot chooses the fleet from a catalog whose cheapest type per token
+    """hetspot chooses the fleet from a catalog whose cheapest type per token
     is an A10G instance (its pool capped at 0 nodes); after `substitute_after_s` it chooses again among the
     rest, the autoscaler brings that fleet up, and the job trains on it with the 1-device run's losses."""
     from orchestrator.job_spec import fleet_types, load_job
@@ -318,7 +318,7 @@ def kill_fake_node(node_id: str) -> int:
 
 
 def test_a_killed_node_is_replaced_by_the_autoscaler_and_the_job_moves_onto_it(fleet_cluster, tmp_path):
-    """Acceptance 2: the job trains on a T4 and an L4 node; the L4 node is killed mid-training. hetspot re-plans
+    """The job trains on a T4 and an L4 node; the L4 node is killed mid-training. hetspot re-plans
     on the T4; its demand still stands, so the autoscaler replaces the lost node (its liveness check terminates
     the silent instance, then it launches a new L4 for the demand); hetspot's scale-up path moves onto the new
     node. Every committed step's loss equals the 1-device run's, across both plan changes (the same samples
@@ -392,7 +392,7 @@ def test_a_killed_node_is_replaced_by_the_autoscaler_and_the_job_moves_onto_it(f
 
 
 def test_the_flavour_asked_for_comes_up_where_two_share_rays_gpu_name(fleet_cluster, tmp_path):
-    """Issue 42, acceptance 3: the autoscaler knows A100-40GB and A100-80GB node types, both advertising Ray's
+    """The autoscaler knows A100-40GB and A100-80GB node types, both advertising Ray's
     `accelerator_type:A100`. A job asking for A100-80GB brings up an A100-80GB node (the demand selects on the
     `hetspot/gpu-type` label) and trains there, never on an A100-40GB, with the 1-device run's losses; a job
     asking for A100-40GB gets that flavour."""
@@ -429,7 +429,7 @@ def test_the_flavour_asked_for_comes_up_where_two_share_rays_gpu_name(fleet_clus
 
 
 def test_a_job_asks_for_its_cluster_nodes_and_one_asking_for_nothing_exits_2(fleet_cluster, tmp_path):
-    """Issue 42, acceptance 4: on a cluster with no GPU node, a job with neither `fleet:` nor `cluster:` exits 2
+    """On a cluster with no GPU node, a job with neither `fleet:` nor `cluster:` exits 2
     in one line naming `fleet:` (no traceback); a job whose `cluster:` names a T4 node (and no `fleet:`) asks the
     autoscaler for exactly that, and trains with the 1-device run's losses."""
     from orchestrator.job_spec import load_job

@@ -1,4 +1,4 @@
-"""`hetspot plan --fleet auto` (issue 33): the fleet to request and its plan, chosen together.
+"""`hetspot plan --fleet auto`: the fleet to request and its plan, chosen together.
 
 The search plans a few dozen fleets; brute force plans every fleet within the limits (every combination of
 up to three instance types and their counts) with the same planner and cost model. The chosen fleet must be
@@ -144,7 +144,7 @@ def test_bad_catalog_or_budget_exits_2_naming_the_field(tmp_path, case):
     assert field in r.stderr, r.stderr
 
 
-# Issue 46: a hot T4 pool (taken away three times an hour) beside quiet L4s.
+# A hot T4 pool (taken away three times an hour) beside quiet L4s.
 HOT = Catalog(types=[_t("g4dn.12xlarge", "T4", 4, 0.8, 3.0, 8), _t("g6.12xlarge", "L4", 4, 2.0, 0.1, 3)])
 
 
@@ -154,7 +154,7 @@ def _effective_brute(catalog: Catalog, objective: str, budget=None, floor=None) 
 
 
 def test_throughput_ranks_fleets_by_what_they_deliver_after_preemptions():
-    """Issue 46, acceptance 1: with a $6.4/h budget, the most raw tokens/s is all eight hot T4 nodes, which lose
+    """With a $6.4/h budget, the most raw tokens/s is all eight hot T4 nodes, which lose
     most of their time to recoveries; the choice is the fleet with the most tokens/s after preemptions, as brute
     force over the catalog finds it, and the table's raw and effective figures are both in the result."""
     choice = choose_fleet(HOT, MODEL, TRAIN, "throughput", 6.4)
@@ -168,7 +168,7 @@ def test_throughput_ranks_fleets_by_what_they_deliver_after_preemptions():
 
 
 def test_cost_with_a_floor_meets_the_floor_at_the_lowest_cost_per_token():
-    """Issue 46, acceptance 1: the cost objective alone picks the smallest fleet; with a floor on the tokens/s a
+    """The cost objective alone picks the smallest fleet; with a floor on the tokens/s a
     fleet delivers after preemptions it picks the cheapest per token among those that meet it (brute force
     agrees), and a floor nothing meets is refused naming the fastest fleet."""
     from planner import PlanningError

@@ -1,4 +1,4 @@
-"""Gradient sync overlapped with backward (issue 16): the same training, and the all-reduce of layer k
+"""Gradient sync overlapped with backward: the same training, and the all-reduce of layer k
 launched before the backward of layer k-1 has finished. Two ranks (two processes, gloo), no Ray.
 """
 

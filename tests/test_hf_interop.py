@@ -1,4 +1,4 @@
-"""Hugging Face interop (issue 17): a model trained by hetspot opens in `transformers` with the same logits,
+"""Hugging Face interop: a model trained by hetspot opens in `transformers` with the same logits,
 and weights saved by `transformers` start a hetspot model with the same logits.
 
 One rank, gloo with world size 1, no Ray (the multi-rank equivalence of the Llama is in

@@ -1,4 +1,4 @@
-"""Host memory is a constraint (issue 15): offloaded state must fit the node's RAM, shared by its GPUs.
+"""Host memory is a constraint: offloaded state must fit the node's RAM, shared by its GPUs.
 
 The plan's host bytes per node (Estimate.host_gib) are held to what the offload engine keeps in host
 memory for a small model, measured from its tensors (masters, their gradients, AdamW's moments).
@@ -93,7 +93,7 @@ def _checked_plan(cluster, model, train):
 
 @pytest.mark.parametrize("shape", sorted(SWEEPS))
 def test_the_planner_finds_a_plan_wherever_one_fits_the_nodes_host_memory(shape):
-    """Host memory is a node total (issue 33): wherever the brute-force witness finder finds a plan that
+    """Host memory is a node total: wherever the brute-force witness finder finds a plan that
     evaluate accepts, the planner plans too (before, it gave up on 25 of the 49 pairs of the second sweep
     and 3 of the first's 48 triples, costing each GPU against an even share of its node's RAM)."""
     from tests.host_enum import some_valid_plan
@@ -128,7 +128,7 @@ def _four_gpu_case(rng):
 
 @pytest.mark.parametrize("node", [("A10G", 100.0), ("L4", 84.0)])
 def test_a_plan_whose_stages_mix_tp_degrees_may_pool_the_nodes_host_memory(node):
-    """Issue 46: the search over stages of different TP degrees budgeted host RAM per GPU, so on one node of
+    """The search over stages of different TP degrees budgeted host RAM per GPU, so on one node of
     4 GPUs it found nothing where a TP1 stage, a TP2 stage and a TP1 stage fit the node's RAM together."""
     from planner import plan
     from tests.enumerator import best_plan
@@ -146,10 +146,10 @@ def test_a_plan_whose_stages_mix_tp_degrees_may_pool_the_nodes_host_memory(node)
 @pytest.mark.sweep
 @pytest.mark.parametrize("cases", [
     range(30),  # `make test`
-    pytest.param(range(30, 100), marks=pytest.mark.slow),  # `make test-all`: the 100 of issue 46's acceptance
+    pytest.param(range(30, 100), marks=pytest.mark.slow),  # `make test-all`: the 100 clusters of the full sweep
 ], ids=["cases-0-29", "cases-30-99"])
 def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals(cases):
-    """Issue 46, acceptance 2: 100 clusters of 4 GPUs, host RAM of 12-120 GiB per node, against the exhaustive
+    """100 clusters of 4 GPUs, host RAM of 12-120 GiB per node, against the exhaustive
     enumerator counting host memory per node (tests/enumerator.py, host="node"): the planner plans wherever a
     plan exists, never overflows a node, and every plan is within 1% of the optimum. (Case 78, one A10G node
     of 4 with 52 GiB, was at 0.986: the fastest order of a TP2 and two TP1 stages offloaded more than the node
@@ -180,7 +180,7 @@ def test_host_memory_sweep_against_an_exhaustive_search_with_node_totals(cases):
 
 
 def test_a_refusal_for_host_memory_names_the_least_ram_that_plans():
-    """Issue 46: the refusal named the node's share of all the state offloaded (85 GiB here), where a plan
+    """The refusal named the node's share of all the state offloaded (85 GiB here), where a plan
     exists with half of that. `hetspot plan` now names the least RAM with which the search plans (a bisection):
     the planner plans with it, and the exhaustive enumerator finds no plan with 5% less."""
     import re

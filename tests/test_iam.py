@@ -1,7 +1,7 @@
-"""deploy/aws/iam/ against Ray's own AWS node provider on moto's EC2 with moto's IAM enforcement on (issue 42,
-acceptance 2): credentials holding exactly the shipped head policy create, tag, list and terminate worker
-instances the way the head's autoscaler does; the node policy cannot launch (the error names the action) and
-reaches only the checkpoint bucket; the head may pass the node role and nothing wider."""
+"""deploy/aws/iam/ against Ray's own AWS node provider on moto's EC2 with moto's IAM enforcement on:
+credentials holding exactly the shipped head policy create, tag, list and terminate worker instances the way
+the head's autoscaler does; the node policy cannot launch (the error names the action) and reaches only the
+checkpoint bucket; the head may pass the node role and nothing wider."""
 
 import json
 from pathlib import Path

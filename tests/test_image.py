@@ -1,5 +1,5 @@
 """The node image (deploy/image/): its wheel builds the way the Dockerfile builds it, as Ray's non-root user from a
-root-owned copy of the tree; hadolint passes; the build context leaves local state out (issue 42, acceptance 1).
+root-owned copy of the tree; hadolint passes; the build context leaves local state out.
 
 No Docker engine runs here, so the image itself is not built: the Dockerfile's one build step of hetspot's own is
 its script (deploy/image/build-wheel.sh), which this test runs under the same conditions the Dockerfile gives it.

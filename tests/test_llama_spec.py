@@ -1,4 +1,4 @@
-"""The Llama in the planner (issue 17): parameter counts of the published shapes, FLOPs per token, TP rules."""
+"""The Llama in the planner: parameter counts of the published shapes, FLOPs per token, TP rules."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""bf16 / fp16 mixed precision (issue 16): fp32 masters, fp32 gradients and AdamW state, compute in 16 bits.
+"""bf16 / fp16 mixed precision: fp32 masters, fp32 gradients and AdamW state, compute in 16 bits.
 One rank, gloo with world size 1, no Ray.
 
 Tolerance for bf16 against fp32: bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.39%); every matmul

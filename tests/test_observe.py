@@ -1,4 +1,4 @@
-"""Metrics rows, profiling calibration, token resolution and progress parsing: pure pieces of issue 5."""
+"""Metrics rows, profiling calibration, token resolution and progress parsing: pure pieces."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Offload in the engine (issue 4): every policy trains the same model, and its device memory is
+"""Offload in the engine: every policy trains the same model, and its device memory is
 what the planner predicts. One rank, gloo with world size 1, no Ray.
 
 Memory is measured by the engine's DeviceMeter on CPU: static resident state

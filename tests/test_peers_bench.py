@@ -1,4 +1,4 @@
-"""bench/peers.py's smallest configuration (issue 35): hetspot, Ray Train and torchft on the same kill.
+"""bench/peers.py's smallest configuration: hetspot, Ray Train and torchft on the same kill.
 
 The peers are the `peers` extra (`pip install -e '.[peers]'`); `make test` does not install it, so this
 skips with the reason there. Where it runs, every system's committed losses are held to its own

@@ -128,7 +128,7 @@ def test_warm_replan_matches_a_fresh_search_on_the_survivors():
 
 @pytest.mark.parametrize("lost", [{"n01"}, {"n03"}, {"n00", "n07"}, {"n02", "n06", "n09"}])
 def test_a_replan_is_never_worse_than_dropping_the_broken_pipelines(lost):
-    """Issue 46: the obvious re-plan after a loss, the last plan less the pipelines that lost a GPU with the batch
+    """The obvious re-plan after a loss, the last plan less the pipelines that lost a GPU with the batch
     shared among the rest, is a valid plan on the survivors and a candidate of every re-plan: the re-plan's
     throughput is at least its throughput, and a loss that leaves every pipeline whole is not one."""
     from planner.contract import plan_problems

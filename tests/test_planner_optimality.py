@@ -1,4 +1,4 @@
-"""Acceptance (issue 15): on small clusters the planner is within 1% of exhaustive enumeration.
+"""On small clusters the planner is within 1% of exhaustive enumeration.
 
 The clusters have at most 8 GPUs on up to 4 nodes whose networks differ (each node its own NIC and
 intra-node bandwidth), so where each replica's stages sit decides which link every layer's gradient sync
@@ -51,7 +51,7 @@ def _sweep(examples: int):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-# `make test` draws 60 clusters; `make test-all` draws 200 others (the sweep that settled the planner, issue 15).
+# `make test` draws 60 clusters; `make test-all` draws 200 others (the sweep that settled the planner).
 @_sweep(60)
 @given(instances())
 def test_planner_within_one_percent_of_exhaustive(inst):
@@ -74,7 +74,7 @@ def _within_one_percent_of_exhaustive(inst):
         mine, got = None, math.inf
     # Exhaustive below the planner's time (and a hair above it, so the planner's own plan qualifies), over
     # the plans whose every stage holds a layer. The planner also proposes embedding- and head-only stages
-    # (issue 33); it may then beat this optimum, never fall short of it by more than 1%. (Over that larger
+    # it may then beat this optimum, never fall short of it by more than 1%. (Over that larger
     # space it is not held to 1%: replicas of different depths around a TP1 head-only stage are missed.)
     best, layout = best_plan(cluster, model, train, bound=got * (1 + 1e-9), edges=False)
     if got == math.inf:
@@ -94,7 +94,7 @@ def _within_one_percent_of_exhaustive(inst):
 
 
 def test_sync_groups_inside_nodes_beat_list_order():
-    """Issue 15's case: 2 nodes x 3 L4 over a 1 GB/s network. Keeping each layer's copies on one node (its
+    """The case: 2 nodes x 3 L4 over a 1 GB/s network. Keeping each layer's copies on one node (its
     sync on the intra-node link) beats dealing the GPUs out in list order."""
     nodes = [NodeSpec(name=f"n{i}", gpu_type="L4", num_gpus=3, inter_node_bw_gb_s=1.0) for i in range(2)]
     cluster = ClusterSpec(nodes=nodes)

@@ -279,7 +279,7 @@ def test_cli_against_a_real_head(head, tmp_path):
 
 
 def long_logs_keep_status_small(head: RealHead, token_file: str | None = None) -> None:
-    """Issue 34, acceptance 2: `status` reads a bounded tail of a job's log (the State API's log tail), so a job
+    """Acceptance 2: `status` reads a bounded tail of a job's log (the State API's log tail), so a job
     of 2,000 committed steps costs what one of 20 does. Two jobs print the driver's lines for 20 and 2,000
     steps (a progress line and three worker lines per step, the events line every 50 steps)."""
     from ray.job_submission import JobSubmissionClient
@@ -316,7 +316,7 @@ def long_logs_keep_status_small(head: RealHead, token_file: str | None = None) -
 
 def test_submit_fails_fast_when_the_heads_python_lacks_hetspot(tmp_path):
     """`python` on the head is another interpreter (no hetspot): submit says so with exit 2 at once,
-    instead of a job that fails later with "No module named 'orchestrator'" (issue 10)."""
+    instead of a job that fails later with "No module named 'orchestrator'"."""
     h = RealHead(tmp_path, auth=False)
     h.env["PATH"] = ":".join(p for p in h.env["PATH"].split(":") if p and Path(p) != BIN)
     job_file = tmp_path / "job.yaml"
@@ -358,7 +358,7 @@ def bare_python(tmp: Path) -> Path:
 
 @pytest.mark.slow  # the rendered-AWS test below runs the same (bare nodes, hetspot shipped) in the default run
 def test_a_cluster_without_hetspot_runs_the_job_hetspot_ships(tmp_path):
-    """Issue 29: every node's `python` has Ray, torch and the dependencies but no hetspot; `hetspot submit
+    """Every node's `python` has Ray, torch and the dependencies but no hetspot; `hetspot submit
     --address` ships planner/, workers/ and orchestrator/ with the job (runtime_env py_modules): the driver,
     the controller, the keepers and the TrainWorkers on both nodes import them, and the job trains."""
     h = RealHead(tmp_path, auth=False, bin_dir=bare_python(tmp_path))
@@ -378,7 +378,7 @@ def test_a_cluster_without_hetspot_runs_the_job_hetspot_ships(tmp_path):
 
 
 def test_ray_drain_on_a_real_cluster_moves_the_job_before_the_deadline(tmp_path):
-    """Issue 12: on a real `ray start` cluster shaped like deploy/aws (a head without GPUs, spot GPU nodes),
+    """On a real `ray start` cluster shaped like deploy/aws (a head without GPUs, spot GPU nodes),
     `ray drain-node` with a deadline on the node the plan uses is a notice: the job drains at a step
     boundary, re-plans onto the other node and loses no step; `hetspot status --json` and the job's
     log carry the drain's timeline. (Ray then terminates the drained node once it is idle.)"""
@@ -421,7 +421,7 @@ FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMulti
 
 @pytest.mark.exclusive  # the rendered commands run `ray stop` and take Ray's default ports: alone (pyproject)
 def test_a_rendered_aws_config_comes_up_on_the_fake_provider_and_runs_the_job_hetspot_ships(tmp_path):
-    """Issue 29, acceptance 5: `hetspot deploy render --cloud aws` with its provider swapped for Ray's fake
+    """Acceptance 5: `hetspot deploy render --cloud aws` with its provider swapped for Ray's fake
     multi-node provider (node types, resources, labels and limits kept) comes up as `ray up` brings up a head:
     the config is the head's ~/ray_bootstrap_config.yaml, the auth token is the file it mounts, and the
     rendered `head_start_ray_commands` run through bash with the autoscaler-v2 environment `ray up` adds. Nothing

@@ -322,7 +322,7 @@ def test_moments_restore_beside_the_first_step_and_the_oracle_holds(cluster, end
 
 
 def test_survivor_blocked_in_a_collective_is_released_within_the_collective_timeout(cluster, endpoint):
-    """Issue 12, acceptance 6: a rank stalls inside step 2 (its node stays up, so no node death releases
+    """A rank stalls inside step 2 (its node stays up, so no node death releases
     anyone) while its DP peer waits in the gradient all-reduce. Every process group carries
     `collective_timeout_s` (3 s here), so the survivor's all-reduce fails within it and the job recovers;
     the step timeout is 300 s and torch's default group timeout 30 min, so without the bound this test
@@ -391,7 +391,7 @@ def first_stage_and_its_peer(c, step: int) -> tuple[set[str], list[str]]:
 
 
 def test_two_nodes_killed_restore_exactly_the_lost_units_from_s3(cluster, endpoint):
-    """Acceptance 2: two nodes killed at once, taking every live holder and the peer copy of some units:
+    """Two nodes killed at once, taking every live holder and the peer copy of some units:
     exactly those units come from S3, and the S3 bytes read are their objects' sizes."""
     m1, m2, m3 = nodes(cluster, ("pp-1", "H100-SXM", 1), ("pp-2", "L4", 1), ("pp-3", "A100-80GB", 1))
     plan = three_stage_plan(m1, m2, m3)
@@ -418,7 +418,7 @@ def test_two_nodes_killed_restore_exactly_the_lost_units_from_s3(cluster, endpoi
 
 @pytest.mark.slow  # the default run has it as drills/preempt-during-upload.yaml (same kill, S3-only restore, oracle)
 def test_node_killed_during_an_s3_upload_uses_the_previous_complete_step(cluster, endpoint):
-    """Acceptance 3: a node dies while its keeper uploads step 2: step 2 never gets a manifest, so it does
+    """A node dies while its keeper uploads step 2: step 2 never gets a manifest, so it does
     not exist; an S3-only restore (restore_from: s3) takes step 1 and the oracle holds."""
     a, b = nodes(cluster, ("up-a", "H100-SXM", 1), ("up-b", "L4", 1))
     j = make_job([a, b], endpoint, "in-flight", restore_from="s3")
@@ -441,7 +441,7 @@ def test_node_killed_during_an_s3_upload_uses_the_previous_complete_step(cluster
 
 @pytest.mark.slow  # the default run has it as drills/preempt-during-recovery.yaml (two re-plans, oracle)
 def test_second_node_killed_during_recovery_starts_recovery_over(cluster, endpoint):
-    """Acceptance 4: a node is killed, and another while the first recovery restores state: recovery
+    """A node is killed, and another while the first recovery restores state: recovery
     starts over on what is left and completes; the oracle holds."""
     specs = nodes(cluster, ("rr-1", "H100-SXM", 1), ("rr-2", "A100-80GB", 1), ("rr-3", "L4", 2))
     j = make_job(specs, endpoint, "twice")
@@ -535,7 +535,7 @@ def test_a_keeper_whose_node_went_before_it_was_placed_is_lost_and_the_snapshot_
 
 
 def test_controller_receives_metadata_only_whatever_the_model_size(cluster):
-    """Acceptance 7: through snapshots every step, a worker crash, salvage and restore, the bytes the
+    """Through snapshots every step, a worker crash, salvage and restore, the bytes the
     controller takes in stay under a small bound that does not grow with the model (16x the parameters)."""
     a, b = nodes(cluster, ("md-a", "H100-SXM", 1), ("md-b", "L4", 1))
     got = {}
@@ -560,7 +560,7 @@ def test_controller_receives_metadata_only_whatever_the_model_size(cluster):
 
 
 def test_scale_up_moves_onto_a_faster_joining_node_and_declines_a_late_one(cluster):
-    """Issue 12, scale-up: a faster node joins mid-run; with most of the job ahead the controller moves onto
+    """Scale-up: a faster node joins mid-run; with most of the job ahead the controller moves onto
     it at a step boundary (no step lost, tokens/s up, the oracle holds); with few steps left the same join
     is declined because the predicted gain is below the migration cost, and the reason is in the event."""
     import statistics
@@ -577,7 +577,7 @@ def test_scale_up_moves_onto_a_faster_joining_node_and_declines_a_late_one(clust
     run_until(c, 1)
     assert {s.node for p in c.plan.pipelines for s in p.stages} == {slow.name}
     cluster.nodes[fast.name] = cluster.add(fast)
-    # Issue 45, warm at join: the joined GPU gets a warm worker as soon as the controller sees the node, and the
+    # The joined GPU gets a warm worker as soon as the controller sees the node, and the
     # move, once chosen, waits for it while the T4 trains on; the H100's rank is then that very process.
     while not any(e["kind"] == "warm-at-join" for e in c.progress.events):
         run_until(c, c.progress.committed + 1)
@@ -619,7 +619,7 @@ def test_scale_up_moves_onto_a_faster_joining_node_and_declines_a_late_one(clust
 
 
 def test_a_movement_aware_replan_keeps_the_layers_where_they_are_where_the_fastest_plan_re_splits(cluster):
-    """Issue 45, item 2: two 2-stage pipelines (an A100 and three L4s; the first stage holds one layer). The A100
+    """Two 2-stage pipelines (an A100 and three L4s; the first stage holds one layer). The A100
     goes: the fastest re-plan re-splits the surviving pipeline (layer 1 moves to the first stage); a 3-stage
     plan 1.0% slower keeps every layer on a node that holds it. Within runtime.replan_tolerance (2%, the default)
     the controller takes it: the event says what was traded, the restore reads every byte in place (none over
@@ -661,7 +661,7 @@ def every_step_is_whole(j: JobSpec) -> list[int]:
 
 
 def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cluster, endpoint):
-    """Issue 30, acceptance 3: step 2's upload is held at S3 (a slow proxy) when the first stage's node and its
+    """Step 2's upload is held at S3 (a slow proxy) when the first stage's node and its
     peer keeper die. The old uploader then wrote a manifest of what the surviving keepers held (half the model);
     now step 2 is not written, every manifest in the bucket covers the whole model and verifies, no whole step
     is pruned for a partial one, and the oracle holds."""
@@ -700,7 +700,7 @@ def test_nodes_holding_every_copy_of_some_units_die_while_an_upload_is_queued(cl
 
 
 def test_uploads_coalesce_when_s3_is_slower_than_training(cluster, endpoint):
-    """Issue 30, acceptance 5: with `s3_every: 1` and every S3 request slowed, the uploader keeps at most two
+    """With `s3_every: 1` and every S3 request slowed, the uploader keeps at most two
     steps (one in flight, one waiting): older waiting steps are dropped, not written late. Through the controller
     actor the CLI uses: each committed step's row carries the lag and the backlog (what `status` prints), the
     end waits for those two at most, and the last step is in S3, whole."""
@@ -737,7 +737,7 @@ def test_uploads_coalesce_when_s3_is_slower_than_training(cluster, endpoint):
 
 @pytest.mark.slow  # the default run has it as drills/s3-slowdown.yaml (503s, no failed upload, no lost step)
 def test_a_503_slowdown_period_loses_no_step_and_no_upload(cluster, endpoint):
-    """Issue 30, acceptance 6: S3 answers 503 SlowDown for 4 s during training. botocore's standard retry mode
+    """S3 answers 503 SlowDown for 4 s during training. botocore's standard retry mode
     backs off and retries: no upload fails, training does not wait, the newest step lands after the period."""
     from orchestrator.drills.s3_proxy import S3FaultProxy
 
@@ -760,7 +760,7 @@ def test_a_503_slowdown_period_loses_no_step_and_no_upload(cluster, endpoint):
 
 
 def test_a_node_without_credentials_for_the_bucket_is_named_at_its_keepers_start(cluster, endpoint, caplog):
-    """Issue 29: every keeper checks, with its own node's credentials, that it may write the bucket. A node
+    """Every keeper checks, with its own node's credentials, that it may write the bucket. A node
     started without credentials (no keys, no profile, no instance role: what a worker without an instance
     profile has) is named as soon as its keeper starts, in the log and in the S3 tier's state that the rows
     and `hetspot status` carry; the node with credentials is not."""
@@ -791,7 +791,7 @@ def test_a_node_without_credentials_for_the_bucket_is_named_at_its_keepers_start
 
 
 def test_a_real_gpu_node_is_never_slowed_whatever_the_job_file_says(cluster, caplog):
-    """Issue 42, acceptance 5: `runtime.emulate_speed: true` slows only nodes whose GPUs say they are fake
+    """Acceptance 5: `runtime.emulate_speed: true` slows only nodes whose GPUs say they are fake
     (`hetspot/fake-gpu=true`, which the embedded and test clusters set). A node without the label (a real GPU
     node, as a cloud's are) runs at its own speed, and the job says so in one warning line; the fake node beside
     it is still slowed to its catalog ratio."""

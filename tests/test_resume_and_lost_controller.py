@@ -1,4 +1,4 @@
-"""`--resume` through the CLI a user runs, and a lost controller (issue 30, acceptance 1 and 7).
+"""`--resume` through the CLI a user runs, and a lost controller.
 
 Every run here goes through the same controller actor the CLI and the Ray Jobs
 driver use: `hetspot submit` in a subprocess (each starts its own embedded

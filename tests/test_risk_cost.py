@@ -1,4 +1,4 @@
-"""The cost objective counts expected preemptions (issue 13): $ per token trained, not per hour billed."""
+"""The cost objective counts expected preemptions: $ per token trained, not per hour billed."""
 
 from pathlib import Path
 

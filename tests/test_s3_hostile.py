@@ -1,4 +1,4 @@
-"""Checkpoints against a hostile bucket (issue 43), in-process: the project's `S3Checkpoints`, `TieredState` over
+"""Checkpoints against a hostile bucket, in-process: the project's `S3Checkpoints`, `TieredState` over
 the shipped fakes and the CLI, against moto's server with the drills' fault proxy in front of it where S3 itself
 must misbehave (denied reads, 500s after a committed PUT, DeleteObjects refusing keys inside a 200).
 

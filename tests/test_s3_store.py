@@ -133,7 +133,7 @@ def _meta(job: str) -> dict:
 
 
 def test_prefixes_are_directories_job1_never_sees_job10(endpoint):
-    """Issue 30, acceptance 2: each job lists, prunes, verifies and resumes only its own steps."""
+    """Each job lists, prunes, verifies and resumes only its own steps."""
     client = boto3.client("s3", region_name="us-east-1", endpoint_url=endpoint, aws_access_key_id="testing",
                           aws_secret_access_key="testing")
     client.create_bucket(Bucket="shared")

@@ -54,7 +54,7 @@ def test_replan_picks_the_soonest_finish_among_top_candidates():
 
 
 def test_a_movement_aware_replan_trades_a_little_throughput_for_fewer_bytes_moved():
-    """Issue 45, item 2: with much work left the fastest plan finishes soonest, so without a tolerance it wins
+    """With much work left the fastest plan finishes soonest, so without a tolerance it wins
     however much it moves; within the tolerance (2%) the plan moving the fewest bytes over the network wins, and
     the reason says what was traded. A plan outside the tolerance is not taken for its bytes."""
     resplit = Candidate("candidate 1", 3000.0, {"peer": 4e9}, 5.0, moved_bytes=40e9)  # every pipeline re-split
@@ -276,7 +276,7 @@ def test_a_node_joining_before_the_running_plan_is_measured_is_weighed_once_it_i
 
 
 def test_a_joined_node_is_warmed_at_once_and_the_move_waits_for_its_workers_while_training_goes_on():
-    """Issue 45, warm at join: the L4's GPU gets a warm worker the moment the controller sees it, before the
+    """The L4's GPU gets a warm worker the moment the controller sees it, before the
     running plan is measured or the move is weighed; the move, once chosen, goes at the first step boundary its
     worker is ready at, training on the T4 in between (the fake group asserts every step runs
     once, in order), and the scale-up event carries the switch's timeline (its stall: the re-form alone)."""

@@ -158,7 +158,7 @@ def test_equivalence_with_one_device(cluster, name):
                                   pytest.param("d-tp2-in-pipeline-beside-tp2", marks=pytest.mark.slow),
                                   "h-param-offload-tp-pipeline-beside-dp"])
 def test_llama_equivalence_with_one_device(cluster, name):
-    """Issue 17: the Llama architecture (RMSNorm, SwiGLU, RoPE, GQA with 4 query heads on 2 key/value heads,
+    """The Llama architecture (RMSNorm, SwiGLU, RoPE, GQA with 4 query heads on 2 key/value heads,
     untied head) under uneven DP, uneven PP, and TP=2 (one key/value head per TP rank), and with offload."""
     p = PLANS[name]
     j = job(p.global_batch, "llama-tiny")
@@ -176,7 +176,7 @@ def test_equivalence_planner_plan_mixed_cluster(cluster):
 
 
 def test_planner_plan_with_edge_stages_trains_like_one_device(cluster):
-    """Issue 33: on T4s and L4s, a 4-layer model with a 4096-word vocabulary (64 wide, 64 tokens) is planned
+    """On T4s and L4s, a 4-layer model with a 4096-word vocabulary (64 wide, 64 tokens) is planned
     with the embedding alone on a T4 and the LM head alone on an L4; that plan trains like the 1-device run."""
     j = job(8, "tiny")
     j = parse_job({**j.model_dump(exclude_none=True, exclude={"model"}),
@@ -335,7 +335,7 @@ def test_controller_actor_trains_and_records_metrics(cluster, tmp_path):
     assert [r["step"] for r in rows] == list(range(STEPS))
     for r in rows:
         assert r["loss"] == summary["losses"][r["step"]] and r["tokens_per_s"] > 0
-        assert r["mfu"] is None  # fake GPUs: CPU compute against a GPU peak is no MFU (issue 10)
+        assert r["mfu"] is None  # fake GPUs: CPU compute against a GPU peak is no MFU
         assert 0 < r["device_memory_bytes"] < 8 * 2**20  # the meter's device bytes (tiny model), not the RSS
     tb = read_scalars(tmp_path / "tb")
     assert sorted(tb["train/loss"]) == list(range(STEPS))
@@ -361,7 +361,7 @@ def _shape_job(heads: int, head_dim: int, ffn: int) -> JobSpec:
 
 
 def test_contract_accepted_random_shapes_train_like_one_device(cluster):
-    """Random (shape, TP) pairs the plan contract accepts train equal to the 1-device run (issue 10).
+    """Random (shape, TP) pairs the plan contract accepts train equal to the 1-device run.
 
     Their refused counterparts cannot: tests/test_contract.py shows the runtime's slices would drop
     weight rows or split heads for exactly the degrees the contract refuses.
@@ -402,7 +402,7 @@ def test_deterministic_worker_error_aborts_without_replanning(cluster):
 # S3 bytes by unit in test_recovery_ray's two-node kill
 def test_whole_job_resumes_from_s3_on_other_nodes(cluster, monkeypatch):
     """A job stopped after step 2 and resumed from S3 on different nodes (and another plan) continues at
-    step 3 with the losses and final parameters of an uninterrupted run (issue 11, whole-job restart)."""
+    step 3 with the losses and final parameters of an uninterrupted run (whole-job restart)."""
     import boto3
 
     from orchestrator.control.controller import State
@@ -465,7 +465,7 @@ def _notice_job(doomed: NodeSpec, cloud: str) -> JobSpec:
 def test_notice_drains_before_the_deadline_and_loses_no_step(cluster, cloud):
     """A spot notice (through the fake metadata service) or a Ray drain with a deadline, then the node is
     killed at the deadline: the job drains at a step boundary before it, loses no step and matches the
-    uninterrupted run; the drain's timeline is in the controller's events (issue 12)."""
+    uninterrupted run; the drain's timeline is in the controller's events."""
     import subprocess
     import sys
     from datetime import datetime, timedelta, timezone
@@ -574,7 +574,7 @@ def test_notices_given_together_are_read_together_whatever_each_pollers_phase(cl
 
 def test_notice_too_close_to_the_deadline_falls_back_to_recovery(cluster):
     """A notice 1 s before the kill: no drain, the loss is recovered, at most the uncommitted step is redone,
-    and the losses still match the uninterrupted run (issue 12)."""
+    and the losses still match the uninterrupted run."""
     from datetime import datetime, timedelta, timezone
 
     from orchestrator.control.controller import State
