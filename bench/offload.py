@@ -171,29 +171,16 @@ def overlap(steps: int, repeats: int) -> None:
         print(f"| {name} | {t:.3f} | {base / t:.2f}x |")
 
 
-def _copy_gb_s(device: str) -> tuple[float, float]:
-    """Host-to-device and device-to-host GB/s of 256 MiB copies from and to pinned memory (on the CPU: a memcpy,
-    which is what the copy lanes do there)."""
-    from orchestrator.cluster.profiling import _median_time
-
-    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=device == "cuda")
-    dev = torch.empty_like(host, device=device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), sync, 5)
-    d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), sync, 5)
-    return host.numel() / h2d / 1e9, host.numel() / d2h / 1e9
-
-
 def against_the_model(steps: int) -> None:
     """The offloaded step of the engine against the planner's estimate and against the physical bound, each from
     this machine's own terms: the resident step (compute), the copy lanes' bandwidth and the host AdamW rate.
     The planner's estimate is its cost model (cost.offload_lanes, cost.optimizer_s, the fetches of
     cost.stage_times) with those terms in place of the catalog's; the bound is max(compute, H2D, D2H, AdamW)."""
-    from orchestrator.cluster.profiling import host_adamw_rate
+    from orchestrator.cluster.profiling import copy_gb_s, host_adamw_rate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = ModelSpec(name="wide", num_layers=8, hidden_size=512, num_heads=8, vocab_size=256, seq_len=64)
-    h2d_gb_s, d2h_gb_s = _copy_gb_s(device)
+    h2d_gb_s, d2h_gb_s = copy_gb_s(device)
     rate = host_adamw_rate()
     e = _engine(model, {}, meter=False, mb=8)
     try:

@@ -26,8 +26,11 @@ def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, tra
                DTYPES[dtype], meter_memory=offloads, device=device, backend="gloo")
     try:
         e.connect("", 60, store=rendezvous_client(port, world, 60))
-        results = [e.step(s) for s in range(steps)]
-        out.put((rank, [r.loss for r in results], to_numpy(export_shards(e)), list(e.posted),
+        results, posted = [], []
+        for s in range(steps):
+            results.append(e.step(s))
+            posted.append(list(e.posted))
+        out.put((rank, [r.loss for r in results], to_numpy(export_shards(e)), posted,
                  [r.extra["device_peak_bytes"] for r in results]))
     except BaseException as err:  # noqa: BLE001 - the test reports it
         out.put((rank, f"{type(err).__name__}: {err}", None, None, None))
@@ -38,7 +41,7 @@ def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, tra
 def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, timeout_s: float = 240,
               device: str = "cpu") -> dict:
     """Train `plan` with a process per rank (gloo; on CUDA, every rank on the one GPU). Returns {"losses": the
-    global loss per step, "params": full tensors by name, "posted": {rank: [Exchange]}, "peaks": {rank: device
+    global loss per step, "params": full tensors by name, "posted": {rank: per step [Exchange]}, "peaks": {rank: device
     meter peak per step}}."""
     from workers.state import assemble
 

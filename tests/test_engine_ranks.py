@@ -47,7 +47,7 @@ def assert_like_one_device(plan: Plan, model: ModelSpec, train: TrainSpec) -> di
         torch.testing.assert_close(got["params"][name], p, msg=name)
     for rank, posted in got["posted"].items():  # what each rank posted is its program's batches, step after step
         batches = [it for it in program(plan, rank) if isinstance(it, Exchange)]
-        assert posted == batches * STEPS, rank
+        assert posted == [batches] * STEPS, rank
     return got
 
 

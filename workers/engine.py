@@ -211,7 +211,7 @@ class Engine(GradSync, OptimizerState):
         self.updater = None
         self.grads: GradStream | None = None
         self.program = program(self.plan, self.rank)  # compute operations and the batches of sends and receives
-        self.posted: list[Exchange] = []  # the batches posted, in order (tests compare them with the program)
+        self.posted: list[Exchange] = []  # the step's batches, in the order posted (tests hold them to the program)
         self.host_reads = 0  # reads of device values on the host: one per step (`_read_summary`)
         self._plan_sync()
         if self.offload_opt:
@@ -357,7 +357,7 @@ class Engine(GradSync, OptimizerState):
         # inside a step: a read per micro-batch would stall the device each time).
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         last_b = max(i for i, item in enumerate(self.program) if not isinstance(item, Exchange) and item[0] == "B")
-        self.sync_trace, self._final_bwd = [], False
+        self.sync_trace, self._final_bwd, self.posted = [], False, []
         self._count = dict(self._left)
         backwards = 0
         with self.meter.tracking():  # device-side bytes as they live (CPU accounting)

@@ -164,9 +164,6 @@ class HostLayers:
                 at += t.numel()
             self.masters[layer], self.grads[layer], self.spans[layer] = master, grads, spans
 
-    def layer_of(self, name: str) -> int:
-        return next(layer for layer, spans in self.spans.items() if any(n == name for n, *_ in spans))
-
     def size(self, layer: int) -> int:
         return self.masters[layer].numel()
 

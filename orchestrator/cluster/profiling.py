@@ -52,13 +52,23 @@ def measure(gpu_type: str, device: str = "cuda", n: int = 4096, copy_mib: int = 
     b = torch.randn(n, n, device=dev, dtype=dtype)
     t = _median_time(lambda: torch.mm(a, b), sync, repeats)
     tflops = 2 * n ** 3 / t / 1e12
-    h2d = d2h = None
-    if cuda:
-        host = torch.empty(copy_mib << 20, dtype=torch.uint8).pin_memory()
-        dev_buf = torch.empty_like(host, device=dev)
-        h2d = host.numel() / _median_time(lambda: dev_buf.copy_(host, non_blocking=True), sync, repeats) / 1e9
-        d2h = host.numel() / _median_time(lambda: host.copy_(dev_buf, non_blocking=True), sync, repeats) / 1e9
+    h2d, d2h = copy_gb_s(device, copy_mib, repeats) if cuda else (None, None)
     return Measurement(gpu_type, tflops, h2d, d2h, device, host_adamw_rate() if cuda else None)
+
+
+def copy_gb_s(device: str, copy_mib: int = 256, repeats: int = 5) -> tuple[float, float]:
+    """Host-to-device and device-to-host GB/s of copies from and to pinned host memory (on the CPU a memcpy: what
+    the offload engine's copy lanes do there)."""
+    import torch
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    host = torch.empty(copy_mib << 20, dtype=torch.uint8, pin_memory=cuda)
+    dev_buf = torch.empty_like(host, device=dev)
+    h2d = host.numel() / _median_time(lambda: dev_buf.copy_(host, non_blocking=True), sync, repeats) / 1e9
+    d2h = host.numel() / _median_time(lambda: host.copy_(dev_buf, non_blocking=True), sync, repeats) / 1e9
+    return h2d, d2h
 
 
 def host_adamw_rate(params: float = 32e6, repeats: int = 5) -> float:
