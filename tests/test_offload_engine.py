@@ -7,12 +7,16 @@ lives (the CPU stand-in for CUDA's max_memory_allocated).
 """
 
 import dataclasses
+import weakref
+from functools import partial
 
 import pytest
 import torch
 
 from planner import ClusterSpec, ModelSpec, NodeSpec, Pipeline, Plan, Stage, TrainSpec, cost
 from planner.offload_policy import cheapest, fitting_policies, to_policy
+from tests.late_lane import LateWake
+from workers.copy_lane import Lane, Ticket
 from workers.data import make_dataset
 from workers.engine import Engine
 from workers.param_specs import all_params
@@ -283,3 +287,21 @@ def test_a_layer_larger_than_a_chunk_moves_in_chunks_and_trains_the_same(monkeyp
         per_layer[spec.layer] = per_layer.get(spec.layer, 0) + int(torch.Size(spec.shape).numel())
     chunks = sum(-(-n // 1000) for n in per_layer.values())
     assert steps[1]["d2h"] == chunks * (B // MB)
+
+
+def test_a_lane_lets_go_of_a_jobs_tensors_before_it_wakes_the_waiter():
+    """The device memory a layer's fetch holds is the caller's to free: once the ticket is taken and the caller
+    drops the result, nothing on the lane may hold it, however late the lane's thread runs."""
+    lane, gate = Lane("h2d"), Ticket()
+    try:
+        work = torch.zeros(1000)
+        ticket = lane.submit(partial(lambda t: {"w": t[:10]}, work), after=[gate], keep=[work])
+        ticket.issued = LateWake()
+        gone = weakref.ref(work)
+        gate.issued.set()
+        ticket.host_wait()
+        del work, ticket
+        assert gone() is None  # the lane's thread is still asleep in set(), holding no tensor
+    finally:
+        lane.close()
+

@@ -121,6 +121,7 @@ class Lane:
             if job is None:
                 return
             fn, after, keep, ticket = job
+            del job
             try:
                 for dep in after:
                     if self.stream is not None and dep.event is not None:
@@ -135,8 +136,11 @@ class Lane:
                         ticket.event.record(self.stream)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the ticket, on its thread
                 ticket.error = e
-            ticket.issued.set()
-            del job, fn, after, keep, ticket  # the job's tensors go once issued (their streams are recorded)
+            # The job's tensors and its ticket (whose result the waiter takes) go before the waiter wakes: a lane
+            # thread that the OS runs late must not hold a layer the compute side has finished with.
+            issued = ticket.issued
+            del fn, after, keep, ticket
+            issued.set()
 
 
 def _tensors(obj) -> list[torch.Tensor]:
