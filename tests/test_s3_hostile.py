@@ -7,8 +7,10 @@ is missing, pruning never deletes a readable step for an unreadable one nor unde
 left, identities keep runs apart, copies and renames behave, content is checked, and the CLI answers in one line.
 """
 
+import hashlib
 import json
 import logging
+import os
 
 import boto3
 import pytest
@@ -518,20 +520,24 @@ def _hand_written(store: S3Checkpoints, step: int, tensors: dict, region, opt: f
     return entry["key"]
 
 
-@pytest.mark.parametrize("case", ["wrong-shape", "broadcastable", "missing-moments"])
+@pytest.mark.parametrize("case", ["wrong-shape", "broadcastable", "transposed", "missing-moments"])
 def test_a_piece_whose_content_is_not_its_region_is_refused(s3, case):
+    """A piece too small for its region is refused from its manifest entry alone (its size follows from region and
+    dtypes), before a byte is read; one of the right size but the wrong shape when its header is read."""
     url, _ = s3
     store = store_at(url, f"content-{case}")
     whole = ((0, 8), (0, 16))
     good = {k: torch.ones(8, 16) for k in ("param", "exp_avg", "exp_avg_sq")}
     tensors = {"wrong-shape": {k: torch.ones(6, 16) for k in good},
                "broadcastable": {k: torch.ones(1, 16) for k in good},
+               "transposed": {k: torch.ones(16, 8) for k in good},
                "missing-moments": {"param": torch.ones(8, 16)}}[case]
     _hand_written(store, 1, good, whole)
     key = _hand_written(store, 2, tensors, whole)
     problems = store.verify(2)
     assert problems and key in problems[0], problems
-    assert ("lacks the optimizer's moments" if case == "missing-moments" else "its region") in problems[0]
+    assert {"missing-moments": "lacks the optimizer's moments", "transposed": "its region"}.get(
+        case, "cannot hold the region") in problems[0]
     with pytest.raises(CheckpointError) as e:
         store.load(2)
     assert e.value.refusal is Refusal.CORRUPT
@@ -661,3 +667,161 @@ def test_a_resume_asks_again_where_the_listing_was_refused_and_stops_where_it_st
     other = LocalGroup(NEW, LocalCalls(["a"]))
     with pytest.raises(ResumeError, match="listing its steps was refused"):
         resumed(proxy, "resume-list", other).restore(other)
+
+
+# -- manifests no reader can be crashed by ------------------------------------------------------------------------
+def _damaged(m: dict, damage: str) -> bytes:
+    import orchestrator.state.manifest as manifest_module
+
+    if damage == "nested-json":
+        return b"[" * 200_000 + b"]" * 200_000
+    if damage == "nested-meta":
+        deep: dict = {}
+        for _ in range(40):
+            deep = {"x": deep}
+        return json.dumps(m | {"meta": m["meta"] | {"extra": deep}}).encode()
+    if damage == "nan-optimizer-steps":
+        return json.dumps(m).replace('"optimizer_steps": 3.0', '"optimizer_steps": NaN').encode()
+    if damage == "oversized":
+        return json.dumps(m | {"padding": "x" * 5000}).encode()
+    # huge-unit: a unit of 2^40 elements whose one piece says it is that large (12 TiB): self-consistent, and
+    # nothing of the kind is in the bucket
+    name = "wte.weight"
+    m["model_units"][name] = m["units"][name]["shape"] = [1 << 40]
+    piece = m["units"][name]["pieces"][0]
+    width = sum(manifest_module.ITEMSIZE[d] for d in piece["tensors"].values())
+    piece["region"], piece["bytes"] = [[0, 1 << 40]], 8 + 200 + width * (1 << 40)
+    return json.dumps(m).encode()
+
+
+@pytest.mark.parametrize("damage", ["nested-json", "nested-meta", "nan-optimizer-steps", "oversized", "huge-unit"])
+def test_a_manifest_that_would_crash_a_reader_is_refused_in_one_line_everywhere(s3, damage, tmp_path, monkeypatch,
+                                                                               caplog):
+    """Deeply nested JSON (RecursionError in json), free-form meta nested past its cap, a NaN update count, a
+    manifest over the size cap (lowered here) and a unit declared 2^40 elements large: every reader refuses that
+    step by name and goes on with the previous one; pruning, the resume choice and the CLI never raise."""
+    import orchestrator.state.manifest as manifest_module
+    import orchestrator.state.s3_store as store_module
+
+    url, _ = s3
+    for k, v in TEST_ENV.items():
+        monkeypatch.setenv(k, v)
+    store = store_at(url, f"crash-{damage}")
+    for s in (1, 2, 3):
+        store.save(s, *model_state(s)[:1], float(s), model_state(s)[1])
+    key = store.manifest_key(3)
+    raw = store.client.get_object(Bucket="hostile", Key=key)["Body"].read()
+    store.client.put_object(Bucket="hostile", Key=key, Body=_damaged(json.loads(raw), damage))
+    if damage == "oversized":  # the cap, between the good manifests and this one
+        monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", len(raw) + 2000)
+        monkeypatch.setattr(store_module, "MAX_MANIFEST_BYTES", len(raw) + 2000)
+    (st,) = [x for x in store.survey() if x.step == 3]
+    assert not st.ok and key.rsplit("/", 2)[0] in st.reason and "\n" not in st.reason
+    with caplog.at_level(logging.WARNING, logger="hetspot.checkpoints"):
+        step, got, _, _ = store.load_latest()
+    assert step == 2 and torch.equal(got["wte.weight"]["param"], model_state(2)[0]["wte.weight"]["param"])
+    with pytest.raises(CheckpointError) as e:
+        store.load(3)
+    assert "\n" not in str(e.value)
+    assert store.newest_whole()[0] == 2
+    base = ["--endpoint-url", url]
+    uri = f"s3://hostile/crash-{damage}"
+    for argv, code in ((["checkpoints", "list", uri, *base], 0), (["checkpoints", "verify", uri, *base], 1),
+                       (["checkpoints", "export", uri, *base, "--out", str(tmp_path / "hf")], 0)):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == code and res.exception is None or isinstance(res.exception, SystemExit), \
+            (argv, res.output)
+        assert "Traceback" not in res.output and "step 3" in res.output or argv[1] == "list", (argv, res.output)
+    assert (tmp_path / "hf" / "config.json").exists()  # exported from step 2
+    store.keep_newest(1)  # pruning goes on
+    assert store.newest_whole()[0] == 2
+
+
+def test_the_tiling_check_takes_mixed_layouts_and_refuses_overlaps_and_holes():
+    """Pieces tile a unit when they lie inside it, never overlap and cover it: slices of two TP degrees mixed are
+    whole; equal volume with an overlap and a hole is not; 3,000 slices are checked on the grid of their cuts."""
+    from orchestrator.state.manifest import _tiles
+
+    shape = [64, 32]
+    rows = [[[a, a + 16], [0, 32]] for a in (0, 16)] + [[[32, 64], [0, 16]], [[32, 64], [16, 32]]]
+    assert _tiles(rows, shape)
+    overlap_and_hole = [[[0, 32], [0, 32]], [[16, 48], [0, 32]]]  # rows 16-32 twice, 48-64 never
+    assert not _tiles(overlap_and_hole, shape)
+    assert not _tiles([[[0, 64], [0, 33]]], shape)  # outside
+    many = [[[i, i + 1], [0, 8]] for i in range(3000)]
+    assert _tiles(many, [3000, 8]) and not _tiles(many[:-1] + [[[0, 1], [0, 8]]], [3000, 8])
+
+
+class _ZeroPiece:
+    """A safetensors file of one float32 tensor of `numel` zeros, read as a stream (never whole in memory): its
+    SHA256 and size as it goes."""
+
+    def __init__(self, numel: int):
+        header = json.dumps({"param": {"dtype": "F32", "shape": [numel], "data_offsets": [0, 4 * numel]}}).encode()
+        header += b" " * (-len(header) % 8)
+        self.head = len(header).to_bytes(8, "little") + header
+        self.size, self.at = len(self.head) + 4 * numel, 0
+        self.sha = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.at if n is None or n < 0 else min(n, self.size - self.at)
+        out = (self.head[self.at:self.at + n] if self.at < len(self.head) else b"")
+        out += bytes(n - len(out))
+        self.at += n
+        self.sha.update(out)
+        return out
+
+
+_MEASURE = """
+import sys
+from typer.main import get_command
+from orchestrator.cli.main import app
+cli = get_command(app)
+def run(step):
+    try:
+        cli.main(["checkpoints", "verify", sys.argv[1], "--step", str(step), "--endpoint-url", sys.argv[2]])
+    except SystemExit as e:
+        assert e.code in (0, None), e.code
+def kib(field):
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
+run(1)
+rest = kib("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from now
+run(2)
+print("extra_kib", kib("VmHWM:") - rest)
+"""
+
+
+def test_verify_streams_a_1_gib_piece_in_bounded_memory(s3, tmp_path):
+    """`hetspot checkpoints verify` of a step whose one piece is 1 GiB holds at most 64 MiB more than after
+    verifying a small step: the piece is hashed and its header checked chunk by chunk, never held whole."""
+    import subprocess
+    import sys
+
+    from boto3.s3.transfer import TransferConfig
+
+    from orchestrator.state.manifest import stored
+
+    url, _ = s3
+    store = store_at(url, "one-gib")
+    numel = 1 << 28  # 1 GiB of float32
+    for step, n in ((1, 1024), (2, numel)):
+        body = _ZeroPiece(n)
+        key = f"{store.step_dir(step)}units/w/0-{n}.run-run-a.safetensors"
+        store.client.upload_fileobj(body, "hostile", key, Config=TransferConfig(multipart_chunksize=64 << 20,
+                                                                                max_concurrency=4))
+        entry = {"key": key, "region": [[0, n]], "sha256": body.sha.hexdigest(), "bytes": body.size,
+                 "tensors": {"param": "float32"}}
+        m = {"format": "hetspot-checkpoint/4", "step": step, "optimizer_steps": 0.0, "written_at": 0.0,
+             "meta": meta(), "model_units": {"w": [n]}, "units": {"w": {"shape": [n], "pieces": [entry],
+                                                                        "bytes": body.size}}}
+        store.client.put_object(Bucket="hostile", Key=store.manifest_key(step),
+                                Body=json.dumps(stored(m, store.step_dir(step))).encode())
+    out = subprocess.run([sys.executable, "-c", _MEASURE, "s3://hostile/one-gib", url], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, **TEST_ENV})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "step 2: ok" in out.stdout
+    extra_mib = int(out.stdout.split("extra_kib")[-1]) / 1024
+    print(f"verify of a 1 GiB piece: {extra_mib:.1f} MiB over rest")
+    assert extra_mib <= 64, extra_mib
+    store.client.delete_object(Bucket="hostile", Key=key)  # moto holds it in memory

@@ -20,6 +20,7 @@ unreadable this time (never deleted for it).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -36,6 +37,12 @@ MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"(?:^|/)step-(\d{10})/")
 _PIECE = re.compile(r"(?P<region>[^/]+?)(?:\.run-(?P<run>[A-Za-z0-9_-]+))?\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100,000 pieces is about 30 MB; anything larger is not one
+MAX_META_DEPTH = 16  # `meta` is free-form: nested deeper than this it is not hetspot's
+MAX_TILING_CELLS = 1 << 22  # the tiling check's grid: a real layout's pieces make as many cells as pieces
+SAFETENSORS_HEADER_MAX = 1 << 20  # a piece's header lists at most three tensors: far under this
+# Bytes per element of each dtype a piece may hold (a piece's size follows from its region and its tensors).
+ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
 
 
 def step_dir(prefix: str, step: int) -> str:
@@ -102,8 +109,14 @@ def parse_manifest(raw: bytes, step: int, folder: str, where: str,
     (the folder it was read from) and the step's `optimizer_steps` on each piece (its content check needs it).
     `derive_units` gives a format-2 manifest's unit list from its `meta.model`. CheckpointError (MALFORMED, or
     CORRUPT for a piece that says it lacks the optimizer's moments) names the field."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{where} is not a readable manifest (it is over {MAX_MANIFEST_BYTES:,} bytes, the "
+                              "most a manifest may be)", Refusal.MALFORMED, step)
     try:
-        m = json.loads(raw)
+        m = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise CheckpointError(f"{where} is not a readable manifest (its JSON is nested too deep to be one)",
+                              Refusal.MALFORMED, step) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{where} is not valid JSON (truncated?): {getattr(e, 'msg', e)}", Refusal.MALFORMED,
                               step) from None
@@ -126,12 +139,33 @@ def parse_manifest(raw: bytes, step: int, folder: str, where: str,
                                       step)
             piece["key"] = folder + rel
             piece["optimizer_steps"] = float(m["optimizer_steps"])
+            size = _size_problem(piece)
+            if size:
+                raise CheckpointError(f"{where}: piece {piece['key']} of {unit} is not what it says: {size}",
+                                      Refusal.CORRUPT, step)
             declared = piece.get("tensors")
             if declared is not None and m["optimizer_steps"] > 0 and not set(MOMENTS) <= set(declared):
                 raise CheckpointError(f"{where}: piece {piece['key']} of {unit} lacks the optimizer's moments "
                                       f"({', '.join(MOMENTS)}) after {m['optimizer_steps']:g} updates",
                                       Refusal.CORRUPT, step)
     return m
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+def _depth(obj, limit: int) -> int:
+    """How deep `obj` nests (iteratively, stopping past `limit`)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack += [(v, d + 1) for v in (x.values() if isinstance(x, dict) else x)]
+    return deepest
 
 
 def _derived_units(m: dict, derive_units, where: str, step: int) -> dict[str, list[int]]:
@@ -163,10 +197,12 @@ def _field_problem(m) -> str | None:
     if not _is_int(m.get("step")):
         return "step: not an integer"
     if not isinstance(m.get("optimizer_steps"), (int, float)) or isinstance(m["optimizer_steps"], bool) \
-            or m["optimizer_steps"] < 0:
-        return "optimizer_steps: not a number >= 0"
+            or not math.isfinite(m["optimizer_steps"]) or m["optimizer_steps"] < 0:
+        return "optimizer_steps: not a finite number >= 0"
     if not isinstance(m.get("meta", {}), dict):
         return "meta: not an object"
+    if _depth(m.get("meta", {}), MAX_META_DEPTH) > MAX_META_DEPTH:
+        return f"meta: nested deeper than {MAX_META_DEPTH} levels"
     units = m.get("model_units")
     if units is not None and not (isinstance(units, dict) and all(_shape_ok(s) for s in units.values())):
         return "model_units: not {unit: [dims]}"
@@ -203,9 +239,24 @@ def _piece_problem(p, ndim: int, declares_tensors: bool) -> str | None:
     tensors = p.get("tensors")
     if declares_tensors or tensors is not None:
         if not (isinstance(tensors, dict) and "param" in tensors and set(tensors) <= set(KEYS)
-                and all(isinstance(d, str) for d in tensors.values())):
-            return f"tensors: not {{name: dtype}} of {', '.join(KEYS)} with param"
+                and all(d in ITEMSIZE for d in tensors.values())):
+            return f"tensors: not {{name: dtype}} of {', '.join(KEYS)} with param, dtypes of {', '.join(ITEMSIZE)}"
     return None
+
+
+def _size_problem(p: dict) -> str | None:
+    """A piece whose size cannot be its region's tensors: its size follows from its region and dtypes, so what a
+    reader allocates for a step is bounded by bytes the bucket really holds (its listing shows them)."""
+    numel = math.prod(b - a for a, b in p["region"])
+    tensors = p.get("tensors")
+    if tensors is not None:
+        least = most = numel * sum(ITEMSIZE[d] for d in tensors.values())
+    else:  # an older format: the weights and up to two moments, in 16 to 64 bits
+        least, most = numel * 2, numel * max(ITEMSIZE.values()) * len(KEYS)
+    if least <= p["bytes"] - 8 <= most + SAFETENSORS_HEADER_MAX:
+        return None
+    return (f"its {p['bytes']} bytes cannot hold the region {p['region']} ({numel} elements) of "
+            f"{', '.join(sorted(tensors)) if tensors else 'its tensors'}")
 
 
 def _after_step_dir(key: str) -> str | None:
@@ -260,11 +311,30 @@ def missing_units(manifest: dict) -> list[str]:
 
 
 def _tiles(regions: list, shape: list[int]) -> bool:
-    inside = all(len(r) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(r, shape, strict=True))
-                 for r in regions)
-    disjoint = all(any(b1 <= a2 or b2 <= a1 for (a1, b1), (a2, b2) in zip(r, q, strict=True))
-                   for i, r in enumerate(regions) for q in regions[i + 1:])
-    return inside and disjoint and sum(math.prod(b - a for a, b in r) for r in regions) == math.prod(shape)
+    """The regions lie inside `shape`, do not overlap and cover it. On the grid of every region's cut points
+    (per dimension), each region is a box of cells, and they tile when every cell is covered once: as many cells
+    as pieces for a real layout (TP slices, or a mix of two TP degrees' slices), so the check is linear in the
+    pieces; a grid over MAX_TILING_CELLS cells is refused, not searched."""
+    if not all(len(r) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(r, shape, strict=True))
+               for r in regions):
+        return False
+    if sum(math.prod(b - a for a, b in r) for r in regions) != math.prod(shape):
+        return False
+    cuts = [sorted({0, n} | {x for r in regions for x in r[d]}) for d, n in enumerate(shape)]
+    at = [{x: i for i, x in enumerate(c)} for c in cuts]
+    sizes = [len(c) - 1 for c in cuts]
+    if math.prod(sizes) > MAX_TILING_CELLS:
+        return False
+    seen: set[tuple[int, ...]] = set()
+    for r in regions:
+        spans = [range(at[d][a], at[d][b]) for d, (a, b) in enumerate(r)]
+        if math.prod(len(s) for s in spans) > MAX_TILING_CELLS - len(seen):
+            return False
+        for cell in itertools.product(*spans):
+            if cell in seen:
+                return False
+            seen.add(cell)
+    return len(seen) == math.prod(sizes)
 
 
 def unlisted(manifest: dict, listing: dict[str, int]) -> list[str]:

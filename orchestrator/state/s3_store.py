@@ -48,7 +48,10 @@ from orchestrator.errors import (  # raised here; importers may take it from her
 )
 from orchestrator.state.manifest import (
     FORMAT,
+    ITEMSIZE,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
+    SAFETENSORS_HEADER_MAX,
     Identity,
     expected_units,
     manifest_identity,
@@ -69,6 +72,7 @@ __all__ = ["CheckpointError", "Identity", "Refusal", "S3Checkpoints", "StepInfo"
            "missing_units", "expected_units", "parse_uri", "check_access", "new_client", "FORMAT"]
 
 MULTIPART_BYTES = 8 << 20
+VERIFY_CHUNK = 8 << 20  # `check_piece` streams a piece in chunks of this size
 LEASE_TTL_S = 900.0  # a reader's hold on a step; renewed while it reads, so only a dead reader's lapses
 LEASES = ".hetspot-leases"
 _STEP = re.compile(r"step-(\d{10})/(.+)$")
@@ -413,7 +417,10 @@ class S3Checkpoints:
 
         key = self.manifest_key(step)
         try:
-            raw = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            resp = self.client.get_object(Bucket=self.bucket, Key=key)
+            # Never more than the cap in memory, whatever the object says it is (parse_manifest refuses it).
+            raw = resp["Body"].read(MAX_MANIFEST_BYTES + 1)
+            resp["Body"].close()
         except (BotoCoreError, ClientError) as e:
             raise CheckpointError(f"{self.where(key)} could not be read ({s3_code(e)})", read_refusal(e),
                                   step) from None
@@ -497,11 +504,10 @@ class S3Checkpoints:
 
         where = self.where(entry["key"])
         try:
-            data = self.client.get_object(Bucket=self.bucket, Key=entry["key"])["Body"].read()
+            resp = self._get_piece(step, entry)
+            data = resp["Body"].read()
         except (BotoCoreError, ClientError) as e:
-            refusal = read_refusal(e)
-            what = "is not in the bucket" if refusal is Refusal.MISSING else "could not be read"
-            raise CheckpointError(f"{where} of step {step} {what} ({s3_code(e)})", refusal, step) from None
+            raise self._read_error(step, entry, e) from None
         digest = hashlib.sha256(data).hexdigest()
         if len(data) != entry["bytes"] or digest != entry["sha256"]:
             raise CheckpointError(f"{where} does not match its SHA256 in the manifest of step {step} (read "
@@ -521,6 +527,51 @@ class S3Checkpoints:
             raise CheckpointError(f"{where} of step {step} does not hold what its manifest says: "
                                   + "; ".join(problems), Refusal.CORRUPT, step)
         return tensors, len(data)
+
+    def _get_piece(self, step: int, entry: dict) -> dict:
+        """A piece's GET, refused before its body is read when S3 says it is not the manifest's size."""
+        resp = self.client.get_object(Bucket=self.bucket, Key=entry["key"])
+        if resp.get("ContentLength", entry["bytes"]) != entry["bytes"]:
+            resp["Body"].close()
+            raise CheckpointError(f"{self.where(entry['key'])} of step {step} is {resp['ContentLength']} bytes; "
+                                  f"its manifest says {entry['bytes']}", Refusal.CORRUPT, step)
+        return resp
+
+    def _read_error(self, step: int, entry: dict, e: Exception) -> CheckpointError:
+        refusal = read_refusal(e)
+        what = "is not in the bucket" if refusal is Refusal.MISSING else "could not be read"
+        return CheckpointError(f"{self.where(entry['key'])} of step {step} {what} ({s3_code(e)})", refusal, step)
+
+    def check_piece(self, step: int, entry: dict, chunk_bytes: int = VERIFY_CHUNK) -> int:
+        """`read_piece`'s checks, streamed: the SHA256 and size over chunks of `chunk_bytes`, the tensors from the
+        safetensors header against the region and the manifest; nothing larger than a chunk and the header is held
+        (a 1 GiB piece is checked in a few MiB). Bytes read; CheckpointError as `read_piece`."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        where = self.where(entry["key"])
+        sha, n, head = hashlib.sha256(), 0, bytearray()
+        try:
+            resp = self._get_piece(step, entry)
+            for chunk in resp["Body"].iter_chunks(chunk_bytes):
+                sha.update(chunk)
+                n += len(chunk)
+                if len(head) < 8 + SAFETENSORS_HEADER_MAX:
+                    head += chunk[:8 + SAFETENSORS_HEADER_MAX - len(head)]
+        except (BotoCoreError, ClientError) as e:
+            raise self._read_error(step, entry, e) from None
+        if n != entry["bytes"] or sha.hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{where} does not match its SHA256 in the manifest of step {step} (read {n} "
+                                  f"bytes with SHA256 {sha.hexdigest()[:12]}...; the manifest says {entry['bytes']} "
+                                  f"bytes with SHA256 {entry['sha256'][:12]}...)", Refusal.CORRUPT, step)
+        found = safetensors_header(bytes(head), n)
+        if isinstance(found, str):
+            raise CheckpointError(f"{where} of step {step} is not a safetensors file ({found})", Refusal.CORRUPT,
+                                  step)
+        problems = piece_problems(entry, found)
+        if problems:
+            raise CheckpointError(f"{where} of step {step} does not hold what its manifest says: "
+                                  + "; ".join(problems), Refusal.CORRUPT, step)
+        return n
 
     def read_unit(self, manifest: dict, name: str) -> tuple[dict, int]:
         """One unit's full tensors from its pieces, each verified; (tensors, bytes read)."""
@@ -542,6 +593,13 @@ class S3Checkpoints:
         CheckpointError if it cannot be used."""
         with self.lease(step) as lease:
             m = self.whole_manifest(step)
+            # Every piece listed at its size before anything is allocated for the step (a manifest may declare
+            # units far larger than what the bucket holds).
+            gone = unlisted(m, self._listing(self.step_dir(step)))
+            if gone:
+                raise CheckpointError(f"step {step} is not readable: {len(gone)} of its pieces are not in the bucket "
+                                      f"at their size ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''})",
+                                      Refusal.MISSING, step)
             state, nbytes = {}, 0
             for name in names if names is not None else sorted(m["units"]):
                 tensors, n = self.read_unit(m, name)
@@ -579,7 +637,7 @@ class S3Checkpoints:
             for name in sorted(m["units"]):
                 for piece in m["units"][name]["pieces"]:
                     try:
-                        self.read_piece(step, piece)
+                        self.check_piece(step, piece)
                     except CheckpointError as e:
                         if e.refusal is Refusal.UNREADABLE:
                             raise
@@ -730,6 +788,43 @@ class S3Checkpoints:
         for step in sorted(held):
             log.info("not pruning checkpoint step %d of %s yet: a reader holds it", step, self.uri)
         return Pruned(deleted, failed, sorted(held), aborted)
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "BF16": "bfloat16", "F16": "float16", "I64": "int64",
+                      "I32": "int32"}
+
+
+def safetensors_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int, ...]]] | str:
+    """The tensors ({name: (dtype, shape)}) a safetensors file of `size` bytes says it holds, from its first bytes
+    (`head`: the 8-byte header length and the JSON header); or what is wrong with it. Each tensor's data must lie
+    in the file, be as long as its shape and dtype say, and the data must end where the file does."""
+    if len(head) < 8:
+        return "shorter than its header length"
+    n = int.from_bytes(head[:8], "little")
+    if n > SAFETENSORS_HEADER_MAX or 8 + n > len(head):
+        return f"its header claims {n} bytes"
+    try:
+        header = json.loads(head[8:8 + n], parse_constant=lambda c: None)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "its header is not JSON"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    found, end = {}, 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if not (isinstance(t, dict) and t.get("dtype") in _SAFETENSORS_DTYPES and isinstance(t.get("shape"), list)
+                and all(isinstance(x, int) and x >= 0 for x in t["shape"]) and isinstance(t.get("data_offsets"), list)
+                and len(t["data_offsets"]) == 2 and all(isinstance(x, int) for x in t["data_offsets"])):
+            return f"tensor {name!r} has no dtype hetspot writes, shape or data offsets"
+        dtype = _SAFETENSORS_DTYPES[t["dtype"]]
+        a, b = t["data_offsets"]
+        if not 0 <= a <= b or b - a != math.prod(t["shape"]) * ITEMSIZE[dtype]:
+            return f"tensor {name!r}'s data offsets do not match its shape"
+        found[name], end = (dtype, tuple(t["shape"])), max(end, b)
+    if 8 + n + end != size:
+        return f"its tensors end at byte {8 + n + end}, the file at {size}"
+    return found
 
 
 def dtype_name(t) -> str:
