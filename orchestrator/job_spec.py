@@ -201,7 +201,9 @@ class CheckpointSpec(_Section):
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("http://", "https://")):
-            raise ValueError(f"endpoint_url {v!r} must be an http:// or https:// URL")
+            from workers.s3_data import redact
+
+            raise ValueError(f"endpoint_url {redact(v)!r} must be an http:// or https:// URL")
         return v
 
     @property

@@ -825,3 +825,44 @@ def test_verify_streams_a_1_gib_piece_in_bounded_memory(s3, tmp_path):
     print(f"verify of a 1 GiB piece: {extra_mib:.1f} MiB over rest")
     assert extra_mib <= 64, extra_mib
     store.client.delete_object(Bucket="hostile", Key=key)  # moto holds it in memory
+
+
+def test_without_the_multipart_listing_permission_pruning_and_rm_go_on_and_name_it(s3, proxy, monkeypatch, caplog):
+    """A bucket policy without s3:ListBucketMultipartUploads: pruning still deletes the older steps and `rm` the
+    step asked for; the warning names the permission (interrupted uploads stay billed until it is granted)."""
+    for k, v in TEST_ENV.items():
+        monkeypatch.setenv(k, v)
+    store = store_at(proxy.url, "no-upload-listing")
+    for s in (1, 2, 3):
+        store.save(s, state(s), float(s), meta())
+    proxy.fail("GET", query=r"(^|&)uploads(=|&|$)", code="AccessDenied")
+    with caplog.at_level(logging.WARNING, logger="hetspot.checkpoints"):
+        pruned = store.keep_newest(2)
+    assert pruned.deleted == [1] and store.complete_steps() == [3, 2]
+    assert any("s3:ListBucketMultipartUploads" in m for m in caplog.messages), caplog.messages
+    res = runner.invoke(app, ["checkpoints", "rm", "s3://hostile/no-upload-listing", "--endpoint-url", proxy.url,
+                              "--step", "2", "--yes"])
+    assert res.exit_code == 0 and "deleted 1 step(s)" in res.output, res.output
+    assert proxy.counts["faulted"] >= 2
+    assert store.complete_steps() == [3]
+
+
+def test_no_secret_in_an_endpoint_url_is_printed():
+    """An endpoint URL's user info and query string never reach a message: the job file's validation, the CLI's
+    and the S3 checks' errors go through `redact`."""
+    from pydantic import ValidationError
+
+    from orchestrator.job_spec import CheckpointSpec, format_validation
+    from workers.s3_data import redact
+
+    assert redact("cannot reach http://ak:hunter2@minio.local:9000/b?X-Amz-Signature=abc1 now") == \
+        "cannot reach http://***@minio.local:9000/b?*** now"
+    with pytest.raises(ValidationError) as e:
+        CheckpointSpec(uri="s3://b/p", endpoint_url="ftp://ak:hunter2@minio.local")
+    said = format_validation("job.yaml", e.value)  # what `hetspot submit` prints
+    assert "hunter2" not in said and "ftp://***@minio.local" in said, said
+    res = runner.invoke(app, ["checkpoints", "list", "s3://bkt/p", "--endpoint-url", "minio://ak:hunter2@h"])
+    assert res.exit_code == 2 and "hunter2" not in res.output and "***@h" in res.output, res.output
+    res = runner.invoke(app, ["checkpoints", "list", "s3://bkt/p", "--endpoint-url", "http://ak:hunter2@127.0.0.1:9"],
+                        env={**TEST_ENV, "AWS_MAX_ATTEMPTS": "1"})
+    assert res.exit_code == 2 and "hunter2" not in res.output and "cannot reach" in res.output, res.output

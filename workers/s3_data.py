@@ -75,14 +75,14 @@ class S3Array:
         except ClientError as e:
             code = str(e.response.get("Error", {}).get("Code"))
             if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket"):
-                raise DataError(f"data.path {self.uri!r} does not exist at {endpoint_url or 'AWS'}; check the bucket "
-                                "and key (`aws s3 ls`)") from None
+                raise DataError(f"data.path {self.uri!r} does not exist at {redact(endpoint_url or 'AWS')}; check the "
+                                "bucket and key (`aws s3 ls`)") from None
             if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 raise DataError(f"data.path {self.uri!r}: access was refused ({code}); give the job's credentials "
                                 "s3:GetObject on it (the nodes' instance profile, IRSA, or keys)") from None
             raise DataError(f"data.path {self.uri!r}: S3 answered {code}") from None
         except BotoCoreError as e:
-            raise DataError(f"data.path {self.uri!r}: cannot reach S3 ({e}); check data.endpoint_url") from None
+            raise DataError(f"data.path {self.uri!r}: cannot reach S3 ({redact(e)}); check data.endpoint_url") from None
 
     def __len__(self) -> int:
         return self.size_bytes // self.dtype.itemsize
@@ -253,6 +253,18 @@ def _session():
     core = botocore.session.Session()
     core.register_component("data_loader", _LOADER)
     return boto3.session.Session(botocore_session=core)
+
+
+_URL = re.compile(r"(?P<scheme>\b[a-z][a-z0-9+.-]*://)(?P<userinfo>[^/@\s'\"]*@)?(?P<rest>[^\s'\"?#]*)"
+                  r"(?P<query>\?[^\s'\"#]*)?", re.IGNORECASE)
+
+
+def redact(text: object) -> str:
+    """`text` with every URL's user info and query string masked (an endpoint URL may carry a password; a
+    presigned URL carries a signature): what hetspot prints or logs about an endpoint goes through here."""
+    def one(m: re.Match) -> str:
+        return m["scheme"] + ("***@" if m["userinfo"] else "") + m["rest"] + ("?***" if m["query"] else "")
+    return _URL.sub(one, str(text))
 
 
 def new_s3_client(endpoint_url: str | None = None, config=None):

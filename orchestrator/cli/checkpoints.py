@@ -17,10 +17,11 @@ ENDPOINT_HELP = "S3 endpoint (default: AWS_ENDPOINT_URL, else AWS)"
 def _store(uri: str, endpoint_url: str | None):
     from orchestrator.errors import ConfigError
     from orchestrator.state.s3_store import check_access
+    from workers.s3_data import redact
 
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
-        raise ConfigError(f"--endpoint-url {endpoint_url!r} must be an http:// or https:// URL (or leave it out: "
-                          "AWS_ENDPOINT_URL, else AWS)")
+        raise ConfigError(f"--endpoint-url {redact(endpoint_url)!r} must be an http:// or https:// URL (or leave it "
+                          "out: AWS_ENDPOINT_URL, else AWS)")
     try:
         return check_access(uri, endpoint_url)
     except ValueError as e:
@@ -52,8 +53,9 @@ def _code_in(message: str) -> str:
 
 
 def _refused(what: str, uri: str, code: str) -> str:
-    fix = {"AccessDenied": "the credentials or the bucket policy do not allow it; check both (s3:ListBucket, "
-                           "s3:GetObject, s3:PutObject and s3:DeleteObject on the prefix)",
+    fix = {"AccessDenied": "the credentials or the bucket policy do not allow it; check both (s3:ListBucket and "
+                           "s3:ListBucketMultipartUploads on the bucket; s3:GetObject, s3:PutObject, s3:DeleteObject "
+                           "and s3:AbortMultipartUpload on the prefix)",
            "SlowDown": "S3 throttled the prefix past the retries; try again in a minute",
            }.get(code, "try again; if it persists, check the endpoint and the bucket policy")
     return f"{what} under {uri}/ was refused by S3 ({code}): {fix}"

@@ -66,6 +66,7 @@ from orchestrator.state.manifest import (
     stored,
     unlisted,
 )
+from workers.s3_data import redact
 from workers.transfer import CheckpointLocation
 
 __all__ = ["CheckpointError", "Identity", "Refusal", "S3Checkpoints", "StepInfo", "StepStatus", "region_tag",
@@ -708,9 +709,18 @@ class S3Checkpoints:
     def _abort_uploads(self, under: str, run_id: str | None = None, before: int | None = None) -> int:
         """Abort the multipart uploads under `under` (with `run_id`, that run's only; with `before`, in step folders
         older than that step): an interrupted upload's parts are billed until aborted, and no listing shows them."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         n = 0
         pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=under)
-        for page in pages:
+        try:
+            listed = [up for page in pages for up in page.get("Uploads", [])]
+        except (BotoCoreError, ClientError) as e:  # the deletes and pruning go on without it
+            log.warning("could not list the interrupted multipart uploads under %s (%s): their parts stay billed "
+                        "until aborted; grant the job's credentials s3:ListBucketMultipartUploads on the bucket and "
+                        "s3:AbortMultipartUpload on the prefix", self.where(under), s3_code(e))
+            return 0
+        for page in [{"Uploads": listed}]:
             for up in page.get("Uploads", []):
                 m = _STEP.fullmatch(up["Key"][len(self.dir):])
                 if before is not None and (m is None or int(m.group(1)) >= before):
@@ -866,13 +876,13 @@ def check_access(uri: str, endpoint_url: str | None = None, timeout_s: float = 5
                          "~/.aws profiles and the instance role); set AWS_ACCESS_KEY_ID and "
                          "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from None
     except EndpointConnectionError as e:
-        raise ValueError(f"checkpoint.endpoint_url: cannot reach the S3 endpoint ({e}); check the URL and that "
+        raise ValueError(f"checkpoint.endpoint_url: cannot reach the S3 endpoint ({redact(e)}); check the URL and that "
                          "the service is up, or drop endpoint_url to use AWS") from None
     except ClientError as e:
         code = s3_code(e)
         if code in ("404", "NoSuchBucket", "NotFound"):
             raise ValueError(f"checkpoint.uri: bucket {bucket!r} does not exist at "
-                             f"{endpoint_url or 'AWS'}; create it (`aws s3 mb s3://{bucket}`) or fix the "
+                             f"{redact(endpoint_url or 'AWS')}; create it (`aws s3 mb s3://{bucket}`) or fix the "
                              "name") from None
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             raise ValueError(f"checkpoint.uri: access to bucket {bucket!r} was refused ({code}); check the "
