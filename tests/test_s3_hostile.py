@@ -302,6 +302,25 @@ def test_a_step_being_read_is_pruned_only_after_its_reader_is_done(s3):
     assert writer.leased_steps() == set()
 
 
+def test_a_reader_whose_clock_is_20_minutes_slow_keeps_its_step(s3):
+    """Leases run on the bucket's clock: a reader 20 minutes behind (more than the 15-minute TTL) still holds its
+    step against a pruner whose clock is right, and one 20 minutes ahead does not hold it for longer."""
+    import time
+
+    url, _ = s3
+    writer = store_at(url, "skewed")
+    slow = store_at(url, "skewed", clock=lambda: time.time() - 1200)
+    fast = store_at(url, "skewed", clock=lambda: time.time() + 1200, lease_ttl_s=1.0)
+    for s in (1, 2, 3):
+        writer.save(s, state(s), float(s), meta())
+    with slow.lease(2):
+        assert writer.keep_newest(1, identity()).held == [2]
+        assert writer.complete_steps() == [3, 2]
+    fast.lease(3).__enter__()  # a fast reader that died: its 1 s lease lapses on the bucket's clock
+    time.sleep(2.1)
+    assert writer.leased_steps() == set()
+
+
 def test_an_expired_lease_does_not_hold_a_step(s3):
     url, _ = s3
     store = store_at(url, "lapsed", lease_ttl_s=1.0)

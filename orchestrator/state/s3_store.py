@@ -160,23 +160,27 @@ class Pruned:
 class Lease:
     """A reader's hold on a step (`with store.lease(step):`): an object under `.hetspot-leases/` that pruning
     honours until it is released or its expiry (in its name) passes. `renew` pushes the expiry on. A reader whose
-    credentials may not write the bucket reads without one (a warning says so)."""
+    credentials may not write the bucket reads without one (a warning says so).
+
+    The expiry is on the bucket's clock (the `Date` of S3's answers), not the reader's: a reader whose clock is
+    20 minutes slow still holds its step for the TTL, as pruning (which reads the same clock) sees it."""
 
     def __init__(self, store: S3Checkpoints, step: int, ttl_s: float):
         self.store, self.step, self.ttl_s = store, step, ttl_s
         self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.key: str | None = None
-        self.taken_at = 0.0
+        self.taken_at = 0.0  # on the bucket's clock
+        self._renewed = 0.0  # on this machine's monotonic clock: when to renew
 
     def __enter__(self) -> Lease:
         self.renew(force=True)
         return self
 
     def renew(self, force: bool = False) -> None:
-        now = time.time()
-        if not force and (self.key is None or now - self.taken_at < self.ttl_s / 2):
+        if not force and (self.key is None or time.monotonic() - self._renewed < self.ttl_s / 2):
             return
         s = self.store
+        now = s.bucket_time()
         key = f"{s.dir}{LEASES}/step-{self.step:010d}/{self.holder}.{math.ceil(now + self.ttl_s)}"  # never short
         try:
             s.client.put_object(Bucket=s.bucket, Key=key, Body=b"")
@@ -185,7 +189,7 @@ class Lease:
                 log.warning("could not take a read lease on step %d in %s (%s): a job pruning this prefix may "
                             "delete the step while it is read", self.step, s.uri, s3_code(e))
             return
-        old, self.key, self.taken_at = self.key, key, now
+        old, self.key, self.taken_at, self._renewed = self.key, key, now, time.monotonic()
         if old is not None:
             s._delete_quietly(old)
 
@@ -197,8 +201,10 @@ class Lease:
 
 class S3Checkpoints:
     def __init__(self, uri: str, endpoint_url: str | None = None, client=None,
-                 multipart_bytes: int = MULTIPART_BYTES, lease_ttl_s: float = LEASE_TTL_S):
+                 multipart_bytes: int = MULTIPART_BYTES, lease_ttl_s: float = LEASE_TTL_S,
+                 clock: Callable[[], float] = time.time):
         self.uri, self.endpoint_url = uri, endpoint_url
+        self.clock = clock  # this machine's wall clock (used only where S3 gives no Date)
         self.bucket, self.prefix = parse_uri(uri)
         self.client = client or new_client(endpoint_url)
         self.multipart_bytes = multipart_bytes
@@ -656,12 +662,27 @@ class S3Checkpoints:
     def lease(self, step: int, ttl_s: float | None = None) -> Lease:
         return Lease(self, step, self.lease_ttl_s if ttl_s is None else ttl_s)
 
+    def bucket_time(self) -> float:
+        """The bucket's clock now: the `Date` of S3's answer to a HEAD of the bucket (one-second resolution, which
+        a lease's TTL of minutes does not feel); this machine's clock where S3 gives none."""
+        try:
+            return _date_of(self.client.head_bucket(Bucket=self.bucket), self.clock)
+        except Exception as e:  # noqa: BLE001 - a reader that may not HEAD the bucket leases on its own clock
+            log.info("no clock from %s (%s): leases use this machine's", self.uri, s3_code(e))
+            return self.clock()
+
     def leased_steps(self, now: float | None = None) -> set[int]:
-        """Steps a reader holds now (leases not yet expired)."""
-        now = time.time() if now is None else now
+        """Steps a reader holds now (leases not yet expired), `now` on the bucket's clock (default: the `Date` of
+        the listing's own answer)."""
         under = f"{self.dir}{LEASES}/"
+        listing: dict[str, int] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=under):
+            if now is None:
+                now = _date_of(page, self.clock)
+            listing.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+        now = self.clock() if now is None else now
         held = set()
-        for key in self._listing(under):
+        for key in listing:
             m = _LEASE.fullmatch(key[len(under):])
             if m and int(m.group(3)) > now:
                 held.add(int(m.group(1)))
@@ -835,6 +856,17 @@ def safetensors_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int
     if 8 + n + end != size:
         return f"its tensors end at byte {8 + n + end}, the file at {size}"
     return found
+
+
+def _date_of(response: dict, clock: Callable[[], float]) -> float:
+    """The time S3 answered (its `Date` header), or `clock()` where the answer has none."""
+    from email.utils import parsedate_to_datetime
+
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return parsedate_to_datetime(date).timestamp() if date else clock()
+    except (TypeError, ValueError):
+        return clock()
 
 
 def dtype_name(t) -> str:
