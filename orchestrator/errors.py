@@ -89,6 +89,11 @@ class CheckpointError(Exception):
         return (type(self), (str(self), self.refusal, self.step))
 
 
+class WriterConflict(CheckpointError):
+    """Another job is writing this run's steps (its writer lock is held and not lapsed): this one stops, exit 2,
+    naming it, rather than overwrite its pieces."""
+
+
 class ResumeError(CheckpointError):
     """A resumed run found none of its steps readable (after retrying what may pass): the job stops, exit 2,
     rather than train fresh weights under the run's name."""

@@ -15,6 +15,10 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # only rewrites it. tests/test_cli_plan.py shows the variable deleted during a parse without this, and none with it.
 os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "")
 
+# A run's writer lock in S3 (orchestrator/state/s3_store.py WriterLock) lapses this long after its controller dies;
+# tests that kill a controller and resume would otherwise wait the production minute for it.
+os.environ.setdefault("HETSPOT_WRITER_TTL_S", "5")
+
 # hypothesis keeps its files (example database, constants) outside the checkout, not in a `.hypothesis/` folder
 # of the user's clone.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",

@@ -351,3 +351,19 @@ def test_a_resume_that_cannot_read_its_run_fails_the_job_with_exit_2_and_trains_
     assert c.run() == State.FAILED
     assert c.exit_code == 2 and "cannot resume run r1" in c.error and c.progress.losses == {}
     assert c.progress.restarts == 0
+
+
+def test_a_second_writer_of_a_run_fails_the_job_with_exit_2_before_any_worker_starts():
+    """The state plane's `WriterConflict` (another job writes this run's S3 steps): exit 2 with its one line, no
+    worker group made, nothing trained."""
+    from orchestrator.control.snapshots import MemorySnapshots
+    from orchestrator.errors import WriterConflict
+
+    class Taken(MemorySnapshots):
+        def claim(self):
+            raise WriterConflict("run r1 of job 'j' is being written to s3://b/job by another job (host h, pid 7, "
+                                 "started 2026-12-06 04:00:00 UTC): one run has one writer")
+
+    c, log, groups = make(FakeNodes(BIG), store=Taken(1))
+    assert c.run() == State.FAILED
+    assert c.exit_code == 2 and "one run has one writer" in c.error and c.progress.losses == {} and groups == []

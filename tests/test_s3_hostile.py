@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 
 import boto3
 import pytest
@@ -305,8 +306,6 @@ def test_a_step_being_read_is_pruned_only_after_its_reader_is_done(s3):
 def test_a_reader_whose_clock_is_20_minutes_slow_keeps_its_step(s3):
     """Leases run on the bucket's clock: a reader 20 minutes behind (more than the 15-minute TTL) still holds its
     step against a pruner whose clock is right, and one 20 minutes ahead does not hold it for longer."""
-    import time
-
     url, _ = s3
     writer = store_at(url, "skewed")
     slow = store_at(url, "skewed", clock=lambda: time.time() - 1200)
@@ -885,3 +884,48 @@ def test_no_secret_in_an_endpoint_url_is_printed():
     res = runner.invoke(app, ["checkpoints", "list", "s3://bkt/p", "--endpoint-url", "http://ak:hunter2@127.0.0.1:9"],
                         env={**TEST_ENV, "AWS_MAX_ATTEMPTS": "1"})
     assert res.exit_code == 2 and "hunter2" not in res.output and "cannot reach" in res.output, res.output
+
+
+# -- one writer per run ------------------------------------------------------------------------------------------
+def test_a_second_writer_of_a_run_is_refused_naming_the_first_and_takes_over_once_it_lapses(s3, monkeypatch):
+    """Two jobs with one run id (`--resume` submitted twice): the second watches the lock, sees the first renew it
+    and is refused in one line naming the first (its job, host, start) and how to take over; it writes nothing.
+    Once the first stops renewing (it died, or hangs) its lock lapses and the second takes the run over; the
+    first, if it was only stalled, writes no manifest after that. A job that ends releases the lock at once."""
+    from orchestrator.errors import WriterConflict
+
+    monkeypatch.setenv("HETSPOT_WRITER_TTL_S", "2")  # (30 s of renewals would take as long to watch)
+    url, _ = s3
+    calls, s3a, first, group = trained(url, "two-writers", steps=2)
+
+    def job(run: str = "r1") -> TieredState:
+        return TieredState(1, S3Checkpoints("s3://hostile/two-writers", url), s3_every=1, keep=3,
+                           meta={"job": "two-writers", "run_id": run}, model_units=model_units(LAYERS),
+                           calls=LocalCalls(["a"]), restore_from="s3")
+
+    first.claim()
+    second = job()
+    with pytest.raises(WriterConflict) as e:
+        second.claim()
+    msg = str(e.value)
+    assert "\n" not in msg and "run r1 of job 'two-writers'" in msg and "host " in msg and "started 20" in msg
+    assert ".hetspot-writers/run-r1.json" in msg and "--resume" in msg
+    assert second.writer is None
+    first.writer.stall()  # the first job stops renewing: its lock lapses within the TTL
+    t0 = time.monotonic()
+    second.claim()
+    assert time.monotonic() - t0 <= 2 + 2  # at most the TTL (and a poll) after the last renewal
+    group.commit(2)
+    first.after_step(group, 2)
+    first.flush()
+    assert first.uploads[-1].status == "failed" and "another writer" in first.uploads[-1].error
+    assert 2 not in s3a.complete_steps()
+    second.release()
+    t0 = time.monotonic()
+    third = job()
+    third.claim()  # released at the end of a job: the run's next job does not wait
+    assert time.monotonic() - t0 < 1.0
+    third.release()
+    other_run = job("r2")
+    other_run.claim()  # another run on the prefix has a lock of its own
+    other_run.release()

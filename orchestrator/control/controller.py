@@ -44,7 +44,7 @@ from orchestrator.control.protocols import (
 )
 from orchestrator.control.replan import TOLERANCE, choose_replan, consider_joined, joined_nodes
 from orchestrator.control.snapshots import MemorySnapshots
-from orchestrator.errors import CheckpointError, ResumeError, WorkerFailure
+from orchestrator.errors import CheckpointError, ResumeError, WorkerFailure, WriterConflict
 from planner import ClusterSpec, Plan, PlanningError
 from planner.search import CollectionPause, Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
@@ -243,6 +243,12 @@ class Controller:
         return State.LAUNCHING
 
     def _launch(self) -> State:
+        try:
+            self.store.claim()  # once: one writer per run (a second job of the run stops here, before any worker)
+        except WriterConflict as e:
+            return self._fail(str(e), exit_code=2)
+        except Exception as e:  # noqa: BLE001 - S3 refusing the lock now: each manifest write is still checked
+            log.warning("could not take the run's writer lock (%s: %s); going on without it", type(e).__name__, e)
         self._phase(f"placing {len(self.running_plan.devices())} workers and joining their process group")
         self.group = self.make_group(self.running_plan)
         try:
@@ -275,6 +281,7 @@ class Controller:
             self._close_interruptions()
             self._withdraw()
             self._end_drain("the job ended before the switch")
+            self.store.release()
             self._phase("done")
             return State.DONE
         drain = self._heed(self.interruptions.poll())  # None: no notice for the plan's nodes
@@ -547,6 +554,7 @@ class Controller:
     def _fail(self, reason: str, exit_code: int = 1) -> State:
         self._close_interruptions()
         self._withdraw()
+        self.store.release()  # (none held where the claim itself failed)
         self._end_drain(f"the job failed: {reason}")
         self.error, self.exit_code = reason, exit_code
         self._phase("failed")

@@ -40,6 +40,12 @@ class MemorySnapshots:
     def prepare_drain(self, group, avoid: set[str]) -> None:  # nothing to start: copies are in this process
         pass
 
+    def claim(self) -> None:  # nothing shared to write: no writer lock
+        pass
+
+    def release(self) -> None:
+        pass
+
     def drain_ready(self) -> bool:
         return True
 

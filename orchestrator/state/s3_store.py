@@ -35,6 +35,7 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +46,7 @@ import numpy as np
 from orchestrator.errors import (  # raised here; importers may take it from here
     CheckpointError,
     Refusal,
+    WriterConflict,
 )
 from orchestrator.state.manifest import (
     FORMAT,
@@ -76,6 +78,9 @@ MULTIPART_BYTES = 8 << 20
 VERIFY_CHUNK = 8 << 20  # `check_piece` streams a piece in chunks of this size
 LEASE_TTL_S = 900.0  # a reader's hold on a step; renewed while it reads, so only a dead reader's lapses
 LEASES = ".hetspot-leases"
+WRITERS = ".hetspot-writers"
+WRITER_TTL_S = 60.0  # a run's writer lock: renewed every 15 s while the job runs; a dead writer's lapses
+_CONFLICT = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 _STEP = re.compile(r"step-(\d{10})/(.+)$")
 _LEASE = re.compile(r"step-(\d{10})/(.+)\.(\d+)$")
 _ABSENT = ("404", "NoSuchKey", "NotFound")
@@ -197,6 +202,171 @@ class Lease:
         if self.key is not None:
             self.store._delete_quietly(self.key)
             self.key = None
+
+
+class WriterLock:
+    """One writer per run (`store.claim_writer(run_id, job)`): an object `.hetspot-writers/run-<id>.json` under the
+    prefix, written with If-None-Match: * (S3 lets one of two writers have it), renewed (If-Match on its ETag) by a
+    thread of its own every quarter TTL while the job runs, and checked before every manifest. Its expiry is on the
+    bucket's clock. Two jobs submitted with one run id (`--resume` twice) would otherwise overwrite each other's
+    pieces, and pruning could delete the good step for the corrupt one.
+
+    A claim that finds the lock held watches it for up to its TTL: renewed meanwhile, its writer is alive and the
+    claim fails (WriterConflict, naming it); lapsed, its writer is gone (a controller that died cannot release it)
+    and the run is taken over. So a resume after a lost controller waits at most one TTL (`WRITER_TTL_S`, or
+    HETSPOT_WRITER_TTL_S in the environment)."""
+
+    def __init__(self, store: S3Checkpoints, run_id: str, job: str | None, ttl_s: float | None = None,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.store, self.run_id, self.job = store, run_id, job
+        self.ttl_s = float(ttl_s if ttl_s is not None else os.environ.get("HETSPOT_WRITER_TTL_S", WRITER_TTL_S))
+        self.key = f"{store.dir}{WRITERS}/run-{run_id}.json"
+        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.etag: str | None = None
+        self.started = 0.0
+        self.lost: str | None = None  # why the lock is no longer this writer's
+        self.sleep = sleep
+        self._lock = threading.Lock()  # a renewal and a check never interleave
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self, now: float) -> bytes:
+        return json.dumps({"run_id": self.run_id, "job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
+                           "holder": self.holder, "started": self.started, "expires": now + self.ttl_s}).encode()
+
+    def claim(self) -> WriterLock:
+        """Take the run's lock (waiting out a lapsing one), or raise WriterConflict naming the writer that holds
+        it and how to take over."""
+        from botocore.exceptions import ClientError
+
+        s = self.store
+        self.started = now = s.bucket_time()
+        cond: dict = {"IfNoneMatch": "*"}
+        while True:
+            try:
+                r = s.client.put_object(Bucket=s.bucket, Key=self.key, Body=self._body(now),
+                                        ContentType="application/json", **cond)
+                break
+            except ClientError as e:
+                if s3_code(e) not in _CONFLICT:
+                    raise
+            there, etag = self._read()
+            if there is not None and float(there.get("expires") or 0) > now:
+                there, etag = self._wait_out(there, etag)  # raises WriterConflict while its writer renews it
+            log.warning("taking over the writer lock of run %s in %s (%s)", self.run_id, s.uri,
+                        "it lapsed: its writer is gone" if there is not None else "it names no writer")
+            now = s.bucket_time()
+            cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}  # unchanged since, or gone
+        self.etag = r.get("ETag")
+        self._thread = threading.Thread(target=self._renew_loop, name="hetspot-writer-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _wait_out(self, there: dict, etag: str | None) -> tuple[dict, str | None]:
+        """Watch a held lock until it lapses (returned, to be taken over) or is renewed (WriterConflict)."""
+        s = self.store
+        wait = max(0.0, float(there["expires"]) - s.bucket_time())
+        log.warning("run %s's writer lock in %s is held by %s (host %s); waiting up to %.0f s for it to lapse (a "
+                    "writer that died cannot release it) or be renewed (its writer is alive)", self.run_id, s.uri,
+                    there.get("holder"), there.get("host"), wait)
+        while True:
+            now = s.bucket_time()
+            if float(there.get("expires") or 0) <= now:
+                return there, etag
+            self.sleep(min(max(0.5, self.ttl_s / 8), float(there["expires"]) - now + 1.0))
+            again, etag2 = self._read()
+            if etag2 != etag and again is not None and float(again.get("expires") or 0) > s.bucket_time():
+                raise WriterConflict(self._conflict(again))
+            if again is None:
+                return there, etag2  # released meanwhile (or garbage): taken with the condition that fits
+            there, etag = again, etag2
+
+    def _read(self) -> tuple[dict | None, str | None]:
+        """The lock as it stands (None where it is not JSON naming a writer) and its ETag (None: it is gone)."""
+        s = self.store
+        try:
+            r = s.client.get_object(Bucket=s.bucket, Key=self.key)
+            raw = r["Body"].read(64 << 10)
+        except Exception:  # noqa: BLE001 - gone (or unreadable): no writer named, taken with If-None-Match
+            return None, None
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            body = None
+        return (body if isinstance(body, dict) and "expires" in body else None), r.get("ETag")
+
+    def _conflict(self, there: dict) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(there.get("started") or 0)))
+        return (f"run {self.run_id} of job {there.get('job')!r} is being written to {self.store.uri} by another "
+                f"job (host {there.get('host')}, pid {there.get('pid')}, started {started}): one run has one writer. "
+                f"Stop that job first (its lock lapses {self.ttl_s:.0f} s after it stops, and a resume then takes "
+                f"over), or, if it is gone, delete {self.store.where(self.key)}; to train apart from it, submit "
+                "without --resume")
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.renew()
+            except CheckpointError as e:
+                log.error("%s", e)
+                return
+            except Exception as e:  # noqa: BLE001 - S3 refused one renewal: the next may pass before the TTL ends
+                log.warning("renewing the writer lock of run %s failed (%s); trying again", self.run_id, s3_code(e))
+
+    def renew(self) -> None:
+        """Push the expiry on (If-Match: the lock as this writer last wrote it); CheckpointError if it was taken."""
+        from botocore.exceptions import ClientError
+
+        s = self.store
+        with self._lock:
+            if self.lost:
+                raise CheckpointError(self.lost, Refusal.FOREIGN)
+            try:
+                r = s.client.put_object(Bucket=s.bucket, Key=self.key, Body=self._body(s.bucket_time()),
+                                        IfMatch=self.etag, ContentType="application/json")
+            except ClientError as e:
+                if s3_code(e) in _CONFLICT or s3_code(e) in _ABSENT:
+                    self.lost = (f"run {self.run_id}'s writer lock at {s.where(self.key)} was taken by another "
+                                 "writer: this job writes no more steps of the run")
+                    raise CheckpointError(self.lost, Refusal.FOREIGN) from None
+                raise
+            self.etag = r.get("ETag")
+
+    def check(self) -> None:
+        """Before a manifest: the lock is still this writer's (one HEAD); CheckpointError (FOREIGN) if not."""
+        from botocore.exceptions import ClientError
+
+        s = self.store
+        with self._lock:
+            if self.lost:
+                raise CheckpointError(self.lost, Refusal.FOREIGN)
+            try:
+                etag = s.client.head_object(Bucket=s.bucket, Key=self.key).get("ETag")
+            except ClientError as e:
+                if s3_code(e) not in _ABSENT:
+                    raise
+                etag = None
+            if etag != self.etag:
+                self.lost = (f"run {self.run_id}'s writer lock at {s.where(self.key)} is no longer this job's "
+                             "(another writer took it over): this job writes no more steps of the run")
+                raise CheckpointError(self.lost, Refusal.FOREIGN)
+
+    def stall(self) -> None:
+        """Stop renewing (what a hung or dead writer does); tests and drills use it."""
+        self._stop.set()
+
+    def release(self) -> None:
+        """Stop renewing and delete the lock if it is still this writer's (If-Match), so the run's next job need
+        not wait for it to lapse."""
+        self._stop.set()
+        s = self.store
+        with self._lock:
+            if self.lost:
+                return
+            try:
+                s.client.delete_object(Bucket=s.bucket, Key=self.key, IfMatch=self.etag)
+            except Exception as e:  # noqa: BLE001 - a lock left behind lapses on its own
+                log.info("could not release the writer lock %s (%s)", s.where(self.key), s3_code(e))
 
 
 class S3Checkpoints:
@@ -657,6 +827,11 @@ class S3Checkpoints:
         None when there is none."""
         found = self.manifests(limit=1, identity=identity)
         return (found[0]["step"], found[0].get("meta", {})) if found else None
+
+    # -- the run's writer ---------------------------------------------------------
+    def claim_writer(self, run_id: str, job: str | None = None, ttl_s: float | None = None) -> WriterLock:
+        """This job as the one writer of `run_id` under the prefix (WriterConflict if another one is)."""
+        return WriterLock(self, run_id, job, ttl_s).claim()
 
     # -- leases -------------------------------------------------------------------
     def lease(self, step: int, ttl_s: float | None = None) -> Lease:

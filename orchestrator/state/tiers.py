@@ -34,7 +34,7 @@ from orchestrator.state.calls import RayCalls
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
 from orchestrator.state.restore import Restorer
 from orchestrator.state.restore_plan import peer_placement
-from orchestrator.state.s3_store import Identity, S3Checkpoints
+from orchestrator.state.s3_store import Identity, S3Checkpoints, WriterLock
 from orchestrator.state.uploader import FLUSH_TIMEOUT_S, Uploader
 from planner import layout
 from workers.transfer import RestoreReport, Tier, UploadRecord
@@ -68,6 +68,7 @@ class TieredState:
         # resuming: a run going on from its S3 steps restores one of them or stops (restore.py, the resume contract)
         self.restorer = Restorer(self.keeper_set, self.uploader, s3, self.identity, keep, self.received,
                                  restore_from, overlap, resuming, **(restorer_kw or {}))
+        self.writer: WriterLock | None = None  # the run's writer lock in S3, once claimed
         self._receipts: list[tuple[int, list]] = []  # snapshots whose copies may still be in flight
         self._placed: tuple | None = None  # (group, (avoided, alive nodes), target nodes, keeper handles)
 
@@ -131,6 +132,22 @@ class TieredState:
     @overlap.setter
     def overlap(self, v: bool) -> None:
         self.restorer.overlap = v
+
+    # -- the run's one writer --------------------------------------------------------------
+    def claim(self) -> None:
+        """Before the first launch: this job as the one writer of its run's S3 steps (the lock renews itself and is
+        checked before every manifest). WriterConflict (exit 2) where another job holds it."""
+        if self.s3 is None or self.writer is not None or not self.meta.get("run_id"):
+            return
+        self.writer = self.s3.claim_writer(self.meta["run_id"], self.meta.get("job"))
+        if self.uploader is not None:
+            self.uploader.writer = self.writer
+
+    def release(self) -> None:
+        """At the job's end (done or failed): the lock goes, so the run's next job need not wait for it to lapse."""
+        if self.writer is not None:
+            self.writer.release()
+            self.writer = None
 
     # -- snapshots ------------------------------------------------------------------------
     def after_step(self, group, step: int, avoid: Set[str] = frozenset()) -> bool:

@@ -16,7 +16,7 @@ import time
 
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
 from orchestrator.state.restore_plan import Need, plan_restore
-from orchestrator.state.s3_store import CheckpointError, Identity, S3Checkpoints
+from orchestrator.state.s3_store import CheckpointError, Identity, S3Checkpoints, WriterLock
 from workers.transfer import KeeperSource, ShardRequest, Tier, UploadRecord
 
 log = logging.getLogger("hetspot.checkpoints")
@@ -37,6 +37,7 @@ class Uploader:
         self._rollbacks: list[int] = []  # the step each restore went to; an upload's era: how many came before it
         self.inflight: int | None = None
         self._uploader: threading.Thread | None = None
+        self.writer: WriterLock | None = None  # the run's writer lock (TieredState.claim): checked before a manifest
 
     def newest(self) -> int:
         """The newest step this job wrote to S3 (or found whole there); -1: none."""
@@ -149,6 +150,8 @@ class Uploader:
             for e in entries:
                 pieces.setdefault(e.unit, []).append(e.piece.entry())
             self._check_not_rolled_back(step, era)  # its pieces are in S3 but no manifest names them: not a step
+            if self.writer is not None:
+                self.writer.check()  # another job took the run over: its pieces are its own, no manifest of ours
             manifest = c.write_manifest(step, self.model_units, pieces, opt.get(step, 0.0), self.meta,
                                         self.model_units)
             self.bad_steps.discard(step)
