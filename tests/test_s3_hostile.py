@@ -929,3 +929,59 @@ def test_a_second_writer_of_a_run_is_refused_naming_the_first_and_takes_over_onc
     other_run = job("r2")
     other_run.claim()  # another run on the prefix has a lock of its own
     other_run.release()
+
+
+def test_a_piece_read_in_concurrent_ranges_is_the_piece_and_one_replaced_mid_read_is_refused(s3, proxy):
+    """Above `part_bytes` a piece is read in ranged GETs over several connections: the same tensors as one GET.
+    Every range asks for the version a HEAD saw first (If-Match): a piece replaced meanwhile is refused for this
+    read, never stitched from two writes."""
+    url, _ = s3
+    writer = store_at(url, "ranged")
+    writer.save(1, state(1, rows=64), 1.0, meta())
+    one = store_at(proxy.url, "ranged")
+    ranged = store_at(proxy.url, "ranged", part_bytes=1000, connections=4)
+    before = proxy.counts["received"]
+    got, _, nbytes = ranged.load(1)
+    entry = ranged.manifest(1)["units"]["wte.weight"]["pieces"][0]
+    assert proxy.counts["received"] - before >= -(-entry["bytes"] // 1000)  # a GET per range at least
+    want, _, _ = one.load(1)
+    for unit, tensors in want.items():
+        for k, t in tensors.items():
+            assert torch.equal(got[unit][k], t), (unit, k)
+    original = writer.client.get_object(Bucket="hostile", Key=entry["key"])["Body"].read()
+    calls = {"n": 0}
+    real_get = ranged.client.get_object
+
+    def replaced_after_the_head(**kw):
+        calls["n"] += 1
+        if calls["n"] == 1:  # another writer replaces the object between the HEAD and the ranges
+            writer.client.put_object(Bucket="hostile", Key=entry["key"], Body=original[::-1])
+        return real_get(**kw)
+
+    ranged.client.get_object = replaced_after_the_head
+    with pytest.raises(CheckpointError) as e:
+        ranged.read_piece(1, entry)
+    assert e.value.refusal is Refusal.UNREADABLE and "PreconditionFailed" in str(e.value)
+
+
+def test_a_versioned_bucket_reads_the_versions_its_manifest_recorded_and_pruning_leaves_no_version(s3):
+    """With versioning on, each piece's manifest entry records the version written; a reader reads that version
+    even where the key was written again since (an operator's copy, a stray writer: the same size); pruning a step
+    deletes every version and delete marker of it, so the old bytes are not kept (and billed) for ever."""
+    url, _ = s3
+    client = boto3.client("s3", endpoint_url=url, **CREDS)
+    client.create_bucket(Bucket="versioned")
+    client.put_bucket_versioning(Bucket="versioned", VersioningConfiguration={"Status": "Enabled"})
+    store = S3Checkpoints("s3://versioned/job", client=client)
+    for s in (1, 2, 3):
+        store.save(s, state(s), float(s), meta())
+    entry = store.manifest(3)["units"]["wte.weight"]["pieces"][0]
+    assert entry.get("version")
+    other = torch.zeros_like(state(3)["wte.weight"]["param"])
+    client.put_object(Bucket="versioned", Key=entry["key"], Body=b"x" * entry["bytes"])  # the same size, not it
+    got, _ = store.read_piece(3, entry)
+    assert torch.equal(got["param"], state(3)["wte.weight"]["param"]) and not torch.equal(got["param"], other)
+    assert store.keep_newest(1, identity()).deleted == [1, 2]
+    left = client.list_object_versions(Bucket="versioned", Prefix="job/")
+    kept = {v["Key"].split("/")[1] for v in left.get("Versions", []) + left.get("DeleteMarkers", [])}
+    assert kept == {"step-0000000003"}, kept

@@ -17,7 +17,9 @@ and, while told to:
     of S3's answer (the write happened; its answer was lost, as real S3 does under load);
   - `refuse_deletes(...)`: answers DeleteObjects with 200 and a per-key error entry for
     the matching keys, deleting only the others (what S3 does under a deny-delete policy
-    or load).
+    or load);
+  - `conn_bytes_per_s`: carries each connection's bodies (answers and uploads) at most this
+    fast, as one TCP stream to S3 is bounded while many streams add up (bench/s3_restore.py).
 It binds to 127.0.0.1 only. `counts` says how many requests it received (before any
 delay), forwarded, throttled and dropped.
 """
@@ -71,6 +73,7 @@ class S3FaultProxy:
         target = urlsplit(target_url)
         self.target = (target.hostname, target.port or 80)
         self.delay_s = 0.0
+        self.conn_bytes_per_s: float | None = None  # each connection's bodies, at most this fast
         self.slowdown_until = 0.0
         self.gate: threading.Event | None = None  # when set to an Event, requests wait until it is set
         self.in_flight = 0  # requests received and not yet answered
@@ -108,8 +111,11 @@ class S3FaultProxy:
                         proxy.in_flight -= 1
 
             def _handle_one(self) -> None:
+                t0 = time.monotonic()
                 body = self._body()
                 proxy._count("received")
+                if proxy.conn_bytes_per_s and body:  # the upload's bytes came over this one connection
+                    time.sleep(max(0.0, len(body) / proxy.conn_bytes_per_s - (time.monotonic() - t0)))
                 gate = proxy.gate
                 if gate is not None:
                     gate.wait(60)
@@ -156,7 +162,19 @@ class S3FaultProxy:
                 self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
+                    self._paced(data)
+
+            def _paced(self, data: bytes) -> None:
+                rate = proxy.conn_bytes_per_s
+                if not rate:
                     self.wfile.write(data)
+                    return
+                t0, chunk = time.monotonic(), max(16 << 10, int(rate / 50))  # ~20 ms of the connection's rate
+                for at in range(0, len(data), chunk):
+                    self.wfile.write(data[at:at + chunk])
+                    ahead = (at + chunk) / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
 
             def _answer(self, status: int, data: bytes) -> None:
                 self.send_response(status)

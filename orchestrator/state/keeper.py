@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -48,6 +49,7 @@ from workers.transfer import (
 )
 
 log = logging.getLogger("hetspot.keeper")
+UPLOAD_PIECES = 8  # a keeper's pieces uploaded at once (each over its own connections: s3_store.CONNECTIONS)
 
 
 class KeeperStore:
@@ -62,8 +64,8 @@ class KeeperStore:
         self.uploads_go = threading.Event()  # tests: every upload waits for it (hold_uploads)
         self.uploads_go.set()
         self.pinned: set[int] = set()  # peer steps with an S3 upload to come: kept past keep_peer_steps
-        self.s3_read: dict[str, dict] = {}  # S3 pieces read for this node's workers during one restore
-        self.s3_lock = threading.Lock()
+        self.s3_read: dict[str, Future] = {}  # S3 pieces read for this node's workers during one restore
+        self.s3_lock = threading.Lock()  # guards s3_read: each piece is read once, pieces at once
         self.s3_store: tuple[CheckpointLocation, Any] | None = None  # the last S3 read's location and store
 
     def ping(self) -> str:
@@ -143,19 +145,33 @@ class KeeperStore:
 
         piece: S3Piece = req.piece
         read = 0
-        with self.s3_lock:  # one read per object per node, however many workers need it
-            if piece.key not in self.s3_read:
-                try:
-                    if s3 is None:
-                        raise ValueError("an S3 piece was asked for without the checkpoint's location")
-                    if self.s3_store is None or self.s3_store[0] != s3:  # a boto3 client: ~0.2 s to make
-                        self.s3_store = (s3, S3Checkpoints.at(s3))
-                    self.s3_read[piece.key], read = self.s3_store[1].read_piece(step, piece.entry(),
-                                                                                      arrays="numpy")
-                except CheckpointError as e:
-                    log.error("restore of step %d: %s", step, e)
-                    return Refused(str(e), str(e.refusal or "corrupt"))
-        tensors = cut(self.s3_read[piece.key] | {"slice": piece.region}, req.region)
+        with self.s3_lock:  # one read per object per node, however many workers need it; other objects meanwhile
+            if s3 is not None and (self.s3_store is None or self.s3_store[0] != s3):  # a boto3 client: ~0.2 s
+                self.s3_store = (s3, S3Checkpoints.at(s3))
+            pending = self.s3_read.get(piece.key)
+            mine = pending is None
+            if mine:
+                pending = self.s3_read[piece.key] = Future()
+        if mine:
+            try:
+                if s3 is None or self.s3_store is None:
+                    raise ValueError("an S3 piece was asked for without the checkpoint's location")
+                got, read = self.s3_store[1].read_piece(step, piece.entry(), arrays="numpy")
+                pending.set_result(got)
+            except CheckpointError as e:
+                log.error("restore of step %d: %s", step, e)
+                pending.set_result(Refused(str(e), str(e.refusal or "corrupt")))
+            except BaseException as e:
+                pending.set_exception(e)
+                with self.s3_lock:
+                    self.s3_read.pop(piece.key, None)  # another asker tries again
+                raise
+        got = pending.result()
+        if isinstance(got, Refused):
+            with self.s3_lock:
+                self.s3_read.pop(piece.key, None)  # refused this time: the next restore asks S3 again
+            return got
+        tensors = cut(got | {"slice": piece.region}, req.region)
         return Piece(Tier.S3, tensors, read)
 
     def hold_moments(self) -> None:
@@ -191,13 +207,18 @@ class KeeperStore:
         if not self.uploads_go.wait(timeout=120):
             raise TimeoutError("uploads held for 120 s (hold_uploads without release_uploads)")
         store = S3Checkpoints.at(at)
-        out = []
-        for p in pieces:  # the step stays pinned: the state plane unpins it when the upload
-            with self.lock:  # ends (on every keeper, unless a redo of the step waits to upload: tiers._release)
-                shard = self.held[(p.tier, step, p.rank)][0][p.unit]
+
+        def one(p: ShardRequest) -> UploadedPiece:
+            with self.lock:  # the step stays pinned: the state plane unpins it when the upload ends (on every
+                shard = self.held[(p.tier, step, p.rank)][0][p.unit]  # keeper, unless a redo waits: tiers._release)
             tensors = cut(shard, p.region)  # put_piece leaves out the keys it holds none of
-            out.append(UploadedPiece(p.unit, S3Piece.of(store.put_piece(step, p.unit, p.region, tensors, run_id))))
-        return out
+            return UploadedPiece(p.unit, S3Piece.of(store.put_piece(step, p.unit, p.region, tensors, run_id)))
+
+        if len(pieces) <= 1:
+            return [one(p) for p in pieces]
+        # Pieces at once (each large one in concurrent parts too): one S3 connection is far below a node's NIC.
+        with ThreadPoolExecutor(min(UPLOAD_PIECES, len(pieces)), thread_name_prefix="hetspot-s3-put") as pool:
+            return list(pool.map(one, pieces))
 
 
 # one per node, pinned there by tiers.py

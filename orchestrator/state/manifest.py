@@ -236,6 +236,8 @@ def _piece_problem(p, ndim: int, declares_tensors: bool) -> str | None:
         return "sha256: not 64 hex digits"
     if not _is_int(p.get("bytes")) or p["bytes"] < 0:
         return "bytes: not a size"
+    if "version" in p and not (isinstance(p["version"], str) and 0 < len(p["version"]) <= 1024):
+        return "version: not an object version id"
     tensors = p.get("tensors")
     if declares_tensors or tensors is not None:
         if not (isinstance(tensors, dict) and "param" in tensors and set(tensors) <= set(KEYS)

@@ -39,6 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +77,8 @@ __all__ = ["CheckpointError", "Identity", "Refusal", "S3Checkpoints", "StepInfo"
 
 MULTIPART_BYTES = 8 << 20
 VERIFY_CHUNK = 8 << 20  # `check_piece` streams a piece in chunks of this size
+CONNECTIONS = 16  # concurrent ranged GETs of one piece, and parts of one upload in flight (bench/s3_restore.py)
+PART_BYTES = 8 << 20  # a ranged GET's size
 LEASE_TTL_S = 900.0  # a reader's hold on a step; renewed while it reads, so only a dead reader's lapses
 LEASES = ".hetspot-leases"
 WRITERS = ".hetspot-writers"
@@ -174,6 +177,7 @@ class Lease:
         self.store, self.step, self.ttl_s = store, step, ttl_s
         self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.key: str | None = None
+        self.version: str | None = None  # in a versioned bucket: deleted by version, so no version stays behind
         self.taken_at = 0.0  # on the bucket's clock
         self._renewed = 0.0  # on this machine's monotonic clock: when to renew
 
@@ -188,19 +192,20 @@ class Lease:
         now = s.bucket_time()
         key = f"{s.dir}{LEASES}/step-{self.step:010d}/{self.holder}.{math.ceil(now + self.ttl_s)}"  # never short
         try:
-            s.client.put_object(Bucket=s.bucket, Key=key, Body=b"")
+            version = s.client.put_object(Bucket=s.bucket, Key=key, Body=b"").get("VersionId")
         except Exception as e:  # noqa: BLE001 - reading goes on without a hold; said once
             if force:
                 log.warning("could not take a read lease on step %d in %s (%s): a job pruning this prefix may "
                             "delete the step while it is read", self.step, s.uri, s3_code(e))
             return
-        old, self.key, self.taken_at, self._renewed = self.key, key, now, time.monotonic()
-        if old is not None:
-            s._delete_quietly(old)
+        old = (self.key, self.version)
+        self.key, self.version, self.taken_at, self._renewed = key, version, now, time.monotonic()
+        if old[0] is not None:
+            s._delete_quietly(*old)
 
     def __exit__(self, *exc) -> None:
         if self.key is not None:
-            self.store._delete_quietly(self.key)
+            self.store._delete_quietly(self.key, self.version)
             self.key = None
 
 
@@ -223,6 +228,7 @@ class WriterLock:
         self.key = f"{store.dir}{WRITERS}/run-{run_id}.json"
         self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.etag: str | None = None
+        self.version: str | None = None  # in a versioned bucket: each renewal's previous version is deleted
         self.started = 0.0
         self.lost: str | None = None  # why the lock is no longer this writer's
         self.sleep = sleep
@@ -257,7 +263,7 @@ class WriterLock:
                         "it lapsed: its writer is gone" if there is not None else "it names no writer")
             now = s.bucket_time()
             cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}  # unchanged since, or gone
-        self.etag = r.get("ETag")
+        self.etag, self.version = r.get("ETag"), r.get("VersionId")
         self._thread = threading.Thread(target=self._renew_loop, name="hetspot-writer-lock", daemon=True)
         self._thread.start()
         return self
@@ -330,7 +336,9 @@ class WriterLock:
                                  "writer: this job writes no more steps of the run")
                     raise CheckpointError(self.lost, Refusal.FOREIGN) from None
                 raise
-            self.etag = r.get("ETag")
+            old, self.etag, self.version = self.version, r.get("ETag"), r.get("VersionId")
+            if old:
+                s._delete_quietly(self.key, old)
 
     def check(self) -> None:
         """Before a manifest: the lock is still this writer's (one HEAD); CheckpointError (FOREIGN) if not."""
@@ -364,7 +372,10 @@ class WriterLock:
             if self.lost:
                 return
             try:
-                s.client.delete_object(Bucket=s.bucket, Key=self.key, IfMatch=self.etag)
+                if self.version:  # this writer's version only (another's newer one stays current)
+                    s.client.delete_object(Bucket=s.bucket, Key=self.key, VersionId=self.version)
+                else:
+                    s.client.delete_object(Bucket=s.bucket, Key=self.key, IfMatch=self.etag)
             except Exception as e:  # noqa: BLE001 - a lock left behind lapses on its own
                 log.info("could not release the writer lock %s (%s)", s.where(self.key), s3_code(e))
 
@@ -372,14 +383,21 @@ class WriterLock:
 class S3Checkpoints:
     def __init__(self, uri: str, endpoint_url: str | None = None, client=None,
                  multipart_bytes: int = MULTIPART_BYTES, lease_ttl_s: float = LEASE_TTL_S,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, connections: int = CONNECTIONS,
+                 part_bytes: int = PART_BYTES):
         self.uri, self.endpoint_url = uri, endpoint_url
         self.clock = clock  # this machine's wall clock (used only where S3 gives no Date)
         self.bucket, self.prefix = parse_uri(uri)
-        self.client = client or new_client(endpoint_url)
+        self.connections, self.part_bytes = max(1, connections), max(1, part_bytes)
+        if client is None:
+            from botocore.config import Config
+
+            client = new_client(endpoint_url, Config(max_pool_connections=max(10, 2 * self.connections)))
+        self.client = client
         self.multipart_bytes = multipart_bytes
         self.lease_ttl_s = lease_ttl_s
         self._read_back: set[int] = set()  # steps pruning read back whole and sound (a listing shows sizes only)
+        self._versioned: bool | None = None
 
     @classmethod
     def at(cls, where: CheckpointLocation, **kw) -> S3Checkpoints:
@@ -413,8 +431,8 @@ class S3Checkpoints:
         what S3 answered (each node checks its own access: workers upload with their own credentials)."""
         key = f"{self.dir}.hetspot-access/{name}"
         try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"")
-            self.client.delete_object(Bucket=self.bucket, Key=key)
+            version = self.client.put_object(Bucket=self.bucket, Key=key, Body=b"").get("VersionId")
+            self.client.delete_object(Bucket=self.bucket, Key=key, **({"VersionId": version} if version else {}))
         except Exception as e:  # noqa: BLE001 - any failure means this node's uploads will fail
             return f"{type(e).__name__}: {e}"
         return None
@@ -492,9 +510,10 @@ class S3Checkpoints:
             kept = {k: v.contiguous() for k, v in kept.items()}
             data = torch_safetensors(kept)
         key = piece_key(self.step_dir(step), unit, region, run_id)
-        self._put(key, data)
+        version = self._put(key, data)
         return {"key": key, "region": [list(r) for r in region], "sha256": hashlib.sha256(data).hexdigest(),
-                "bytes": len(data), "tensors": {k: dtype_name(v) for k, v in sorted(kept.items())}}
+                "bytes": len(data), "tensors": {k: dtype_name(v) for k, v in sorted(kept.items())}} | (
+            {"version": version} if version else {})
 
     def write_manifest(self, step: int, shapes: dict[str, list[int]], pieces: dict[str, list[dict]],
                        optimizer_steps: float, meta: dict | None = None,
@@ -553,15 +572,31 @@ class S3Checkpoints:
                 return False
             raise
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytes) -> str | None:
+        """Upload one object (multipart, parts at once, above `multipart_bytes`); its version id in a versioned
+        bucket (the manifest records it, and readers read that version, not whatever was put there since)."""
         if len(data) < self.multipart_bytes:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
-            return
+            return self.client.put_object(Bucket=self.bucket, Key=key, Body=data).get("VersionId")
         from boto3.s3.transfer import TransferConfig
 
-        cfg = TransferConfig(multipart_threshold=self.multipart_bytes,
+        cfg = TransferConfig(multipart_threshold=self.multipart_bytes, max_concurrency=self.connections,
                              multipart_chunksize=max(5 << 20, self.multipart_bytes))
         self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=cfg)
+        if not self.versioned():
+            return None
+        return self.client.head_object(Bucket=self.bucket, Key=key).get("VersionId")  # (one writer per run)
+
+    def versioned(self) -> bool:
+        """Whether the bucket keeps object versions (asked once; a bucket whose versioning may not be read is
+        taken as unversioned, and its versions, if any, are not recorded for multipart pieces)."""
+        if self._versioned is None:
+            try:
+                status = self.client.get_bucket_versioning(Bucket=self.bucket).get("Status")
+            except Exception as e:  # noqa: BLE001 - s3:GetBucketVersioning not granted
+                log.info("could not read the versioning of %s (%s)", self.bucket, s3_code(e))
+                status = None
+            self._versioned = status in ("Enabled", "Suspended")
+        return self._versioned
 
     # -- list ---------------------------------------------------------------------
     def _listing(self, under: str | None = None) -> dict[str, int]:
@@ -681,8 +716,7 @@ class S3Checkpoints:
 
         where = self.where(entry["key"])
         try:
-            resp = self._get_piece(step, entry)
-            data = resp["Body"].read()
+            data = self._fetch(step, entry)
         except (BotoCoreError, ClientError) as e:
             raise self._read_error(step, entry, e) from None
         digest = hashlib.sha256(data).hexdigest()
@@ -705,9 +739,33 @@ class S3Checkpoints:
                                   + "; ".join(problems), Refusal.CORRUPT, step)
         return tensors, len(data)
 
+    def _fetch(self, step: int, entry: dict) -> bytes:
+        """A piece's bytes: one GET up to `part_bytes`, else ranged GETs of `part_bytes` over up to `connections`
+        connections at once (one S3 connection carries on the order of 100 MB/s; a node's NIC 100 times that:
+        bench/s3_restore.py), every part of the version a HEAD saw (If-Match on its ETag)."""
+        size = entry["bytes"]
+        if size <= self.part_bytes or self.connections <= 1:
+            return self._get_piece(step, entry)["Body"].read()
+        head = self.client.head_object(Bucket=self.bucket, Key=entry["key"], **_version(entry))
+        if head.get("ContentLength") != size:
+            raise CheckpointError(f"{self.where(entry['key'])} of step {step} is {head.get('ContentLength')} bytes; "
+                                  f"its manifest says {size}", Refusal.CORRUPT, step)
+        cond = {"IfMatch": head["ETag"]} if head.get("ETag") else {}
+
+        cond |= _version(entry)
+
+        def part(lo: int) -> bytes:
+            hi = min(lo + self.part_bytes, size)
+            return self.client.get_object(Bucket=self.bucket, Key=entry["key"], Range=f"bytes={lo}-{hi - 1}",
+                                          **cond)["Body"].read()
+
+        starts = range(0, size, self.part_bytes)
+        with ThreadPoolExecutor(min(self.connections, len(starts)), thread_name_prefix="hetspot-s3-get") as pool:
+            return b"".join(pool.map(part, starts))
+
     def _get_piece(self, step: int, entry: dict) -> dict:
         """A piece's GET, refused before its body is read when S3 says it is not the manifest's size."""
-        resp = self.client.get_object(Bucket=self.bucket, Key=entry["key"])
+        resp = self.client.get_object(Bucket=self.bucket, Key=entry["key"], **_version(entry))
         if resp.get("ContentLength", entry["bytes"]) != entry["bytes"]:
             resp["Body"].close()
             raise CheckpointError(f"{self.where(entry['key'])} of step {step} is {resp['ContentLength']} bytes; "
@@ -863,9 +921,10 @@ class S3Checkpoints:
                 held.add(int(m.group(1)))
         return held
 
-    def _delete_quietly(self, key: str) -> None:
+    def _delete_quietly(self, key: str, version: str | None = None) -> None:
+        """Delete `key` (its `version` only, where given: in a versioned bucket nothing stays behind)."""
         try:
-            self.client.delete_object(Bucket=self.bucket, Key=key)
+            self.client.delete_object(Bucket=self.bucket, Key=key, **({"VersionId": version} if version else {}))
         except Exception as e:  # noqa: BLE001 - a lease left behind expires on its own
             log.info("could not delete %s (%s)", self.where(key), s3_code(e))
 
@@ -886,18 +945,42 @@ class S3Checkpoints:
                 return Deleted(step, 0, [(key, s3_code(e))])
         keys = [k for k in self._listing(folder) if k != key and (run_id is None or piece_run(k) in (None, run_id))]
         left = self._delete_keys(keys)
+        if not left and self.versioned():
+            self._purge_versions(folder, {key, *keys}, run_id)
         return Deleted(step, 1 + len(keys) - len(left), left)
+
+    def _purge_versions(self, folder: str, keys: set[str], run_id: str | None) -> None:
+        """In a versioned bucket a delete only adds a delete marker and the bytes stay (billed): every version and
+        marker in the deleted step's folder goes too (with `run_id`, only that run's pieces and the manifest's)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            pages = self.client.get_paginator("list_object_versions").paginate(Bucket=self.bucket, Prefix=folder)
+            doomed = [{"Key": v["Key"], "VersionId": v["VersionId"]} for page in pages
+                      for v in page.get("Versions", []) + page.get("DeleteMarkers", [])
+                      if v["Key"] in keys or run_id is None or piece_run(v["Key"]) in (None, run_id)]
+        except (BotoCoreError, ClientError) as e:
+            log.warning("%s keeps object versions and their listing was refused (%s): the deleted step's older "
+                        "versions stay billed; grant s3:ListBucketVersions and s3:DeleteObjectVersion, or add a "
+                        "lifecycle rule expiring noncurrent versions (docs/recovery.md)", self.uri, s3_code(e))
+            return
+        for k, code in self._delete_objects(doomed):
+            log.warning("a version of %s was not deleted (%s): it stays billed until a lifecycle rule expires it",
+                        self.where(k), code)
 
     def _delete_keys(self, keys: list[str]) -> list[tuple[str, str]]:
         """Delete `keys` in batches of 1,000; the keys S3 did not delete, each with its error code (DeleteObjects
         answers 200 with an error entry per key it refused)."""
+        return self._delete_objects([{"Key": k} for k in keys])
+
+    def _delete_objects(self, objects: list[dict]) -> list[tuple[str, str]]:
         left = []
-        for i in range(0, len(keys), 1000):
-            batch = keys[i:i + 1000]
+        for i in range(0, len(objects), 1000):
+            batch = objects[i:i + 1000]
             try:
-                resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch]})
+                resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch})
             except Exception as e:  # noqa: BLE001 - the whole batch stays; reported, retried by the next prune
-                left += [(k, s3_code(e)) for k in batch]
+                left += [(o["Key"], s3_code(e)) for o in batch]
                 continue
             left += [(err.get("Key", "?"), err.get("Code", "?")) for err in resp.get("Errors", [])]
         return left
@@ -1031,6 +1114,11 @@ def safetensors_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int
     if 8 + n + end != size:
         return f"its tensors end at byte {8 + n + end}, the file at {size}"
     return found
+
+
+def _version(entry: dict) -> dict:
+    """The GET/HEAD argument that reads the object version a manifest entry recorded (none: the current one)."""
+    return {"VersionId": entry["version"]} if entry.get("version") else {}
 
 
 def _date_of(response: dict, clock: Callable[[], float]) -> float:
