@@ -261,8 +261,9 @@ def test_pruning_never_deletes_a_readable_step_for_an_expired_one(s3, keep):
 
 def test_pruning_reads_back_the_step_that_stays_and_a_byte_flipped_in_place_never_costs_the_older_ones(s3):
     """One byte of a piece of step 3 flipped, its size unchanged (an older object version put back, a second
-    writer): the listing still shows step 3 whole, so pruning with keep 1 deleted steps 1 and 2 and left nothing
-    loadable. Now the step that stays is read back first: step 3 is refused as broken and step 2 stays."""
+    writer): the listing showed step 3 whole by size, so pruning with keep 1 deleted steps 1 and 2 and left nothing
+    loadable. Now the listing's ETag differs from the one S3 answered the piece's PUT with (the manifest records
+    it), and a step that stays is read back once before an older one goes: step 3 is refused, step 2 stays."""
     url, _ = s3
     store = store_at(url, "flipped")
     for s in (1, 2, 3):
@@ -271,6 +272,8 @@ def test_pruning_reads_back_the_step_that_stays_and_a_byte_flipped_in_place_neve
     body = bytearray(store.client.get_object(Bucket="hostile", Key=key)["Body"].read())
     body[-1] ^= 0xFF
     store.client.put_object(Bucket="hostile", Key=key, Body=bytes(body))
+    (st,) = [x for x in store.survey(identity()) if x.step == 3]
+    assert not st.ok and "replaced since it was written" in st.reason
     pruned = store.keep_newest(1, identity())
     assert 2 not in pruned.deleted and 1 in pruned.deleted and 3 in pruned.deleted
     assert store.complete_steps() == [2]
@@ -985,3 +988,9 @@ def test_a_versioned_bucket_reads_the_versions_its_manifest_recorded_and_pruning
     left = client.list_object_versions(Bucket="versioned", Prefix="job/")
     kept = {v["Key"].split("/")[1] for v in left.get("Versions", []) + left.get("DeleteMarkers", [])}
     assert kept == {"step-0000000003"}, kept
+    from pathlib import Path  # the lifecycle rule docs/recovery.md asks for is one S3 accepts
+
+    rules = json.loads((Path(__file__).parents[1] / "deploy/aws/s3-lifecycle.json").read_text())
+    client.put_bucket_lifecycle_configuration(Bucket="versioned", LifecycleConfiguration=rules)
+    got = client.get_bucket_lifecycle_configuration(Bucket="versioned")["Rules"]
+    assert any(r.get("NoncurrentVersionExpiration") for r in got)

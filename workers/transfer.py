@@ -75,6 +75,7 @@ class S3Piece:
     tensors: tuple[tuple[str, str], ...] | None = None  # (name, dtype) per tensor; None in manifests before format 4
     optimizer_steps: float = 0.0  # the step's (the manifest's), so a piece is checked for the moments
     version: str | None = None  # the object version written, in a versioned bucket (read as that version)
+    etag: str | None = None  # what S3 answered the PUT: a listing showing another ETag means it was replaced
 
     @classmethod
     def of(cls, entry: dict) -> S3Piece:
@@ -82,14 +83,14 @@ class S3Piece:
         declared = entry.get("tensors")
         return cls(entry["key"], region(entry["region"]), int(entry["bytes"]), entry["sha256"],
                    None if declared is None else tuple(sorted(declared.items())),
-                   float(entry.get("optimizer_steps") or 0.0), entry.get("version"))
+                   float(entry.get("optimizer_steps") or 0.0), entry.get("version"), entry.get("etag"))
 
     def entry(self) -> dict:
         """As the manifest lists it."""
         return {"key": self.key, "region": [list(r) for r in self.region], "sha256": self.sha256,
                 "bytes": self.bytes} | ({} if self.tensors is None else {"tensors": dict(self.tensors)}) | (
             {"optimizer_steps": self.optimizer_steps} if self.optimizer_steps else {}) | (
-            {"version": self.version} if self.version else {})
+            {"version": self.version} if self.version else {}) | ({"etag": self.etag} if self.etag else {})
 
 
 @dataclass(frozen=True)

@@ -238,6 +238,8 @@ def _piece_problem(p, ndim: int, declares_tensors: bool) -> str | None:
         return "bytes: not a size"
     if "version" in p and not (isinstance(p["version"], str) and 0 < len(p["version"]) <= 1024):
         return "version: not an object version id"
+    if "etag" in p and not (isinstance(p["etag"], str) and 0 < len(p["etag"]) <= 256):
+        return "etag: not an ETag"
     tensors = p.get("tensors")
     if declares_tensors or tensors is not None:
         if not (isinstance(tensors, dict) and "param" in tensors and set(tensors) <= set(KEYS)
@@ -342,8 +344,11 @@ def _tiles(regions: list, shape: list[int]) -> bool:
 def unlisted(manifest: dict, listing: dict[str, int]) -> list[str]:
     """The pieces of a manifest that a listing of its folder ({key: size}) does not show at their size: gone (a
     lifecycle rule, a hand delete) or replaced. S3's listings are strongly consistent, so a listed object of the
-    right size can be read: this is the readability proof pruning and the resume choice use (one LIST for the
-    whole prefix instead of a HEAD per piece); the checksums are checked when the bytes are read."""
+    right size, and of the ETag S3 answered its PUT (where the manifest records one; a versioned piece is read
+    as its recorded version, whatever is current), can be read: this is the readability proof pruning and the
+    resume choice use (one LIST for the whole prefix instead of a HEAD per piece); the checksums are checked
+    when the bytes are read."""
+    etags = getattr(listing, "etags", {})
     out = []
     for u in manifest["units"].values():
         for p in u["pieces"]:
@@ -352,6 +357,9 @@ def unlisted(manifest: dict, listing: dict[str, int]) -> list[str]:
                 out.append(f"{p['key']} (not in the bucket)")
             elif size != p["bytes"]:
                 out.append(f"{p['key']} ({size} bytes, not {p['bytes']})")
+            elif p.get("etag") and etags.get(p["key"]) and etags[p["key"]] != p["etag"] and not p.get("version"):
+                out.append(f"{p['key']} (replaced since it was written: its ETag is {etags[p['key']]}, not "
+                           f"{p['etag']})")
     return out
 
 

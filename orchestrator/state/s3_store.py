@@ -510,10 +510,10 @@ class S3Checkpoints:
             kept = {k: v.contiguous() for k, v in kept.items()}
             data = torch_safetensors(kept)
         key = piece_key(self.step_dir(step), unit, region, run_id)
-        version = self._put(key, data)
+        etag, version = self._put(key, data)
         return {"key": key, "region": [list(r) for r in region], "sha256": hashlib.sha256(data).hexdigest(),
                 "bytes": len(data), "tensors": {k: dtype_name(v) for k, v in sorted(kept.items())}} | (
-            {"version": version} if version else {})
+            {"etag": etag} if etag else {}) | ({"version": version} if version else {})
 
     def write_manifest(self, step: int, shapes: dict[str, list[int]], pieces: dict[str, list[dict]],
                        optimizer_steps: float, meta: dict | None = None,
@@ -572,19 +572,20 @@ class S3Checkpoints:
                 return False
             raise
 
-    def _put(self, key: str, data: bytes) -> str | None:
-        """Upload one object (multipart, parts at once, above `multipart_bytes`); its version id in a versioned
-        bucket (the manifest records it, and readers read that version, not whatever was put there since)."""
+    def _put(self, key: str, data: bytes) -> tuple[str | None, str | None]:
+        """Upload one object (multipart, parts at once, above `multipart_bytes`): (the ETag S3 answered, which
+        every listing shows, so a step whose object was replaced since is not counted whole without reading it;
+        its version id in a versioned bucket, which readers then read, not whatever was put there since)."""
         if len(data) < self.multipart_bytes:
-            return self.client.put_object(Bucket=self.bucket, Key=key, Body=data).get("VersionId")
-        from boto3.s3.transfer import TransferConfig
+            r = self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        else:
+            from boto3.s3.transfer import TransferConfig
 
-        cfg = TransferConfig(multipart_threshold=self.multipart_bytes, max_concurrency=self.connections,
-                             multipart_chunksize=max(5 << 20, self.multipart_bytes))
-        self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=cfg)
-        if not self.versioned():
-            return None
-        return self.client.head_object(Bucket=self.bucket, Key=key).get("VersionId")  # (one writer per run)
+            cfg = TransferConfig(multipart_threshold=self.multipart_bytes, max_concurrency=self.connections,
+                                 multipart_chunksize=max(5 << 20, self.multipart_bytes))
+            self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=cfg)
+            r = self.client.head_object(Bucket=self.bucket, Key=key)  # (one writer per run: this upload's)
+        return (str(r["ETag"]).strip('"') if r.get("ETag") else None), r.get("VersionId")
 
     def versioned(self) -> bool:
         """Whether the bucket keeps object versions (asked once; a bucket whose versioning may not be read is
@@ -599,12 +600,14 @@ class S3Checkpoints:
         return self._versioned
 
     # -- list ---------------------------------------------------------------------
-    def _listing(self, under: str | None = None) -> dict[str, int]:
-        """Every object under the prefix (or the folder `under`): {key: size}."""
-        out = {}
+    def _listing(self, under: str | None = None) -> Listing:
+        """Every object under the prefix (or the folder `under`): {key: size}, with each one's ETag beside."""
+        out = Listing()
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=under or self.dir)
         for page in pages:
-            out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+            for o in page.get("Contents", []):
+                out[o["Key"]] = o["Size"]
+                out.etags[o["Key"]] = str(o.get("ETag", "")).strip('"')
         return out
 
     def steps(self, listing: dict[str, int] | None = None) -> list[StepInfo]:
@@ -832,8 +835,8 @@ class S3Checkpoints:
             # units far larger than what the bucket holds).
             gone = unlisted(m, self._listing(self.step_dir(step)))
             if gone:
-                raise CheckpointError(f"step {step} is not readable: {len(gone)} of its pieces are not in the bucket "
-                                      f"at their size ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''})",
+                raise CheckpointError(f"step {step} is not readable: {len(gone)} of its pieces are gone or not as "
+                                      f"written ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''})",
                                       Refusal.MISSING, step)
             state, nbytes = {}, 0
             for name in names if names is not None else sorted(m["units"]):
@@ -1114,6 +1117,14 @@ def safetensors_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int
     if 8 + n + end != size:
         return f"its tensors end at byte {8 + n + end}, the file at {size}"
     return found
+
+
+class Listing(dict):
+    """A listing: {key: size}, and `etags` {key: ETag} beside it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.etags: dict[str, str] = {}
 
 
 def _version(entry: dict) -> dict:
