@@ -67,7 +67,8 @@ class DataSpec(_Section):
         description="synthetic: built-in learnable corpus; text: byte-level file; tokens: flat .bin"
     )
     path: str | None = Field(default=None, description="file for kind text or tokens: a path on every node, or "
-                             "s3://BUCKET/KEY (each worker reads the byte ranges of its samples)")
+                             "s3://BUCKET/KEY (each worker reads the byte ranges of its samples); or a folder of "
+                             "shards (a local folder, or s3://BUCKET/PREFIX/ ending in '/')")
     dtype: Literal["uint16", "uint32"] = Field(default="uint16", description="token file element type")
     endpoint_url: str | None = Field(default=None, description="S3 endpoint for an s3:// path; default "
                                      "AWS_ENDPOINT_URL, else AWS")

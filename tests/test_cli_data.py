@@ -20,6 +20,14 @@ def _job(tmp_path, data, vocab=64):
     return f
 
 
+def _folder(tmp_path, name, files: dict | None = None):
+    p = tmp_path / name
+    p.mkdir()
+    for f, payload in (files or {}).items():
+        (p / f).write_bytes(payload)
+    return str(p)
+
+
 def _write(tmp_path, name, payload: bytes):
     p = tmp_path / name
     p.write_bytes(payload)
@@ -28,7 +36,9 @@ def _write(tmp_path, name, payload: bytes):
 
 CASES = {
     "missing": (lambda t: {"kind": "tokens", "path": str(t / "nonexistent.bin")}, "does not exist"),
-    "directory": (lambda t: {"kind": "tokens", "path": str(t)}, "is not a file"),
+    "empty-folder": (lambda t: {"kind": "tokens", "path": _folder(t, "shards")}, "a folder with no files in it"),
+    "bad-shard": (lambda t: {"kind": "tokens", "path": _folder(t, "corpus", {"a.bin": bytes(4000), "b.bin": b"x" * 7})},
+                  "shard"),
     "empty": (lambda t: {"kind": "tokens", "path": _write(t, "e.bin", b"")}, "is empty"),
     "odd-sized": (lambda t: {"kind": "tokens", "path": _write(t, "o.bin", b"\x01" * 1001)},
                   "not a multiple of 2 (uint16)"),

@@ -115,3 +115,28 @@ def test_a_job_on_s3_data_trains_exactly_like_on_the_local_file(endpoint, tmp_pa
         runs[name] = json.loads(r.stdout)
     assert len(runs["s3"]["plan"]["pipelines"]) == len(runs["local"]["plan"]["pipelines"])
     assert runs["s3"]["losses"] == runs["local"]["losses"]  # the same windows in the same order: bit for bit
+
+
+@pytest.mark.unit
+def test_a_prefix_of_shards_reads_the_batches_of_the_same_local_folder(endpoint, tmp_path):
+    """`data.path: s3://BUCKET/PREFIX/` is a corpus of the objects directly under it, in key order (a sub-folder's
+    objects are not shards): the same batches, sample for sample, as the same files in a local folder."""
+    from workers.data import TokenFile
+    from workers.data_validation import check_data
+
+    c = boto3.client("s3", endpoint_url=endpoint, **CREDS)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for i, n in enumerate((900, 1700, 400)):
+        part = TOKENS[i * 1000:i * 1000 + n]
+        part.tofile(folder / f"part-{i}.bin")
+        c.put_object(Bucket="data", Key=f"sharded/part-{i}.bin", Body=part.tobytes())
+    c.put_object(Bucket="data", Key="sharded/old/part-9.bin", Body=TOKENS[:50].tobytes())  # a sub-folder: not read
+    check_data("tokens", "s3://data/sharded/", 16, 64, endpoint_url=endpoint)
+    s3 = TokenFile("s3://data/sharded/", 16, 64, endpoint_url=endpoint)
+    local = TokenFile(str(folder), 16, 64)
+    assert len(s3.shards) == 3 and s3.order.windows == local.order.windows == 52 + 100 + 23
+    for rows in (range(0, 40), range(170, 200)):  # the second crosses into the next epoch
+        assert np.array_equal(s3.batch(rows).numpy(), local.batch(rows).numpy())
+    with pytest.raises(ValueError, match="no files in it"):
+        check_data("tokens", "s3://data/nothing-here/", 16, 64, endpoint_url=endpoint)

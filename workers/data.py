@@ -16,10 +16,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from workers.data_validation import DataError, TokenArray, check_data, check_window, min_tokens
+from workers.data_validation import DataError, TokenArray, check_data, check_window, min_tokens, shard_paths
+from workers.epochs import EpochOrder
 from workers.s3_data import CacheConfig, S3Array, is_s3
-
-_MIX = 0x9E3779B97F4A7C15
 
 
 class Dataset(Protocol):
@@ -55,27 +54,37 @@ class SyntheticCorpus:
 
 
 class _Windowed:
-    """Fixed-length windows at pseudo-random offsets of a flat token array; every window is checked
-    against the vocabulary as it is read (workers/data_validation.py)."""
+    """Non-overlapping windows of `seq_len + 1` tokens of one token array or several shards, read in epochs that
+    are permutations (workers/epochs.py): an epoch reads every window once. Every window is checked against the
+    vocabulary as it is read (workers/data_validation.py)."""
 
-    def __init__(self, tokens: TokenArray, vocab_size: int, seq_len: int, seed: int, source: str):
-        if len(tokens) < min_tokens(seq_len):
-            raise DataError(f"{source} has {len(tokens)} tokens; need at least seq_len + 2 = {min_tokens(seq_len)}")
-        self.tokens, self.vocab_size, self.seq_len, self.seed = tokens, vocab_size, seq_len, seed
-        self.source = source
+    def __init__(self, shards: TokenArray | list[TokenArray], vocab_size: int, seq_len: int, seed: int,
+                 source: str):
+        self.shards = shards if isinstance(shards, list) else [shards]
+        total = sum(len(t) for t in self.shards)
+        if total < min_tokens(seq_len) or not any(len(t) >= seq_len + 1 for t in self.shards):
+            raise DataError(f"{source} has {total} tokens (its longest shard {max(len(t) for t in self.shards)}); "
+                            f"need at least seq_len + 2 = {min_tokens(seq_len)} in one shard")
+        self.vocab_size, self.seq_len, self.seed, self.source = vocab_size, seq_len, seed, source
+        self.order = EpochOrder([len(t) for t in self.shards], seq_len + 1, seed)
+
+    @property
+    def tokens(self) -> TokenArray:  # one file's tokens (what a one-shard corpus is)
+        return self.shards[0]
 
     def batch(self, indices: range, pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
         """The samples' windows; with `pool`, read side by side (on S3 without a cache, one ranged GET each: S3
-        serves one range a request and the windows lie anywhere in the file; with the node's block cache, windows
-        in one block share its GET)."""
-        span = len(self.tokens) - self.seq_len - 1
-        offsets = [(((i + 1) * _MIX) ^ self.seed) % (1 << 61) % span for i in indices]
-        rows = list(pool.map(self._window, offsets)) if pool is not None else [self._window(o) for o in offsets]
+        serves one range a request and the windows lie anywhere in the corpus; with the node's block cache,
+        windows in one block share its GET)."""
+        where = [self.order.locate(i) for i in indices]
+        rows = list(pool.map(self._window, where)) if pool is not None else [self._window(w) for w in where]
         return torch.from_numpy(np.stack(rows))
 
-    def _window(self, o: int) -> np.ndarray:
-        row = np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-        check_window(row, self.vocab_size, self.source, o)
+    def _window(self, where: tuple[int, int]) -> np.ndarray:
+        shard, o = where
+        row = np.asarray(self.shards[shard][o:o + self.seq_len + 1], dtype=np.int64)
+        check_window(row, self.vocab_size, self.source if len(self.shards) == 1 else f"{self.source} (shard {shard})",
+                     o)
         return row
 
 
@@ -115,26 +124,28 @@ class ReadAhead:
 
 class TextFile(_Windowed):
     """Byte-level text: token ids are the bytes, so the model's vocabulary must cover them (256 for any text).
-    A local file is read whole; an s3:// one window by window (workers/s3_data.py)."""
+    A local file is read whole; an s3:// one window by window (workers/s3_data.py). A folder (or an s3:// prefix
+    ending in "/") is a corpus of shards, in name order."""
 
     def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256, endpoint_url: str | None = None,
                  cache: CacheConfig | None = None):
-        tokens: TokenArray
-        if is_s3(path):
-            tokens = S3Array(path, "uint8", endpoint_url, cache=cache)
-        else:
-            tokens = np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
-        super().__init__(tokens, vocab_size, seq_len, seed, path)
+        def one(p: str) -> TokenArray:
+            if is_s3(p):
+                return S3Array(p, "uint8", endpoint_url, cache=cache)
+            return np.frombuffer(Path(p).read_bytes(), dtype=np.uint8)
+        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path)
 
 
 class TokenFile(_Windowed):
-    """A flat token file (nanoGPT's .bin): uint16 or uint32, memory-mapped, or in S3 read by ranged GETs."""
+    """A flat token file (nanoGPT's .bin): uint16 or uint32, memory-mapped, or in S3 read by ranged GETs; a folder
+    (or an s3:// prefix ending in "/") of such files is a corpus of shards, in name order."""
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0,
                  endpoint_url: str | None = None, cache: CacheConfig | None = None):
-        tokens: TokenArray = (S3Array(path, dtype, endpoint_url, cache=cache) if is_s3(path)
-                              else np.memmap(path, dtype=np.dtype(dtype), mode="r"))
-        super().__init__(tokens, vocab_size, seq_len, seed, path)
+        def one(p: str) -> TokenArray:
+            return (S3Array(p, dtype, endpoint_url, cache=cache) if is_s3(p)
+                    else np.memmap(p, dtype=np.dtype(dtype), mode="r"))
+        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path)
 
 
 def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None,

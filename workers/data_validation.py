@@ -37,11 +37,53 @@ def min_tokens(seq_len: int) -> int:
     return seq_len + 2
 
 
+def shard_paths(path: str, endpoint_url: str | None = None) -> list[str]:
+    """The files a `data.path` names: itself, or for a local folder (or an s3:// prefix ending in "/") the files
+    in it (not its sub-folders; hidden files left out), in name order: a corpus of shards."""
+    if path.startswith("s3://"):
+        if not path.endswith("/"):
+            return [path]
+        from workers.s3_data import list_prefix
+
+        found = list_prefix(path, endpoint_url)
+    else:
+        p = Path(path)
+        if not p.is_dir():
+            return [path]
+        found = [str(f) for f in sorted(p.iterdir()) if f.is_file() and not f.name.startswith(".")]
+    if not found:
+        raise DataError(f"data.path {path!r} is a folder with no files in it; put the corpus's token files there "
+                        "(one flat array each), or point data.path at one file")
+    return found
+
+
 def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype: str = "uint16",
                endpoint_url: str | None = None) -> None:
-    """`path` is a local file or s3://BUCKET/KEY (read by ranged GETs: its size, then the sampled windows)."""
+    """`path` is a local file or s3://BUCKET/KEY (read by ranged GETs: its size, then the sampled windows), or a
+    folder or s3:// prefix of shards (each checked so, and at least one holding a whole sample)."""
     if kind == "synthetic":
         return
+    if path is not None:
+        shards = shard_paths(path, endpoint_url)
+        if shards != [path]:
+            longest = 0
+            for shard in shards:
+                try:
+                    longest = max(longest, _check_one(kind, shard, 0, vocab_size, dtype, endpoint_url))
+                except DataError as e:
+                    raise DataError(f"data.path {path!r}: shard {shard!r}: "
+                                    f"{str(e).removeprefix(f'data.path {shard!r} ')}") from None
+            if longest < min_tokens(seq_len):
+                raise DataError(f"data.path {path!r}: no shard holds a whole sample (the longest has {longest:,} "
+                                f"tokens; a sample needs seq_len + 1 = {seq_len + 1}): use longer shards or a smaller "
+                                "model.seq_len")
+            return
+    _check_one(kind, path, seq_len, vocab_size, dtype, endpoint_url)
+
+
+def _check_one(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype: str,
+               endpoint_url: str | None) -> int:
+    """One file's checks (seq_len 0: any length); its tokens."""
     itemsize = 1 if kind == "text" else ITEMSIZE[dtype]
     if path is not None and path.startswith("s3://"):
         from workers.s3_data import S3Array
@@ -61,7 +103,7 @@ def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype
         raise DataError(f"data.path {path!r} has {size:,} bytes, not a multiple of {itemsize} ({dtype}); "
                         f"it is not a flat {dtype} token file: check data.dtype (uint16 or uint32) or the file")
     tokens = open_tokens()
-    if len(tokens) < min_tokens(seq_len):
+    if seq_len and len(tokens) < min_tokens(seq_len):
         raise DataError(f"data.path {path!r} holds {len(tokens):,} tokens; a sample needs seq_len + 1 = {seq_len + 1} "
                         f"and the file at least {min_tokens(seq_len)}: use a longer file or a smaller model.seq_len")
     top, where = _max_token(tokens)
@@ -72,6 +114,7 @@ def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype
         raise DataError(f"data.path {path!r} holds token id {top} (at token {where:,}) but model.vocab_size is "
                         f"{vocab_size}: set model.vocab_size above {top}, or check that the file was written as "
                         f"{dtype} with this model's tokenizer")
+    return len(tokens)
 
 
 def check_window(tokens: np.ndarray, vocab_size: int, source: str, offset: int) -> None:

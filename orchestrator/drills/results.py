@@ -33,6 +33,7 @@ class DrillResult:
     upload_lag: dict = field(default_factory=dict)  # runner.upload_summary
     reference_kind: str = "fixed"  # runner.REFERENCES
     final_nodes: list[str] = field(default_factory=list)  # the nodes of the plan the drill ended on
+    sample_ranges: dict[int, list] = field(default_factory=dict)  # per committed step: (first sample, count) read
 
     @property
     def goodput(self) -> float:
