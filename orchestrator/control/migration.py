@@ -18,6 +18,12 @@ from planner.specs import ModelSpec, TrainSpec
 WEIGHTS_SHARE = 1 / 3  # of the state a restore moves: the master weights; AdamW's two moments are the rest
 
 
+# S3 per node, read or write: one S3 connection carries about 85-90 MB/s (AWS's S3 performance guidelines: one
+# concurrent request per 85-90 MB/s of throughput wanted); a restore reads each piece over 16 connections
+# (s3_store.CONNECTIONS), which bench/s3_restore.py measured at 11.0x one connection through a per-connection cap
+# (2026-12-06, commit 2be423e, the 2-core CPU test machine: medians of 5): 16 x 87.5 MB/s x 11.0 / 16 = 0.96 GB/s,
+# taken as 1 GB/s, and never above the node's link.
+S3_NODE_GB_S = 1.0
 MOMENTS_SLOWDOWN = 2.0  # the moments share the links with the first step's own traffic: counted at half speed
 
 
@@ -116,9 +122,9 @@ def pull_held_s(old: Plan | None, new: Plan, model: ModelSpec, train: TrainSpec,
 
 def bandwidths(cluster: ClusterSpec, node: str | None = None) -> dict[str, float]:
     """Bytes/s per tier: a node's own keeper, another node over the link (the slowest of the cluster, or
-    `node`'s own), S3 at most 1 GB/s."""
+    `node`'s own), S3 at most S3_NODE_GB_S."""
     link = (cluster.node(node).inter_node_bw_gb_s if node else min(n.inter_node_bw_gb_s for n in cluster.nodes)) * 1e9
-    return {"live": 4 * link, "peer": link, "s3": min(link, 1e9)}
+    return {"live": 4 * link, "peer": link, "s3": min(link, S3_NODE_GB_S * 1e9)}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.control.migration import (
+    S3_NODE_GB_S,
     WEIGHTS_SHARE,
     bandwidths,
     held_s,
@@ -38,7 +39,7 @@ class Assumptions:
     snapshot_every: int = 1  # peer snapshots every k steps (runtime.snapshot_every)
     s3_every: int = 10  # S3 uploads every k steps, a multiple of snapshot_every (checkpoint.s3_every)
     ckpt_every_s: float = 1800.0  # s3-only: a checkpoint every 30 minutes
-    s3_gb_s: float = 1.0  # per node, S3 read and write
+    s3_gb_s: float = S3_NODE_GB_S  # per node, S3 read and write (orchestrator/control/migration.py: its source)
     overlap: bool = True  # restores bring AdamW's moments beside the first step (workers/actor.py load_state)
     notice_s: float = 120.0  # spot notice before a preemption (AWS's two minutes; 0: none): hetspot drains when
     # the time left at the next step boundary covers the copy (drain.notice_decision); s3-only restarts regardless
