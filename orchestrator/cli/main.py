@@ -426,6 +426,7 @@ def inventory(
 
 def _register_subcommands() -> None:
     from orchestrator.cli.checkpoints import checkpoints_app, export, list_steps, rm, verify
+    from orchestrator.cli.data import data_app, prepare
     from orchestrator.cli.deploy import deploy_app, render
     from orchestrator.cli.drill import drill, simulate
 
@@ -437,6 +438,8 @@ def _register_subcommands() -> None:
     for name, fn in (("list", list_steps), ("verify", verify), ("rm", rm), ("export", export)):
         checkpoints_app.command(name=name)(_user_errors(fn))
     app.add_typer(checkpoints_app, name="checkpoints")
+    data_app.command(name="prepare")(_user_errors(prepare))
+    app.add_typer(data_app, name="data")
 
 
 _register_subcommands()
