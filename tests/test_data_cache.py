@@ -114,3 +114,17 @@ def test_the_job_files_cache_settings_reach_the_dataset(s3, tmp_path):
     assert (cfg.max_bytes, cfg.block_bytes, cfg.root) == (2**29, 2 * 2**20, tmp_path)
     assert CacheConfig.from_data(DataSpec(kind="tokens", path="s3://data/t.bin", cache_gb=0).model_dump()) is None
     assert DataSpec(kind="tokens", path="s3://data/t.bin").cache_gb == 4.0  # on by default
+
+
+def test_a_shard_changed_while_the_job_reads_is_refused_naming_it(s3, tmp_path):
+    """A corpus of shards under an s3:// prefix: each shard is opened at its ETag, so one written again while the
+    job reads is refused in one line naming that shard, never mixed with the version the job started on."""
+    c = s3[1]
+    for name, part in (("a.bin", TOKENS[:30_000]), ("b.bin", TOKENS[30_000:])):
+        c.put_object(Bucket="data", Key=f"sharded/{name}", Body=part.tobytes())
+    data = _cached(s3[0], tmp_path / "cache", key="sharded/")
+    assert len(data.shards) == 2
+    data.shards[1][0:32]  # the first block of shard b is cached
+    c.put_object(Bucket="data", Key="sharded/b.bin", Body=(TOKENS[30_000:] + 1).astype(np.uint16).tobytes())
+    with pytest.raises(DataError, match=r"data.path 's3://data/sharded/b.bin' changed while the job read it"):
+        data.shards[1][30_000:30_032]
