@@ -181,6 +181,30 @@ def test_status_shows_where_the_s3_tier_stands(monkeypatch):
     assert "S3: no write access from node-7" in " ".join(res.output.split())  # a keeper's own check
 
 
+def test_status_says_which_epoch_the_data_is_in():
+    """A row's `epoch` (epochs done after the step: controller_actor, from the corpus's windows) is printed as the
+    epoch being read and the fraction of it done."""
+    from rich.console import Console
+
+    from orchestrator.cli.tables import print_status
+
+    st = {"job_id": "j", "status": "RUNNING", "message": "", "phase": "training", "events": [],
+          "progress": {"step": 41, "loss": 2.5, "tokens_per_s": 1000.0, "mfu": None, "step_time_s": 0.5,
+                       "restarts": 0, "steps": 100, "epoch": 2.25}}
+    console = Console(record=True, width=200)
+    print_status("j", st, console)
+    assert "data: epoch 3, 25.0% of it read (2.250 epochs done)" in console.export_text()
+
+
+def test_an_epoch_is_the_corpus_windows_of_every_shard(tmp_path):
+    from workers.data_validation import corpus_windows
+
+    (tmp_path / "a.bin").write_bytes(bytes(2 * (3 * 17 + 5)))  # uint16: 3 windows of 17 and a tail
+    (tmp_path / "b.bin").write_bytes(bytes(2 * 16))  # shorter than a window
+    assert corpus_windows("tokens", str(tmp_path), 16) == 3
+    assert corpus_windows("synthetic", None, 16) is None
+
+
 def test_status_says_what_a_re_plan_traded():
     """A re-plan event's choice (movement-aware: how much slower, how many fewer bytes) is
     printed under the event by `hetspot status`."""

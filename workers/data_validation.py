@@ -57,6 +57,24 @@ def shard_paths(path: str, endpoint_url: str | None = None) -> list[str]:
     return found
 
 
+def corpus_windows(kind: str, path: str | None, seq_len: int, dtype: str = "uint16",
+                   endpoint_url: str | None = None) -> int | None:
+    """How many samples an epoch of the corpus is (its windows: workers/epochs.py); None for synthetic data."""
+    if kind == "synthetic" or not path:
+        return None
+    itemsize = 1 if kind == "text" else ITEMSIZE[dtype]
+    total = 0
+    for shard in shard_paths(path, endpoint_url):
+        if shard.startswith("s3://"):
+            from workers.s3_data import S3Array
+
+            size = S3Array(shard, "uint8", endpoint_url).size_bytes
+        else:
+            size = Path(shard).expanduser().stat().st_size
+        total += (size // itemsize) // (seq_len + 1)
+    return total
+
+
 def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype: str = "uint16",
                endpoint_url: str | None = None) -> None:
     """`path` is a local file or s3://BUCKET/KEY (read by ranged GETs: its size, then the sampled windows), or a

@@ -160,6 +160,10 @@ def print_status(ref: str, st: dict, console: Console) -> None:
         console.print(f"  step {p['step'] + 1}{of}: loss {p['loss']:.4f}, {p.get('tokens_per_s', 0):,.0f} tokens/s, "
                       f"MFU {format_mfu(p.get('mfu'))}, step {p.get('step_time_s', 0):.2f} s, "
                       f"{p.get('restarts', 0)} re-plans")
+        if p.get("epoch") is not None:  # epochs done: the whole ones and the fraction of the current one
+            whole = int(p["epoch"])
+            console.print(f"  data: epoch {whole + 1}, {(p['epoch'] - whole) * 100:.1f}% of it read "
+                          f"({p['epoch']:.3f} epochs done)")
         if p.get("peer_step") is not None:
             console.print(f"  peer copies: step {p['peer_step']} ({p['step'] - p['peer_step']} steps old)")
         if "upload_lag_steps" in p:

@@ -15,6 +15,7 @@ and the Ray Jobs entry point (orchestrator/driver.py).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -26,6 +27,8 @@ from orchestrator.preemption.ray_notices import RayNotices
 from orchestrator.runtime.worker_group import RayWorkerGroup, WorkerPool
 from orchestrator.state.recovery import recovery
 from planner import Plan
+
+log = logging.getLogger("hetspot.controller")
 
 
 def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | None = None, user_plan: bool = False,
@@ -126,6 +129,7 @@ class ControllerActor:
                 os.environ.setdefault("S3_ENDPOINT", ck.endpoint_url)  # tensorboardX's S3 writer reads it
         self.tb = TensorBoardLog(tb) if tb else None
         self.reported = -1
+        self.windows = _windows(self.job)  # an epoch's samples: each row says how many epochs are done
         self.plan_seen: Plan | None = None
         self.embedded = embedded
 
@@ -154,6 +158,8 @@ class ControllerActor:
                 continue
             row = step_row(c.model, c.running_plan, s, c.progress.losses[s], c.progress.step_time_s[s],
                            c.workers.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
+            if self.windows:
+                row["epoch"] = round((s + 1) * c.train.global_batch / self.windows, 4)  # epochs done after it
             if s == c.progress.committed:
                 row["stages"] = getattr(c.group, "last_stages", [])
                 row["peer_step"] = c.progress.snapshot_step  # the newest step copied to a peer keeper (or kept)
@@ -190,6 +196,19 @@ class ControllerActor:
                 "upload_lag": c.store.upload_lag(c.progress.committed),
                 "startup_s": c.progress.startup_s, "restarts": c.progress.restarts, "drains": c.progress.drains,
                 "events": c.progress.events, "history": c.progress.history, "run_record": self.record.location}
+
+
+def _windows(job: JobSpec) -> int | None:
+    """The samples of one epoch of the job's corpus (None: synthetic data, or its shards could not be sized now:
+    the rows then carry no epoch)."""
+    from workers.data_validation import corpus_windows
+
+    d = job.data
+    try:
+        return corpus_windows(d.kind, d.path, job.model_spec.seq_len, d.dtype, d.endpoint_url)
+    except Exception as e:  # noqa: BLE001 - only the progress figure is lost; the workers check the data themselves
+        log.warning("could not size the corpus at %s (%s): rows carry no epoch", d.path, e)
+        return None
 
 
 def publish_last_rows() -> None:
