@@ -79,6 +79,10 @@ class DataSpec(_Section):
                              "misses brings its whole block")
     cache_dir: str | None = Field(default=None, description="s3:// data: the cache folder on each node; default "
                                   "$HETSPOT_DATA_CACHE, else hetspot-data-cache in the system's temporary folder")
+    val_fraction: float = Field(default=0.0, ge=0, lt=1, description="the share of the corpus's windows kept out of "
+                                "training as the held-out set train.eval_every reads (its last windows)")
+    val_path: str | None = Field(default=None, description="a held-out corpus of its own (a file, folder or s3:// "
+                                 "prefix, like path): train.eval_every reads its windows in order")
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataSpec:

@@ -95,6 +95,16 @@ def program(plan: Plan, rank: int) -> list[Item]:
     return stage_program(ops, *p2p_peers(plan, info.pipeline, info.stage, info.tp_rank))
 
 
+def eval_program(plan: Plan, rank: int) -> list[Item]:
+    """Rank `rank`'s forward-only pass of one global batch (a validation loss): every micro-batch's forward in
+    order, each boundary's send of the last activation posted with the receive of the next (deadlock-free by
+    `check`: tests/test_p2p.py)."""
+    info = ranks(plan)[rank]
+    pipe = plan.pipelines[info.pipeline]
+    recv_act, send_act, _, _ = p2p_peers(plan, info.pipeline, info.stage, info.tp_rank)
+    return stage_program([("F", j) for j in range(pipe.num_micro_batches)], recv_act, send_act, None, [])
+
+
 def legacy_program(plan: Plan, rank: int) -> list[Item]:
     """The order the engine posted before batching: after a forward, one `isend` per activation (not waited);
     before a forward or backward, a blocking `recv`; after a backward, one `isend` per gradient. Under NCCL an

@@ -283,6 +283,23 @@ class TrainSpec(StrictModel):
     )
     max_micro_batch_size: int = Field(default=64, ge=1, le=65536)
     seed: int = 0
+    eval_every: int = Field(default=0, ge=0, description="a validation loss every this many steps, between steps "
+                            "(0: none); held-out data from data.val_fraction or data.val_path")
+    eval_samples: int = Field(default=0, ge=0, description="held-out samples each evaluation reads, a multiple of "
+                              "global_batch (0: one global batch)")
+
+    @model_validator(mode="after")
+    def _eval_whole_batches(self) -> TrainSpec:
+        if self.eval_samples % self.global_batch:
+            raise ValueError(f"eval_samples {self.eval_samples} is not a multiple of global_batch "
+                             f"{self.global_batch} (an evaluation is split across replicas as a step is); use "
+                             f"{max(1, round(self.eval_samples / self.global_batch)) * self.global_batch}")
+        return self
+
+    @property
+    def eval_batches(self) -> int:
+        """The global batches one evaluation reads."""
+        return max(1, self.eval_samples // self.global_batch)
 
     @cached_property
     def param_bytes(self) -> int:

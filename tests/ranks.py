@@ -1,5 +1,6 @@
 """A plan trained by one process per rank (spawned, gloo, no Ray), for engine tests that need several ranks: the
-losses, the full parameters assembled from every rank's shards, and each rank's posted point-to-point batches."""
+losses, the full parameters assembled from every rank's shards, each rank's posted point-to-point batches, and
+(with `eval_batches`) the validation loss of the trained weights on the synthetic held-out samples."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from tests.net import rendezvous_client, rendezvous_server
 
 
 def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, train_json: str, dtype: str,
-          steps: int, offloads: bool, device: str, out) -> None:
+          steps: int, offloads: bool, device: str, out, eval_batches: int = 0) -> None:
     from planner import ModelSpec, Plan, TrainSpec
-    from workers.data import make_dataset
+    from workers.data import SYNTHETIC_HELD_OUT, SyntheticCorpus, make_dataset
     from workers.engine import DTYPES, Engine
     from workers.state import export_shards, to_numpy
 
@@ -30,16 +31,18 @@ def _rank(rank: int, port: int, world: int, plan_json: str, model_json: str, tra
         for s in range(steps):
             results.append(e.step(s))
             posted.append(list(e.posted))
+        held_out = SyntheticCorpus(model.vocab_size, model.seq_len, train.seed + SYNTHETIC_HELD_OUT)
+        val = e.evaluate(held_out, eval_batches) if eval_batches else None
         out.put((rank, [r.loss for r in results], to_numpy(export_shards(e)), posted,
-                 [r.extra["device_peak_bytes"] for r in results]))
+                 [r.extra["device_peak_bytes"] for r in results], val))
     except BaseException as err:  # noqa: BLE001 - the test reports it
-        out.put((rank, f"{type(err).__name__}: {err}", None, None, None))
+        out.put((rank, f"{type(err).__name__}: {err}", None, None, None, None))
     finally:
         e.close()
 
 
 def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, timeout_s: float = 240,
-              device: str = "cpu") -> dict:
+              device: str = "cpu", eval_batches: int = 0) -> dict:
     """Train `plan` with a process per rank (gloo; on CUDA, every rank on the one GPU). Returns {"losses": the
     global loss per step, "params": full tensors by name, "posted": {rank: per step [Exchange]}, "peaks": {rank: device
     meter peak per step}}."""
@@ -50,7 +53,8 @@ def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, t
     out = ctx.Queue()
     server = rendezvous_server(world, 60)
     procs = [ctx.Process(target=_rank, args=(r, server.port, world, plan.model_dump_json(), model.model_dump_json(),
-                                             train.model_dump_json(), dtype, steps, meter, device, out))
+                                             train.model_dump_json(), dtype, steps, meter, device, out,
+                                             eval_batches))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -72,4 +76,6 @@ def run_ranks(plan, model, train, dtype: str, steps: int, meter: bool = False, t
     shards = [{n: {k: torch.from_numpy(v) if hasattr(v, "dtype") and not isinstance(v, torch.Tensor) else v
                    for k, v in sh.items()} for n, sh in g[2].items()} for g in got]
     return {"losses": [sum(r[s] for r in reporting) for s in range(steps)], "params": assemble(shards),
-            "posted": {r: posted for r, _, _, posted, _ in got}, "peaks": {r: peaks for r, *_, peaks in got}}
+            "posted": {r: posted for r, _, _, posted, _, _ in got}, "peaks": {r: peaks for r, *_, peaks, _ in got},
+            "eval": sum(v for *_, v in got if v is not None) if eval_batches else None,
+            "eval_reporting": sum(v is not None for *_, v in got)}

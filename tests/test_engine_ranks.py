@@ -14,8 +14,8 @@ pytestmark = pytest.mark.unit
 STEPS = 3
 
 
-def one_device(model: ModelSpec, train: TrainSpec) -> tuple[list[float], dict]:
-    from workers.data import make_dataset
+def one_device(model: ModelSpec, train: TrainSpec, eval_batches: int = 0) -> tuple[list[float], dict]:
+    from workers.data import SYNTHETIC_HELD_OUT, SyntheticCorpus, make_dataset
     from workers.engine import Engine
     from workers.state import assemble, export_shards
 
@@ -27,7 +27,11 @@ def one_device(model: ModelSpec, train: TrainSpec) -> tuple[list[float], dict]:
                torch.float64)
     e.connect_alone(30)
     try:
-        return [e.step(s).loss for s in range(STEPS)], assemble([export_shards(e)])
+        losses = [e.step(s).loss for s in range(STEPS)]
+        if eval_batches:
+            held_out = SyntheticCorpus(model.vocab_size, model.seq_len, train.seed + SYNTHETIC_HELD_OUT)
+            losses.append(e.evaluate(held_out, eval_batches))  # (the last entry: the validation loss)
+        return losses, assemble([export_shards(e)])
     finally:
         e.close()
 
@@ -109,3 +113,21 @@ def test_on_cuda_a_tp2_llama_stage_with_a_vocabulary_parallel_head_trains_like_o
         assert abs(a - b) <= 1e-7 * abs(b), (got["losses"], want_losses)
     for name, p in want_params.items():
         torch.testing.assert_close(got["params"][name], p, msg=name)
+
+
+@pytest.mark.parametrize("offload", [{}, {"offload_optimizer": True, "offload_params": True}],
+                         ids=["resident", "params-and-optimizer-offload"])
+def test_the_validation_loss_of_replicas_of_pipelines_is_the_one_device_loss(offload):
+    """After training, two replicas of two stages each (TP 2 in one, micro-batches of uneven count) evaluate two
+    global batches of held-out samples forward only between steps: the replicas' shares add up to the mean loss the
+    1-device model gives the same samples, and one rank per replica reports."""
+    model = ModelSpec.preset("tiny")
+    train = TrainSpec(global_batch=8, lr=0.01, precision="fp32")
+    plan = Plan(model_name=model.name, num_layers=4, global_batch=8, pipelines=[
+        Pipeline(num_samples=5, micro_batch_size=2, num_micro_batches=3,
+                 stages=[S(0, 2, "a", 1, **offload), S(2, 4, "b", 2)]),
+        Pipeline(num_samples=3, micro_batch_size=3, num_micro_batches=1, stages=[S(0, 2, "c", 1), S(2, 4, "d", 2)]),
+    ])
+    got = run_ranks(plan, model, train, "float64", STEPS, eval_batches=2)
+    want = one_device(model, train, eval_batches=2)[0][-1]
+    assert got["eval_reporting"] == 2 and abs(got["eval"] - want) <= 1e-9 * abs(want), (got["eval"], want)

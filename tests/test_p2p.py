@@ -7,7 +7,7 @@ import random
 import pytest
 
 from planner import Pipeline, Plan, Stage
-from planner.p2p import Exchange, P2POp, check, check_plan, legacy_program, program, stage_program
+from planner.p2p import Exchange, P2POp, check, check_plan, eval_program, legacy_program, program, stage_program
 
 pytestmark = pytest.mark.unit
 
@@ -83,3 +83,19 @@ def test_a_boundary_posts_the_sends_before_it_and_the_receive_after_it_together(
     ]
     assert program(plan_of(pipeline(1, 3, "1f1b", [2], "n", 2), layers=2), 0) == [
         ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]  # one stage: no traffic
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_the_forward_only_evaluation_completes_on_every_stage_and_micro_batch_count(pattern):
+    """A validation pass (`eval_program`: forwards only, each boundary's send posted with the next receive) passes
+    the NCCL model check on the same grid as a step, and beside asymmetric replicas."""
+    for stages in range(1, 9):
+        for mbs in range(1, 17):
+            p = plan_of(pipeline(stages, mbs, "1f1b", PATTERNS[pattern], "n", 8), layers=8)
+            found = check_plan(p, eval_program)
+            assert found is None, f"{stages} stages, {mbs} micro-batches:\n{found}"
+    rng = random.Random(11)
+    for _ in range(50):
+        pipes = [pipeline(rng.randint(1, 8), rng.randint(1, 16), "1f1b", rng.choice(list(PATTERNS.values())),
+                          f"r{i}-", 4) for i in range(rng.randint(2, 3))]
+        assert check_plan(plan_of(*pipes, layers=4), eval_program) is None

@@ -59,14 +59,23 @@ class _Windowed:
     vocabulary as it is read (workers/data_validation.py)."""
 
     def __init__(self, shards: TokenArray | list[TokenArray], vocab_size: int, seq_len: int, seed: int,
-                 source: str):
+                 source: str, holdout: float = 0.0):
         self.shards = shards if isinstance(shards, list) else [shards]
         total = sum(len(t) for t in self.shards)
         if total < min_tokens(seq_len) or not any(len(t) >= seq_len + 1 for t in self.shards):
             raise DataError(f"{source} has {total} tokens (its longest shard {max(len(t) for t in self.shards)}); "
                             f"need at least seq_len + 2 = {min_tokens(seq_len)} in one shard")
         self.vocab_size, self.seq_len, self.seed, self.source = vocab_size, seq_len, seed, source
-        self.order = EpochOrder([len(t) for t in self.shards], seq_len + 1, seed)
+        lengths = [len(t) for t in self.shards]
+        windows = sum(n // (seq_len + 1) for n in lengths)
+        # holdout: a fraction of the windows (< 1) kept out of training, or 1.0: all of them (a validation file)
+        held = windows if holdout >= 1.0 else int(windows * holdout)
+        if holdout and not held:
+            raise DataError(f"data.val_fraction {holdout} of {source}'s {windows} windows of seq_len + 1 = "
+                            f"{seq_len + 1} tokens is no whole window; raise it to at least {1 / windows:.2g}")
+        if held == windows and holdout < 1.0:
+            raise DataError(f"data.val_fraction {holdout} leaves no window of {source} to train on; lower it")
+        self.order = EpochOrder(lengths, seq_len + 1, seed, held)
 
     @property
     def tokens(self) -> TokenArray:  # one file's tokens (what a one-shard corpus is)
@@ -80,12 +89,26 @@ class _Windowed:
         rows = list(pool.map(self._window, where)) if pool is not None else [self._window(w) for w in where]
         return torch.from_numpy(np.stack(rows))
 
+    def held_out(self) -> HeldOut:
+        """The held-out windows as a dataset: sample i is the i-th of them."""
+        return HeldOut(self)
+
     def _window(self, where: tuple[int, int]) -> np.ndarray:
         shard, o = where
         row = np.asarray(self.shards[shard][o:o + self.seq_len + 1], dtype=np.int64)
         check_window(row, self.vocab_size, self.source if len(self.shards) == 1 else f"{self.source} (shard {shard})",
                      o)
         return row
+
+
+class HeldOut:
+    """A corpus's held-out windows (a validation set), sample i the i-th, in corpus order."""
+
+    def __init__(self, inner: _Windowed):
+        self.inner, self.vocab_size, self.samples = inner, inner.vocab_size, inner.order.held
+
+    def batch(self, indices: range) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.inner._window(self.inner.order.locate_held(i)) for i in indices]))
 
 
 class ReadAhead:
@@ -128,12 +151,12 @@ class TextFile(_Windowed):
     ending in "/") is a corpus of shards, in name order."""
 
     def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256, endpoint_url: str | None = None,
-                 cache: CacheConfig | None = None):
+                 cache: CacheConfig | None = None, holdout: float = 0.0):
         def one(p: str) -> TokenArray:
             if is_s3(p):
                 return S3Array(p, "uint8", endpoint_url, cache=cache)
             return np.frombuffer(Path(p).read_bytes(), dtype=np.uint8)
-        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path)
+        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path, holdout)
 
 
 class TokenFile(_Windowed):
@@ -141,17 +164,19 @@ class TokenFile(_Windowed):
     (or an s3:// prefix ending in "/") of such files is a corpus of shards, in name order."""
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0,
-                 endpoint_url: str | None = None, cache: CacheConfig | None = None):
+                 endpoint_url: str | None = None, cache: CacheConfig | None = None, holdout: float = 0.0):
         def one(p: str) -> TokenArray:
             return (S3Array(p, dtype, endpoint_url, cache=cache) if is_s3(p)
                     else np.memmap(p, dtype=np.dtype(dtype), mode="r"))
-        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path)
+        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path, holdout)
 
 
 def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None,
-                 dtype: str = "uint16", endpoint_url: str | None = None, cache: CacheConfig | None = None) -> Dataset:
+                 dtype: str = "uint16", endpoint_url: str | None = None, cache: CacheConfig | None = None,
+                 holdout: float = 0.0) -> Dataset:
     """`cache`: the node's block cache for S3 data (CacheConfig.from_data(job's data section)); None reads each
-    window with its own GET."""
+    window with its own GET. `holdout`: the fraction of the corpus's windows kept out of training (the last
+    ones: `held_out(dataset)` reads them)."""
     if kind == "synthetic":
         return SyntheticCorpus(vocab_size, seq_len, seed)
     if path is None:
@@ -159,9 +184,41 @@ def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: 
     if kind == "text":
         if not is_s3(path):  # a local file is read whole here anyway; S3 windows are checked as they are read
             check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
-            return TextFile(path, seq_len, seed, vocab_size, endpoint_url)
-        return ReadAhead(TextFile(path, seq_len, seed, vocab_size, endpoint_url, cache))
+            return TextFile(path, seq_len, seed, vocab_size, endpoint_url, holdout=holdout)
+        return ReadAhead(TextFile(path, seq_len, seed, vocab_size, endpoint_url, cache, holdout))
     if kind == "tokens":
-        tokens = TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url, cache)
+        tokens = TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url, cache, holdout)
         return ReadAhead(tokens) if is_s3(path) else tokens
     raise ValueError(f"unknown data kind {kind!r}; use synthetic, text or tokens")
+
+
+SYNTHETIC_HELD_OUT = 1_000_003  # the synthetic corpus's validation samples: another seed's
+
+
+def make_datasets(data: dict, seq_len: int, vocab_size: int, seed: int = 0, cache: CacheConfig | None = None,
+                  validation: bool = False) -> tuple[Dataset, Dataset | None]:
+    """A job's training set and, with `validation`, its held-out set: `data.val_path` (a corpus of its own, its
+    windows in order), else `data.val_fraction` of the corpus's windows carved off its end (never trained on),
+    else, for synthetic data, another seed's samples."""
+    kind, path, dtype, endpoint = (data.get("kind", "synthetic"), data.get("path"), data.get("dtype", "uint16"),
+                                   data.get("endpoint_url"))
+    val_path, fraction = data.get("val_path"), float(data.get("val_fraction") or 0.0)
+    train = make_dataset(kind, seq_len, vocab_size, seed, path, dtype, endpoint, cache,
+                         fraction if validation and not val_path else 0.0)
+    if not validation:
+        return train, None
+    if val_path:
+        inner = _windowed(make_dataset(kind, seq_len, vocab_size, seed, val_path, dtype, endpoint, cache, 1.0))
+        return train, inner.held_out()
+    if kind == "synthetic":
+        return train, SyntheticCorpus(vocab_size, seq_len, seed + SYNTHETIC_HELD_OUT)
+    if not fraction:
+        raise DataError("train.eval_every needs held-out data: set data.val_fraction (a share of the corpus kept "
+                        "out of training) or data.val_path")
+    return train, _windowed(train).held_out()
+
+
+def _windowed(ds: Dataset) -> _Windowed:
+    inner = ds.inner if isinstance(ds, ReadAhead) else ds
+    assert isinstance(inner, _Windowed)  # (a file's dataset)
+    return inner

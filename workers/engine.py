@@ -39,7 +39,7 @@ from planner.catalog import gpu_info
 from planner.contract import check_runtime_plan
 from planner.cost import OFFLOAD_CHUNK
 from planner.layout import extended_layer
-from planner.p2p import Exchange, program
+from planner.p2p import Exchange, eval_program, program
 from planner.plan_types import Plan
 from planner.specs import ModelSpec, TrainSpec
 from workers.copy_lane import Lanes
@@ -429,10 +429,50 @@ class Engine(GradSync, OptimizerState):
                            # the sample ranges whose loss this rank computed: drills check each is seen once
                            "samples": [[a, n] for a, n in zip(starts, sizes, strict=True)] if report else []})
 
+    def evaluate(self, data: Dataset, batches: int) -> float | None:
+        """The mean loss of samples [0, batches x global_batch) of `data` (a held-out set) under the current
+        weights, forward only, between steps: each pipeline its share of each global batch in its micro-batches,
+        exactly as a step splits one (planner/p2p.py `eval_program` posts the activations). Returns this rank's
+        share of the mean (its pipeline's sum over the whole count) on a last stage's TP rank 0, else None; the
+        shares add up to the loss the 1-device model gives the same samples. One host read."""
+        self.settle()  # an overlapped host update of the last step lands first: the weights are that step's
+        big_b = self.plan.global_batch
+        sizes = self.pipe.micro_batch_sizes()
+        items = eval_program(self.plan, self.rank)
+        reads = self.first or self.last
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for b in range(batches):
+                start = b * big_b + self.plan.sample_offsets()[self.info.pipeline]
+                starts = [start + sum(sizes[:j]) for j in range(len(sizes))]
+                sent: dict[tuple[str, int], torch.Tensor] = {}
+                got: dict[tuple[str, int], torch.Tensor] = {}
+                for item in items:
+                    if isinstance(item, Exchange):
+                        self._exchange(item, sizes, sent, got)
+                        continue
+                    _, j = item
+                    tokens = self._tokens_of(data, starts[j], sizes[j]) if reads else None
+                    inp = tokens[:, :-1] if tokens is not None and self.first else got.pop(("act", j))
+                    with self._saved_hooks():
+                        out = self.module(inp)
+                    if self.last:
+                        assert tokens is not None  # (the last stage reads the batch)
+                        total += self.module.loss_sum(out, tokens[:, 1:]).double() / (big_b * batches)
+                    else:
+                        sent[("act", j)] = out.contiguous()
+        if self.store is not None:
+            self.store.drain()
+        value = float(total.cpu())  # the pass's one read
+        return value if self.last and self.info.tp_rank == 0 else None
+
     def _tokens(self, start: int, n: int) -> torch.Tensor:
+        return self._tokens_of(self.data, start, n)
+
+    def _tokens_of(self, data: Dataset, start: int, n: int) -> torch.Tensor:
         """A micro-batch's tokens on the device: through pinned memory and an asynchronous copy on CUDA (a
         copy from pageable memory would make the host wait for it)."""
-        t = self.data.batch(range(start, start + n))
+        t = data.batch(range(start, start + n))
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)

@@ -7,7 +7,8 @@ across files. With `W` windows in all, global sample `g` reads window `perm_e(g 
 where `perm_e` is a bijection of `[0, W)` drawn from the seed and the epoch: an epoch reads every window exactly
 once (Megatron-LM, nanotron, torchtitan and MosaicML streaming all define an epoch so), the next epoch in another
 order, and a sample stays a function of its global index alone, so any plan, re-plan or resume reads the same
-samples.
+samples. A held-out set (`holdout` windows: a validation set carved from the corpus) is the corpus's last
+windows, read in order and never in an epoch.
 
 `perm_e` is a four-round Feistel network on the smallest `4**h >= W` values, walked until it lands in `[0, W)`
 (cycle walking: fewer than four rounds of the network per sample on average, since `4**h < 4W`). It is computed
@@ -60,15 +61,18 @@ class EpochOrder:
     """Global sample index -> (shard, token offset in it) for shards of `lengths` tokens and windows of
     `window` tokens; `epoch_of(g)` and `progress(g)` for the run record."""
 
-    def __init__(self, lengths: list[int], window: int, seed: int):
+    def __init__(self, lengths: list[int], window: int, seed: int, holdout: int = 0):
         self.window, self.seed = window, seed
         counts = [n // window for n in lengths]
         self.starts = [0]
         for c in counts:
             self.starts.append(self.starts[-1] + c)
-        self.windows = self.starts[-1]
-        if self.windows == 0:
+        if self.starts[-1] == 0:
             raise ValueError(f"no shard holds a whole window of {window} tokens")
+        if not 0 <= holdout <= self.starts[-1]:
+            raise ValueError(f"a held-out set of {holdout} windows from a corpus of {self.starts[-1]}")
+        # The last `holdout` windows (the end of the last shards) are held out: never in an epoch.
+        self.windows, self.held = self.starts[-1] - holdout, holdout
         self._perms: dict[int, Permutation] = {}
 
     def _perm(self, epoch: int) -> Permutation:
@@ -86,7 +90,15 @@ class EpochOrder:
 
     def locate(self, g: int) -> tuple[int, int]:
         """(shard, first token) of global sample `g`'s window."""
-        w = self.window_of(g)
+        return self._place(self.window_of(g))
+
+    def locate_held(self, i: int) -> tuple[int, int]:
+        """(shard, first token) of held-out sample `i`: the held-out windows in corpus order."""
+        if not 0 <= i < self.held:
+            raise IndexError(f"held-out sample {i} of {self.held}")
+        return self._place(self.windows + i)
+
+    def _place(self, w: int) -> tuple[int, int]:
         shard = bisect.bisect_right(self.starts, w) - 1
         return shard, (w - self.starts[shard]) * self.window
 
