@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +178,43 @@ def check_data(job: JobSpec, source: str) -> None:
     d, m = job.data, job.model_spec
     try:
         check_data(d.kind, d.path, m.seq_len, m.vocab_size, d.dtype, d.endpoint_url)
+        if d.val_path:
+            check_data(d.kind, d.val_path, m.seq_len, m.vocab_size, d.dtype, d.endpoint_url)
+        check_held_out(job)
     except DataError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+def check_held_out(job: JobSpec) -> None:
+    """train.eval_every's held-out set: there is one, and it holds the samples an evaluation reads."""
+    from workers.data_validation import DataError, corpus_windows
+
+    d, t, m = job.data, job.train, job.model_spec
+    if not t.eval_every:
+        if d.val_fraction or d.val_path:
+            warnings.warn(f"data.{'val_path' if d.val_path else 'val_fraction'} is set but train.eval_every is 0: no "
+                          "validation loss is computed (set train.eval_every to the steps between evaluations)",
+                          stacklevel=2)
+        return
+    if d.kind == "synthetic":
+        return  # another seed's samples
+    if d.val_path:
+        held = corpus_windows(d.kind, d.val_path, m.seq_len, d.dtype, d.endpoint_url) or 0
+        where = f"data.val_path {d.val_path!r}"
+    elif d.val_fraction:
+        windows = corpus_windows(d.kind, d.path, m.seq_len, d.dtype, d.endpoint_url) or 0
+        held = int(windows * d.val_fraction)
+        where = f"data.val_fraction {d.val_fraction} of the corpus's {windows} windows"
+        if held == 0:
+            raise DataError(f"{where} is no whole window of seq_len + 1 = {m.seq_len + 1} tokens; raise it to at "
+                            f"least {1 / max(windows, 1):.2g}")
+    else:
+        raise DataError("train.eval_every needs held-out data: set data.val_fraction (a share of the corpus kept out "
+                        "of training) or data.val_path")
+    need = t.eval_batches * t.global_batch
+    if held < need:
+        raise DataError(f"{where} holds {held} samples; an evaluation reads train.eval_samples = {need} (a multiple "
+                        "of global_batch): lower train.eval_samples or hold out more")
 
 
 def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None = None,

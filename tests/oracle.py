@@ -11,10 +11,12 @@ from orchestrator.job_spec import JobSpec
 from planner import Pipeline, Plan, Stage
 
 
-def one_device_run(job: JobSpec, steps: int) -> tuple[list[float], dict]:
+def one_device_run(job: JobSpec, steps: int, val_losses: dict | None = None) -> tuple[list[float], dict]:
     """The 1-device run of `job` for `steps` steps in this process: its losses and final parameters (full
-    tensors by canonical name), with the compute dtype a job's worker gives the plan's one stage."""
-    from workers.data import make_dataset
+    tensors by canonical name), with the compute dtype a job's worker gives the plan's one stage. With
+    `val_losses` (a dict, filled here) and `train.eval_every`, the validation losses where the controller
+    evaluates (after every eval_every-th step and the last)."""
+    from workers.data import make_dataset, make_datasets
     from workers.engine import DTYPES, Engine, compute_dtype
     from workers.state import assemble, export_shards
 
@@ -27,8 +29,14 @@ def one_device_run(job: JobSpec, steps: int) -> tuple[list[float], dict]:
     data = make_dataset(d.kind, m.seq_len, m.vocab_size, t.seed, d.path, d.dtype)
     e = Engine(plan, 0, m, t, data, DTYPES[compute_dtype(job.runtime.dtype, t.precision, gpu)])
     e.connect_alone(30)
+    every = t.eval_every if val_losses is not None else 0
+    held_out = make_datasets(d.model_dump(), m.seq_len, m.vocab_size, t.seed, validation=True)[1] if every else None
     try:
-        losses = [e.step(s).loss for s in range(steps)]
+        losses = []
+        for s in range(steps):
+            losses.append(e.step(s).loss)
+            if held_out is not None and ((s + 1) % every == 0 or s + 1 == steps):
+                val_losses[s] = e.evaluate(held_out, t.eval_batches)
         return losses, assemble([export_shards(e)])
     finally:
         e.close()

@@ -84,3 +84,24 @@ def test_worker_side_check_names_the_file(tmp_path):
     path = _write(tmp_path, "late.bin", np.full(200, 9, dtype=np.uint16).tobytes())
     with pytest.raises(DataError, match=r"late\.bin: token id 9 at token \d+ is not below model\.vocab_size=8"):
         TokenFile(path, 16, vocab_size=8).batch(range(2))
+
+
+def test_a_validation_loss_without_held_out_data_or_whole_batches_exits_2_naming_the_field(tmp_path):
+    path = _write(tmp_path, "t.bin", np.random.default_rng(0).integers(0, 64, 17 * 40, dtype=np.uint16).tobytes())
+    cases = [  # (data, train, what the one line says)
+        ({"kind": "tokens", "path": path}, {"eval_every": 2}, "train.eval_every needs held-out data"),
+        ({"kind": "tokens", "path": path, "val_fraction": 0.001}, {"eval_every": 2},
+         "data.val_fraction 0.001 of the corpus's"),
+        ({"kind": "tokens", "path": path, "val_fraction": 0.05}, {"eval_every": 2},
+         "holds 2 samples; an evaluation reads train.eval_samples = 4"),
+        ({"kind": "synthetic"}, {"eval_every": 2, "eval_samples": 6},
+         "eval_samples 6 is not a multiple of global_batch"),
+    ]
+    for data, train, needle in cases:
+        f = tmp_path / "job.yaml"
+        f.write_text(yaml.safe_dump({"model": {"preset": "tiny", "vocab_size": 64},
+                                     "train": {"global_batch": 4, **train}, "cluster": CLUSTER, "data": data,
+                                     "steps": 2}))
+        res = runner.invoke(app, ["submit", str(f)])
+        assert res.exit_code == 2, (data, train, res.output)
+        assert needle in " ".join(res.output.split()) and "Traceback" not in res.output, (needle, res.output)

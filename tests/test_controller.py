@@ -16,7 +16,7 @@ BIG = ClusterSpec(nodes=[NodeSpec(name="a", gpu_type="A100-80GB", num_gpus=2),
 SMALL = ClusterSpec(nodes=[NodeSpec(name="l", gpu_type="L4", num_gpus=2)])  # the A100 node was lost
 
 
-def make(nodes, failures=None, fail_start=False, group_kw=None, **kw):
+def make(nodes, failures=None, fail_start=False, group_kw=None, train=TRAIN, **kw):
     log, groups = [], []
 
     def factory(plan):
@@ -24,7 +24,7 @@ def make(nodes, failures=None, fail_start=False, group_kw=None, **kw):
         groups.append(g)
         return g
 
-    return Controller(MODEL, TRAIN, kw.pop("steps", 4), nodes, factory, **kw), log, groups
+    return Controller(MODEL, train, kw.pop("steps", 4), nodes, factory, **kw), log, groups
 
 
 def test_happy_path_transitions():
@@ -367,3 +367,10 @@ def test_a_second_writer_of_a_run_fails_the_job_with_exit_2_before_any_worker_st
     c, log, groups = make(FakeNodes(BIG), store=Taken(1))
     assert c.run() == State.FAILED
     assert c.exit_code == 2 and "one run has one writer" in c.error and c.progress.losses == {} and groups == []
+
+
+def test_the_validation_loss_is_evaluated_between_steps_every_eval_every_and_after_the_last():
+    c, log, _ = make(FakeNodes(BIG), steps=7, train=TrainSpec(global_batch=8, eval_every=3))
+    assert c.run() == State.DONE
+    assert sorted(c.progress.val_losses) == [2, 5, 6]  # after steps 3 and 6 (1-based) and the job's last
+    assert c.progress.val_losses[2] == 20.0 - 3  # the committed weights of step 2: three steps applied

@@ -210,3 +210,32 @@ def test_an_epoch_of_a_sharded_corpus_reads_every_window_once_across_a_replan(sh
     first, second = read[:400], read[400:]
     assert sorted(first) == list(range(400))  # the first epoch: every window exactly once
     assert len(set(second)) == len(second) and second != [w for w in first[:len(second)]]  # another order
+
+
+@pytest.mark.ray
+def test_the_validation_loss_across_a_replan_is_the_one_device_loss(shared, tmp_path):
+    """drills/preempt.yaml with train.eval_every 2 on a token corpus with a tenth held out: three replicas of
+    different batch shares evaluate every second step; a node is killed at step 3 and the job goes on with two. Every
+    validation loss, before and after the recovery, is the 1-device run's on the same samples (float64)."""
+    import numpy as np
+
+    from orchestrator.drills.runner import Drill
+    from orchestrator.job_spec import DataSpec
+    from tests.oracle import one_device_run
+
+    ec, s3 = shared
+    sc = load_scenario(ROOT / "drills" / "preempt.yaml")
+    path = tmp_path / "corpus.bin"
+    np.random.default_rng(1).integers(0, sc.job.model_spec.vocab_size, 65 * 2000, dtype=np.uint16).tofile(path)
+    job = sc.job.model_copy(update={
+        "data": DataSpec(kind="tokens", path=str(path), dtype="uint16", val_fraction=0.1),
+        "train": sc.job.train.model_copy(update={"eval_every": 2, "eval_samples": 128})})
+    sc = sc.model_copy(update={"job": job})
+    want: dict = {}
+    reference = one_device_run(job, job.steps, want)[0]
+    result = Drill(sc, cluster=ec, s3=s3).run(reference=reference)
+    assert result.error is None and result.oracle_holds, (result.error, result.samples, result.expect_failures)
+    assert result.to_json()["recoveries"]
+    assert sorted(result.val_losses) == sorted(want) == [1, 3, 5]
+    for s, v in want.items():
+        assert abs(result.val_losses[s] - v) <= 1e-9 * abs(v), (s, result.val_losses, want)

@@ -103,6 +103,7 @@ class TrainWorker:
         self.dataset = make_dataset(data.get("kind", "synthetic"), self.model.seq_len, self.model.vocab_size,
                                     self.train.seed, data.get("path"), data.get("dtype", "uint16"),
                                     data.get("endpoint_url"), CacheConfig.from_data(data))
+        self.held_out = None  # the validation set, made at the first evaluation
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config = config
         self.log_every = config.log_every
@@ -208,6 +209,22 @@ class TrainWorker:
             self.log.info("step %d: %d samples, %.3f s, peak memory %.1f MiB", step_index, r.num_samples,
                           r.time_s, r.peak_mem_bytes / 2**20)
         return r
+
+    def evaluate(self, batches: int) -> float | None:
+        """The validation loss's share of this rank (Engine.evaluate) on the job's held-out data, made at the
+        first call (data.val_fraction or data.val_path; synthetic data: another seed's samples)."""
+        from workers.data import make_datasets
+
+        if self.held_out is None:
+            data = self.config.data
+            _, self.held_out = make_datasets(data, self.model.seq_len, self.model.vocab_size, self.train.seed,
+                                             CacheConfig.from_data(data), validation=True)
+        try:
+            return self.running.evaluate(self.held_out, batches)
+        except Exception as e:
+            self.log.error("evaluation failed: %s", e)
+            self._let_go(e)
+            raise
 
     def _let_go(self, e: BaseException | None) -> None:
         """After a failed step: drop this rank's process groups, so peers blocked on it in a collective fail now

@@ -160,6 +160,8 @@ def print_status(ref: str, st: dict, console: Console) -> None:
         console.print(f"  step {p['step'] + 1}{of}: loss {p['loss']:.4f}, {p.get('tokens_per_s', 0):,.0f} tokens/s, "
                       f"MFU {format_mfu(p.get('mfu'))}, step {p.get('step_time_s', 0):.2f} s, "
                       f"{p.get('restarts', 0)} re-plans")
+        if p.get("val_loss") is not None:
+            console.print(f"  validation loss {p['val_loss']:.4f} (held-out data, after step {p['step'] + 1})")
         if p.get("epoch") is not None:  # epochs done: the whole ones and the fraction of the current one
             whole = int(p["epoch"])
             console.print(f"  data: epoch {whole + 1}, {(p['epoch'] - whole) * 100:.1f}% of it read "
@@ -194,9 +196,11 @@ def print_status(ref: str, st: dict, console: Console) -> None:
             console.print(f"    chose {e['plan_choice']['choice']}", highlight=False, soft_wrap=True)
     if "history" in st:
         t = Table(title="committed steps")
-        for col in ("step", "loss", "tokens/s", "step s", "at s"):
+        held_out = any(r.get("val_loss") is not None for r in st["history"])
+        for col in ("step", "loss", *(["validation loss"] if held_out else []), "tokens/s", "step s", "at s"):
             t.add_column(col, justify="right")
         for r in st["history"]:
-            t.add_row(str(r["step"]), f"{r['loss']:.4f}", f"{r.get('tokens_per_s', 0):,.0f}",
+            val = [f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else ""] if held_out else []
+            t.add_row(str(r["step"]), f"{r['loss']:.4f}", *val, f"{r.get('tokens_per_s', 0):,.0f}",
                       f"{r.get('step_time_s', 0):.2f}", f"{r['t_s']:.1f}")
         console.print(t)

@@ -74,6 +74,7 @@ RECOVERY = (State.RECOVERING, State.DISCOVERING, State.PLANNING, State.LAUNCHING
 class Progress:
     committed: int = -1  # last committed step
     losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)  # after step s (train.eval_every): held-out loss
     snapshot_step: int | None = None  # newest step whose state is in the store
     restarts: int = 0
     drains: int = 0
@@ -300,6 +301,9 @@ class Controller:
             self._mark("first_step_s")
             if self.store.after_step(self.workers, s, self.doomed):
                 self.progress.snapshot_step = s
+            every = self.train.eval_every
+            if every and ((s + 1) % every == 0 or s + 1 == self.steps):  # between steps: after the commit
+                self.progress.val_losses[s] = self.workers.evaluate(self.train.eval_batches)
             if s == self._plan_from - 1:  # the plan's first step: idle kept processes are gone, their GPUs free
                 self.workers.warm_spares(self.cluster or self.nodes.discover().without_nodes(self.doomed))
             # Joins are looked for at every step boundary (their GPUs warm at once), weighed every scale_check_every
@@ -498,7 +502,7 @@ class Controller:
             log.warning("rolling back from step %d to step %d: the steps after it are redone",
                         self.progress.committed, step)
         self.progress.committed = step
-        for per_step in ("losses", "step_time_s", "samples"):
+        for per_step in ("losses", "val_losses", "step_time_s", "samples"):
             setattr(self.progress, per_step, {k: v for k, v in getattr(self.progress, per_step).items() if k <= step})
 
     # -- the executor of decisions -------------------------------------------------

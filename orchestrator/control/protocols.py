@@ -30,6 +30,7 @@ class WorkerGroup(Protocol):
 
     def start(self) -> None: ...
     def step(self, step_index: int) -> float: ...  # the committed step's loss; raises WorkerFailure
+    def evaluate(self, batches: int) -> float: ...  # the validation loss of the committed weights (WorkerFailure)
     def export_state(self) -> tuple[Any, float]: ...  # (canonical state, optimizer steps)
     def import_state(self, state: Any, optimizer_steps: float) -> None: ...
     def release(self) -> None: ...  # the group ends; in place, the processes that kept their state stay for the next

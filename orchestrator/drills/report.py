@@ -116,11 +116,15 @@ def drill_plot(r: dict, path: str | Path) -> None:
 
 
 def run_plot(record: dict, rows: list[dict], path: str | Path) -> None:
-    """A job's run record: loss per step, and tokens/s over wall time with its recoveries as bands (a re-plan
-    from its detection to the first step after it; a drain over its switch), as the drill plots draw them."""
+    """A job's run record: loss per step (and the validation loss where it was evaluated), and tokens/s over
+    wall time with its recoveries as bands (a re-plan from its detection to the first step after it; a drain over
+    its switch), as the drill plots draw them."""
     plt = _pyplot()
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
     a.plot([r["step"] for r in rows], [r["loss"] for r in rows], "o-", ms=3, color="tab:blue", label="loss")
+    held_out = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if held_out:  # train.eval_every: the validation loss after those steps
+        a.plot(*zip(*held_out, strict=True), "s-", ms=4, color="tab:green", label="validation loss")
     kinds: set[str] = set()
     for e in record["events"]:
         if e.get("kind") in ("re-plan", "drain", "scale-up"):

@@ -34,6 +34,7 @@ class DrillResult:
     reference_kind: str = "fixed"  # runner.REFERENCES
     final_nodes: list[str] = field(default_factory=list)  # the nodes of the plan the drill ended on
     sample_ranges: dict[int, list] = field(default_factory=dict)  # per committed step: (first sample, count) read
+    val_losses: dict[int, float] = field(default_factory=dict)  # after step s (train.eval_every): held-out loss
 
     @property
     def goodput(self) -> float:

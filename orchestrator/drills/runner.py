@@ -321,7 +321,8 @@ class Drill(FaultInjection):
             faults=self.fired, recoveries=recoveries, bytes_by_tier=by_tier, lost_steps=lost,
             samples=check_samples(final, steps, c.train.global_batch), wall_s=wall, useful_s=useful,
             uploads=list(c.store.uploads), error=error, reference_kind=self.reference_kind,
-            upload_lag=upload_summary(self.lags, end), final_nodes=got["final_nodes"], sample_ranges=final)
+            upload_lag=upload_summary(self.lags, end), final_nodes=got["final_nodes"], sample_ranges=final,
+            val_losses=dict(c.progress.val_losses))
         res.expect_failures = check_expect(self.sc.expect, got) if error is None else []
         return res
 

@@ -160,6 +160,8 @@ class ControllerActor:
                            c.workers.last_peak_mem, c.progress.restarts, getattr(c.group, "real_gpus", False))
             if self.windows:
                 row["epoch"] = round((s + 1) * c.train.global_batch / self.windows, 4)  # epochs done after it
+            if s in c.progress.val_losses:  # train.eval_every: the held-out loss after this step
+                row["val_loss"] = c.progress.val_losses[s]
             if s == c.progress.committed:
                 row["stages"] = getattr(c.group, "last_stages", [])
                 row["peer_step"] = c.progress.snapshot_step  # the newest step copied to a peer keeper (or kept)

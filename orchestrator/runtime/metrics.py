@@ -17,6 +17,7 @@ from planner.specs import ModelSpec, tokens_per_step
 
 GAUGES = {
     "loss": ("hetspot_train_loss", "training loss of the last committed step"),
+    "val_loss": ("hetspot_validation_loss", "held-out loss of the last evaluation (train.eval_every)"),
     "tokens_per_s": ("hetspot_tokens_per_second", "tokens trained per second in the last step"),
     "mfu": ("hetspot_mfu", "model FLOPs utilisation against the plan's fleet peak"),
     "step_time_s": ("hetspot_step_time_seconds", "wall time of the last committed step"),
@@ -122,9 +123,11 @@ class TensorBoardLog:
         self.writer = SummaryWriter(logdir=logdir)
 
     def record(self, row: dict) -> None:
-        for key in ("loss", "tokens_per_s", "mfu", "step_time_s", "device_memory_bytes"):
-            if row[key] is not None:
+        for key in ("loss", "tokens_per_s", "mfu", "step_time_s", "device_memory_bytes", "epoch"):
+            if row.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", row[key], row["step"])
+        if row.get("val_loss") is not None:
+            self.writer.add_scalar("validation/loss", row["val_loss"], row["step"])
         self.writer.flush()
 
     def close(self) -> None:

@@ -331,6 +331,13 @@ class PlanRun:
         result.tokens_per_s = tokens * steps / sum(result.step_time_s)  # step-time throughput
         return result
 
+    def evaluate(self, batches: int) -> float:
+        """The validation loss of the committed weights: every rank's forward-only pass of `batches` global
+        batches of held-out samples, the replicas' shares summed (Engine.evaluate)."""
+        outs = self._gather([w.evaluate.remote(batches) for w in self.workers], "evaluation",
+                            self.job.runtime.step_timeout_s * batches)
+        return sum(v for v in outs if v is not None)
+
     def export_states(self) -> list[dict]:
         return self._gather([w.export_state.remote() for w in self.workers], "state export", self.timeouts.transfer_s)
 
@@ -400,6 +407,9 @@ class RayWorkerGroup:
         self.last_stages = r.stages[0]
         self.last_samples = r.samples[0]
         return r.losses[0]
+
+    def evaluate(self, batches: int) -> float:
+        return self.run.evaluate(batches)
 
     def export_state(self) -> tuple[dict, float]:
         from workers.state import full_state  # (torch: the controller imports it for this alone)
