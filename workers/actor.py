@@ -42,6 +42,7 @@ from workers.transfer import (
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
+    from workers.data import Dataset
     from workers.engine import Engine
 
 
@@ -103,7 +104,7 @@ class TrainWorker:
         self.dataset = make_dataset(data.get("kind", "synthetic"), self.model.seq_len, self.model.vocab_size,
                                     self.train.seed, data.get("path"), data.get("dtype", "uint16"),
                                     data.get("endpoint_url"), CacheConfig.from_data(data))
-        self.held_out = None  # the validation set, made at the first evaluation
+        self.held_out: Dataset | None = None  # the validation set, made at the first evaluation
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config = config
         self.log_every = config.log_every
@@ -219,6 +220,7 @@ class TrainWorker:
             data = self.config.data
             _, self.held_out = make_datasets(data, self.model.seq_len, self.model.vocab_size, self.train.seed,
                                              CacheConfig.from_data(data), validation=True)
+        assert self.held_out is not None  # (made above: make_datasets with validation gives one or raises)
         try:
             return self.running.evaluate(self.held_out, batches)
         except Exception as e:

@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +128,7 @@ class _Shards:
         self.buf: list[np.ndarray] = []
         self.held = 0
         self.written: list[str] = []
-        self._client = None
+        self._client: Any = None
 
     def add(self, tokens: np.ndarray) -> None:
         while len(tokens):

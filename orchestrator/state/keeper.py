@@ -148,10 +148,11 @@ class KeeperStore:
         with self.s3_lock:  # one read per object per node, however many workers need it; other objects meanwhile
             if s3 is not None and (self.s3_store is None or self.s3_store[0] != s3):  # a boto3 client: ~0.2 s
                 self.s3_store = (s3, S3Checkpoints.at(s3))
-            pending = self.s3_read.get(piece.key)
-            mine = pending is None
+            found = self.s3_read.get(piece.key)
+            mine = found is None
+            pending: Future = Future() if found is None else found
             if mine:
-                pending = self.s3_read[piece.key] = Future()
+                self.s3_read[piece.key] = pending
         if mine:
             try:
                 if s3 is None or self.s3_store is None:

@@ -198,10 +198,10 @@ class Lease:
                 log.warning("could not take a read lease on step %d in %s (%s): a job pruning this prefix may "
                             "delete the step while it is read", self.step, s.uri, s3_code(e))
             return
-        old = (self.key, self.version)
+        old_key, old_version = self.key, self.version
         self.key, self.version, self.taken_at, self._renewed = key, version, now, time.monotonic()
-        if old[0] is not None:
-            s._delete_quietly(*old)
+        if old_key is not None:
+            s._delete_quietly(old_key, old_version)
 
     def __exit__(self, *exc) -> None:
         if self.key is not None:
@@ -341,8 +341,10 @@ class WriterLock:
                 s._delete_quietly(self.key, old)
 
     def check(self) -> None:
-        """Before a manifest: the lock is still this writer's (one HEAD); CheckpointError (FOREIGN) if not."""
-        from botocore.exceptions import ClientError
+        """Before a manifest: the lock is still this writer's (one HEAD); CheckpointError (FOREIGN) if not. A HEAD
+        S3 refuses now (throttled, unreachable) is no verdict: the manifest goes on (its own write would meet the
+        same S3), and the renewals, which fail loudly once the lock is taken, keep watching."""
+        from botocore.exceptions import BotoCoreError, ClientError
 
         s = self.store
         with self._lock:
@@ -352,8 +354,12 @@ class WriterLock:
                 etag = s.client.head_object(Bucket=s.bucket, Key=self.key).get("ETag")
             except ClientError as e:
                 if s3_code(e) not in _ABSENT:
-                    raise
+                    log.info("the writer lock of run %s could not be checked (%s)", self.run_id, s3_code(e))
+                    return
                 etag = None
+            except BotoCoreError as e:
+                log.info("the writer lock of run %s could not be checked (%s)", self.run_id, type(e).__name__)
+                return
             if etag != self.etag:
                 self.lost = (f"run {self.run_id}'s writer lock at {s.where(self.key)} is no longer this job's "
                              "(another writer took it over): this job writes no more steps of the run")
