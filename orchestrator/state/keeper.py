@@ -218,8 +218,13 @@ class KeeperStore:
         if len(pieces) <= 1:
             return [one(p) for p in pieces]
         # Pieces at once (each large one in concurrent parts too): one S3 connection is far below a node's NIC.
-        with ThreadPoolExecutor(min(UPLOAD_PIECES, len(pieces)), thread_name_prefix="hetspot-s3-put") as pool:
-            return list(pool.map(one, pieces))
+        # The first failure ends the call (an unreachable bucket fails every piece alike): the pieces not started
+        # are dropped and the call does not wait for the others' retries, so the keeper is free for a restore.
+        pool = ThreadPoolExecutor(min(UPLOAD_PIECES, len(pieces)), thread_name_prefix="hetspot-s3-put")
+        try:
+            return [f.result() for f in [pool.submit(one, p) for p in pieces]]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 # one per node, pinned there by tiers.py
