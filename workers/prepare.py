@@ -6,8 +6,9 @@ Hugging Face `tokenizers` tokenizer read from a local `tokenizer.json` (a tokeni
 on every machine: the user points at the file), followed by the end-of-text token, and the tokens are written as
 flat `uint16` arrays (`uint32` where the vocabulary does not fit in 16 bits) in shards of at most `shard_bytes`,
 named `shard-00000.bin`, ... in a new local folder or under an `s3://BUCKET/PREFIX/`. Documents are encoded in
-batches (up to 8,192 documents or 16 MiB of text) with the tokenizer's own `encode_batch`, which runs on all
-cores (its Rust thread pool).
+batches (up to 8,192 documents or 16 MiB of text) with the tokenizer's own batch encoding (without character
+offsets), which runs on all cores (its Rust thread pool). (Reading the next batch beside the encoding was tried:
+on two cores the reading thread takes a core from the encoder and the whole runs slower.)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from workers.data_errors import DataError
 
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
-BATCH_DOCS = 8192  # documents per encode_batch call (its thread pool needs many to keep every core busy)
+BATCH_DOCS = 8192  # documents per encode call (its thread pool needs many to keep every core busy)
 BATCH_CHARS = 16 << 20  # or this much text, whichever comes first
 
 
@@ -200,14 +201,17 @@ def prepare(inputs: list[str], tokenizer_path: str, out: str, field: str = "text
     docs = tokens = 0
     batch: list[str] = []
 
+    encode_fn = getattr(tok, "encode_batch_fast", tok.encode_batch)  # (no character offsets: faster, same ids)
+
     def encode(texts: list[str]) -> None:
         nonlocal docs, tokens
-        encoded = tok.encode_batch(texts, add_special_tokens=False)
-        total = sum(len(e.ids) for e in encoded) + len(encoded)
-        ids = np.fromiter(itertools.chain.from_iterable(itertools.chain(e.ids, (eos,)) for e in encoded),
-                          dtype=np.int64, count=total)
+        encoded = encode_fn(texts, add_special_tokens=False)
+        lengths = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
+        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encoded), dtype=np.int64,
+                           count=int(lengths.sum()))
+        ids = np.insert(flat, np.cumsum(lengths), eos)  # the end-of-text token after each document
         shards.add(ids)
-        tokens += total
+        tokens += len(ids)
         docs += len(texts)
         progress(docs, tokens)
 
