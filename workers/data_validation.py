@@ -63,16 +63,17 @@ def corpus_windows(kind: str, path: str | None, seq_len: int, dtype: str = "uint
     if kind == "synthetic" or not path:
         return None
     itemsize = 1 if kind == "text" else ITEMSIZE[dtype]
-    total = 0
-    for shard in shard_paths(path, endpoint_url):
-        if shard.startswith("s3://"):
-            from workers.s3_data import S3Array
+    if path.startswith("s3://"):
+        from workers.s3_data import S3Array, prefix_sizes
 
-            size = S3Array(shard, "uint8", endpoint_url).size_bytes
-        else:
-            size = Path(shard).expanduser().stat().st_size
-        total += (size // itemsize) // (seq_len + 1)
-    return total
+        # a prefix's sizes from its one listing (no request per shard); one object's from its HEAD
+        sizes = (list(prefix_sizes(path, endpoint_url).values()) if path.endswith("/")
+                 else [S3Array(path, "uint8", endpoint_url).size_bytes])
+    else:
+        sizes = [Path(shard).expanduser().stat().st_size for shard in shard_paths(path)]
+    if not sizes:
+        raise DataError(f"data.path {path!r} is a folder with no files in it")
+    return sum((n // itemsize) // (seq_len + 1) for n in sizes)
 
 
 def check_data(kind: str, path: str | None, seq_len: int, vocab_size: int, dtype: str = "uint16",

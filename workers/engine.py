@@ -343,9 +343,8 @@ class Engine(GradSync, OptimizerState):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         big_b = self.plan.global_batch
-        start = step_index * big_b + self.plan.sample_offsets()[self.info.pipeline]
         sizes = self.pipe.micro_batch_sizes()
-        starts = [start + sum(sizes[:j]) for j in range(len(sizes))]
+        starts = self._starts(step_index)
         reads = self.first or self.last  # only these stages consume tokens (inputs, targets); middle ones never read
         if reads and hasattr(self.data, "prefetch"):  # remote data: this step's micro-batches and the next step's,
             self.data.prefetch([range(a, a + n) for a, n in zip(starts, sizes, strict=True)]  # read ahead of use
@@ -443,8 +442,7 @@ class Engine(GradSync, OptimizerState):
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
             for b in range(batches):
-                start = b * big_b + self.plan.sample_offsets()[self.info.pipeline]
-                starts = [start + sum(sizes[:j]) for j in range(len(sizes))]
+                starts = self._starts(b)
                 sent: dict[tuple[str, int], torch.Tensor] = {}
                 got: dict[tuple[str, int], torch.Tensor] = {}
                 for item in items:
@@ -465,6 +463,12 @@ class Engine(GradSync, OptimizerState):
             self.store.drain()
         value = float(total.cpu())  # the pass's one read
         return value if self.last and self.info.tp_rank == 0 else None
+
+    def _starts(self, batch: int) -> list[int]:
+        """The first sample of each of this pipeline's micro-batches in global batch `batch` (a step's index)."""
+        sizes = self.pipe.micro_batch_sizes()
+        start = batch * self.plan.global_batch + self.plan.sample_offsets()[self.info.pipeline]
+        return [start + sum(sizes[:j]) for j in range(len(sizes))]
 
     def _tokens(self, start: int, n: int) -> torch.Tensor:
         return self._tokens_of(self.data, start, n)

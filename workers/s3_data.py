@@ -48,6 +48,11 @@ def is_s3(path: str | None) -> bool:
 def list_prefix(uri: str, endpoint_url: str | None = None) -> list[str]:
     """The objects directly under an s3:// prefix ending in "/" (not in its sub-folders), in key order, as
     s3:// URIs: a corpus's shards. DataError (naming data.path) where S3 refuses the listing."""
+    return list(prefix_sizes(uri, endpoint_url))
+
+
+def prefix_sizes(uri: str, endpoint_url: str | None = None) -> dict[str, int]:
+    """`list_prefix`'s objects with their sizes in bytes, from the one listing."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.*/)?", uri)
@@ -57,15 +62,15 @@ def list_prefix(uri: str, endpoint_url: str | None = None) -> list[str]:
     bucket, prefix = m.group(1), m.group(2) or ""
     try:
         pages = new_s3_client(endpoint_url).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+        sizes = {o["Key"]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
     except ClientError as e:
         code = str(e.response.get("Error", {}).get("Code"))
         raise DataError(f"data.path {uri!r}: listing the shards was refused ({code}); give the job's credentials "
                         "s3:ListBucket on the bucket, or check its name") from None
     except BotoCoreError as e:
         raise DataError(f"data.path {uri!r}: cannot reach S3 ({redact(e)}); check data.endpoint_url") from None
-    rest = [k[len(prefix):] for k in keys]
-    return [f"s3://{bucket}/{prefix}{r}" for r in sorted(rest) if r and "/" not in r and not r.startswith(".")]
+    return {f"s3://{bucket}/{k}": n for k, n in sorted(sizes.items())
+            if (r := k[len(prefix):]) and "/" not in r and not r.startswith(".")}
 
 
 class S3Array:

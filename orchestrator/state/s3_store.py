@@ -607,10 +607,13 @@ class S3Checkpoints:
 
     # -- list ---------------------------------------------------------------------
     def _listing(self, under: str | None = None) -> Listing:
-        """Every object under the prefix (or the folder `under`): {key: size}, with each one's ETag beside."""
+        """Every object under the prefix (or the folder `under`): {key: size}, with each one's ETag beside and the
+        bucket's clock when S3 answered."""
         out = Listing()
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=under or self.dir)
         for page in pages:
+            if out.date is None:
+                out.date = _date_of(page, self.clock)
             for o in page.get("Contents", []):
                 out[o["Key"]] = o["Size"]
                 out.etags[o["Key"]] = str(o.get("ETag", "")).strip('"')
@@ -728,12 +731,7 @@ class S3Checkpoints:
             data = self._fetch(step, entry)
         except (BotoCoreError, ClientError) as e:
             raise self._read_error(step, entry, e) from None
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != entry["bytes"] or digest != entry["sha256"]:
-            raise CheckpointError(f"{where} does not match its SHA256 in the manifest of step {step} (read "
-                                  f"{len(data)} bytes with SHA256 {digest[:12]}...; the manifest says "
-                                  f"{entry['bytes']} bytes with SHA256 {entry['sha256'][:12]}...)", Refusal.CORRUPT,
-                                  step)
+        self._check_bytes(step, entry, len(data), hashlib.sha256(data).hexdigest())
         try:
             tensors = from_safetensors(data)
         except SafetensorError as e:
@@ -742,11 +740,21 @@ class S3Checkpoints:
         except KeyError as e:  # numpy has no such dtype (BF16): hetspot's state is float32, so not its piece
             raise CheckpointError(f"{where} of step {step} holds a tensor of dtype {e}, which hetspot's state never "
                                   "has", Refusal.CORRUPT, step) from None
-        problems = piece_problems(entry, {k: (dtype_name(t), tuple(t.shape)) for k, t in tensors.items()})
-        if problems:
-            raise CheckpointError(f"{where} of step {step} does not hold what its manifest says: "
-                                  + "; ".join(problems), Refusal.CORRUPT, step)
+        self._check_tensors(step, entry, {k: (dtype_name(t), tuple(t.shape)) for k, t in tensors.items()})
         return tensors, len(data)
+
+    def _check_bytes(self, step: int, entry: dict, n: int, digest: str) -> None:
+        if n != entry["bytes"] or digest != entry["sha256"]:
+            raise CheckpointError(f"{self.where(entry['key'])} does not match its SHA256 in the manifest of step "
+                                  f"{step} (read {n} bytes with SHA256 {digest[:12]}...; the manifest says "
+                                  f"{entry['bytes']} bytes with SHA256 {entry['sha256'][:12]}...)", Refusal.CORRUPT,
+                                  step)
+
+    def _check_tensors(self, step: int, entry: dict, found: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        problems = piece_problems(entry, found)
+        if problems:
+            raise CheckpointError(f"{self.where(entry['key'])} of step {step} does not hold what its manifest says: "
+                                  + "; ".join(problems), Refusal.CORRUPT, step)
 
     def _fetch(self, step: int, entry: dict) -> bytes:
         """A piece's bytes: one GET up to `part_bytes`, else ranged GETs of `part_bytes` over up to `connections`
@@ -792,7 +800,6 @@ class S3Checkpoints:
         (a 1 GiB piece is checked in a few MiB). Bytes read; CheckpointError as `read_piece`."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        where = self.where(entry["key"])
         sha, n, head = hashlib.sha256(), 0, bytearray()
         try:
             resp = self._get_piece(step, entry)
@@ -803,18 +810,12 @@ class S3Checkpoints:
                     head += chunk[:8 + SAFETENSORS_HEADER_MAX - len(head)]
         except (BotoCoreError, ClientError) as e:
             raise self._read_error(step, entry, e) from None
-        if n != entry["bytes"] or sha.hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{where} does not match its SHA256 in the manifest of step {step} (read {n} "
-                                  f"bytes with SHA256 {sha.hexdigest()[:12]}...; the manifest says {entry['bytes']} "
-                                  f"bytes with SHA256 {entry['sha256'][:12]}...)", Refusal.CORRUPT, step)
+        self._check_bytes(step, entry, n, sha.hexdigest())
         found = safetensors_header(bytes(head), n)
         if isinstance(found, str):
-            raise CheckpointError(f"{where} of step {step} is not a safetensors file ({found})", Refusal.CORRUPT,
-                                  step)
-        problems = piece_problems(entry, found)
-        if problems:
-            raise CheckpointError(f"{where} of step {step} does not hold what its manifest says: "
-                                  + "; ".join(problems), Refusal.CORRUPT, step)
+            raise CheckpointError(f"{self.where(entry['key'])} of step {step} is not a safetensors file ({found})",
+                                  Refusal.CORRUPT, step)
+        self._check_tensors(step, entry, found)
         return n
 
     def read_unit(self, manifest: dict, name: str) -> tuple[dict, int]:
@@ -917,12 +918,9 @@ class S3Checkpoints:
         """Steps a reader holds now (leases not yet expired), `now` on the bucket's clock (default: the `Date` of
         the listing's own answer)."""
         under = f"{self.dir}{LEASES}/"
-        listing: dict[str, int] = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=under):
-            if now is None:
-                now = _date_of(page, self.clock)
-            listing.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
-        now = self.clock() if now is None else now
+        listing = self._listing(under)
+        if now is None:
+            now = listing.date if listing.date is not None else self.clock()
         held = set()
         for key in listing:
             m = _LEASE.fullmatch(key[len(under):])
@@ -1008,18 +1006,17 @@ class S3Checkpoints:
                         "until aborted; grant the job's credentials s3:ListBucketMultipartUploads on the bucket and "
                         "s3:AbortMultipartUpload on the prefix", self.where(under), s3_code(e))
             return 0
-        for page in [{"Uploads": listed}]:
-            for up in page.get("Uploads", []):
-                m = _STEP.fullmatch(up["Key"][len(self.dir):])
-                if before is not None and (m is None or int(m.group(1)) >= before):
-                    continue
-                if run_id is not None and piece_run(up["Key"]) not in (None, run_id):
-                    continue
-                try:
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    n += 1
-                except Exception as e:  # noqa: BLE001 - aborted at the next prune
-                    log.warning("could not abort the upload of %s (%s)", self.where(up["Key"]), s3_code(e))
+        for up in listed:
+            m = _STEP.fullmatch(up["Key"][len(self.dir):])
+            if before is not None and (m is None or int(m.group(1)) >= before):
+                continue
+            if run_id is not None and piece_run(up["Key"]) not in (None, run_id):
+                continue
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                n += 1
+            except Exception as e:  # noqa: BLE001 - aborted at the next prune
+                log.warning("could not abort the upload of %s (%s)", self.where(up["Key"]), s3_code(e))
         return n
 
     def keep_newest(self, keep: int, identity: Identity | None = None) -> Pruned:
@@ -1126,11 +1123,12 @@ def safetensors_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int
 
 
 class Listing(dict):
-    """A listing: {key: size}, and `etags` {key: ETag} beside it."""
+    """A listing: {key: size}, `etags` {key: ETag} beside it, and `date`: the bucket's clock at its answer."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.etags: dict[str, str] = {}
+        self.date: float | None = None
 
 
 def _version(entry: dict) -> dict:
