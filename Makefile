@@ -20,6 +20,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hetspot plan examples/mixed-cluster.yaml
 	$(BIN)/hetspot submit examples/tiny-mixed.yaml
+	rm -rf hetspot-demo && $(BIN)/python examples/make_tokenizer.py hetspot-demo/tokenizer.json README.md docs/*.md
+	$(BIN)/hetspot data prepare README.md docs/*.md --tokenizer hetspot-demo/tokenizer.json --out hetspot-demo/shards --shard-mib 0.1
+	$(BIN)/hetspot submit examples/tiny-shards.yaml
 	$(BIN)/hetspot drill drills/preempt.yaml --plot drill-preempt.png
 
 # Two xdist workers: one runs the embedded-cluster test modules one after another, the other the modules with Ray

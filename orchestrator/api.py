@@ -171,8 +171,10 @@ def check_plan(plan: Plan, job: JobSpec, source: str) -> Plan:
     return plan
 
 
-def check_data(job: JobSpec, source: str) -> None:
-    """The job's data file against its model, before any cluster starts (exit 2 on a problem)."""
+def check_data(job: JobSpec, source: str) -> JobSpec:
+    """The job's data against its model, before any cluster starts (exit 2 on a problem). Returns the job with its
+    corpus indexed (`data.index`: every shard's size and version, workers/corpus_index.py; a job file that carries
+    an index is checked against the corpus instead) and, where `train.epochs` bounds it, its steps."""
     from workers.data_validation import DataError, check_data
 
     d, m = job.data, job.model_spec
@@ -180,9 +182,68 @@ def check_data(job: JobSpec, source: str) -> None:
         check_data(d.kind, d.path, m.seq_len, m.vocab_size, d.dtype, d.endpoint_url)
         if d.val_path:
             check_data(d.kind, d.val_path, m.seq_len, m.vocab_size, d.dtype, d.endpoint_url)
+        job = with_index(job)
         check_held_out(job)
+        return with_epochs(job)
     except DataError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+def with_index(job: JobSpec) -> JobSpec:
+    """The job with its corpus's index: made now, or the job file's own checked against the corpus."""
+    from orchestrator.job_spec import CorpusIndex
+    from workers.corpus_index import index_corpus
+    from workers.data_validation import DataError
+
+    d = job.data
+    if d.kind == "synthetic" or d.path is None:
+        return job
+    found = CorpusIndex.model_validate({
+        "shards": index_corpus(d.path, d.endpoint_url),
+        "val_shards": index_corpus(d.val_path, d.endpoint_url, "data.val_path") if d.val_path else None})
+    if d.index is not None and d.index != found:
+        pinned = {e.path: e for e in (d.index.shards + (d.index.val_shards or []))}
+        now = {e.path: e for e in (found.shards + (found.val_shards or []))}
+        diff = ([f"{p} is gone" for p in pinned if p not in now] + [f"{p} is new" for p in now if p not in pinned]
+                + [f"{p} is {now[p].bytes:,} bytes ({now[p].version}), indexed at {e.bytes:,} ({e.version})"
+                   for p, e in pinned.items() if p in now and now[p] != e])
+        raise DataError(f"data.index: the corpus is not the one the job file pins ({'; '.join(diff[:3])}"
+                        f"{f'; {len(diff) - 3} more' if len(diff) > 3 else ''}); put the shards back, or remove "
+                        "data.index to train on the corpus as it is now")
+    return job.model_copy(update={"data": d.model_copy(update={"index": found})})
+
+
+def training_windows(job: JobSpec) -> int | None:
+    """The samples of one epoch (the corpus's windows less the held-out ones) from the job's index; None for
+    synthetic data or a job not indexed."""
+    from workers.corpus_index import windows_of
+
+    d = job.data
+    if d.kind == "synthetic" or d.index is None:
+        return None
+    itemsize = 1 if d.kind == "text" else {"uint16": 2, "uint32": 4}[d.dtype]
+    windows = windows_of([e.model_dump() for e in d.index.shards], itemsize, job.model_spec.seq_len + 1)
+    return windows - (0 if d.val_path else int(windows * d.val_fraction))
+
+
+def with_epochs(job: JobSpec) -> JobSpec:
+    """`train.epochs` as the job's steps: ceil(epochs x an epoch's samples / global_batch)."""
+    import math
+
+    from workers.data_validation import DataError
+
+    epochs = job.train.epochs
+    if epochs is None:
+        return job
+    windows = training_windows(job)
+    if windows is None:
+        raise DataError("train.epochs counts passes over a corpus and synthetic data has none: set steps instead "
+                        "(or data.kind tokens or text with data.path)")
+    steps = max(1, math.ceil(epochs * windows / job.train.global_batch))
+    if "steps" in job.model_fields_set and job.steps != steps:
+        raise DataError(f"steps ({job.steps}) and train.epochs ({epochs:g}: {steps} steps of {job.train.global_batch}"
+                        f" samples over {windows:,} windows) both bound the job; keep one of them")
+    return job.model_copy(update={"steps": steps})
 
 
 def check_held_out(job: JobSpec) -> None:
@@ -193,7 +254,8 @@ def check_held_out(job: JobSpec) -> None:
     if not t.eval_every:
         if d.val_fraction or d.val_path:
             warnings.warn(f"data.{'val_path' if d.val_path else 'val_fraction'} is set but train.eval_every is 0: no "
-                          "validation loss is computed (set train.eval_every to the steps between evaluations)",
+                          "validation loss is computed (set train.eval_every to the steps between evaluations); "
+                          "held-out windows are still kept out of training",
                           stacklevel=2)
         return
     if d.kind == "synthetic":
@@ -225,6 +287,7 @@ def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None 
     Jobs driver) when `checkpoint.resume` is auto and the prefix holds this job's steps. A prefix holding another
     job's or model's steps is refused either way: it is never resumed silently."""
     from orchestrator.state.s3_store import check_access
+    from workers.corpus_index import data_digest
 
     c = job.checkpoint
     if c is None:
@@ -252,6 +315,12 @@ def check_checkpoint(job: JobSpec, source: str, resume: bool, steps: int | None 
         if model is not None and model != job.model_spec.model_dump():
             raise ConfigError(f"{source}: checkpoint.uri {c.uri} holds steps of job {job.name!r} for another model "
                               f"({model.get('name')}, {model.get('num_layers')} layers); give this run its own prefix")
+        data, going_on = newest[1].get("data"), resume or (auto and c.resume == "auto")
+        if data is not None and going_on and data != data_digest(job.data.model_dump()):
+            raise ConfigError(f"{source}: checkpoint.uri {c.uri} holds steps trained on another version of the data "
+                              f"(data.path {job.data.path!r}: its shards, their contents or data.val_fraction "
+                              "changed since); a resume picks samples by their index, so it would read others: put "
+                              "the corpus back as it was, or start a new run with its own checkpoint.uri")
     resume = resume or (auto and c.resume == "auto" and newest is not None)
     if resume and newest is None:
         raise ConfigError(f"{source}: --resume: no complete step under {c.uri}"
@@ -309,7 +378,7 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
     source = str(job_path)
     job = with_restore_from(load_job(job_path), restore_from, source)
     cluster = require_cluster(job, source)
-    check_data(job, source)
+    job = check_data(job, source)  # with its corpus index (and its steps, where train.epochs bounds it)
     checkpoint_run = check_checkpoint(job, source, resume, steps)
     if plan_path is not None:
         plan = check_plan(load_plan(plan_path), job, str(plan_path))
@@ -360,6 +429,8 @@ def submit_local(job_path: str | Path, plan_path: str | Path | None = None, step
         "plan": summary["plan"],
         "first_step": summary["first_step"],
         "losses": summary["losses"],
+        "samples": summary["samples"],
+        "val_losses": summary["val_losses"],  # step -> the validation loss after it (train.eval_every)
         "step_time_s": summary["step_time_s"],
         "tokens_per_s": (tokens_per_step(job.model_spec, job.train.global_batch) * len(summary["losses"]) / trained_s
                          if trained_s > 0 else 0.0),

@@ -52,7 +52,7 @@ def main() -> int:
     try:  # the data and the bucket are reached from the cluster: check them here, before any worker starts
         from orchestrator.api import check_checkpoint, check_data
 
-        check_data(job, "submitted job")
+        job = check_data(job, "submitted job")  # with its corpus index, taken here on the cluster
         steps = int(os.environ.get(ENV_STEPS) or job.steps)
         resumed = check_checkpoint(job, "submitted job", resume, steps, auto=True)
     except ConfigError as e:

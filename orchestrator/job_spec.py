@@ -61,6 +61,20 @@ class ModelSection(_Section):
         return ModelSpec(**fields)
 
 
+class ShardEntry(_Section):
+    path: str
+    bytes: int = Field(ge=0)
+    version: str = Field(description="S3's ETag, or for a local file a SHA-256 of its size and its first and last "
+                         "4 KiB (workers/corpus_index.py); empty: the size alone is checked")
+
+
+class CorpusIndex(_Section):
+    """The shards of data.path and data.val_path as the job found them at submit (workers/corpus_index.py)."""
+
+    shards: list[ShardEntry]
+    val_shards: list[ShardEntry] | None = None
+
+
 class DataSpec(_Section):
     kind: Literal["synthetic", "text", "tokens"] = Field(
         default="synthetic",
@@ -83,6 +97,11 @@ class DataSpec(_Section):
                                 "training as the held-out set train.eval_every reads (its last windows)")
     val_path: str | None = Field(default=None, description="a held-out corpus of its own (a file, folder or s3:// "
                                  "prefix, like path): train.eval_every reads its windows in order")
+
+    index: CorpusIndex | None = Field(default=None, description="written at submit, not by hand: the corpus's "
+                                      "shards with their sizes and versions (S3 ETags); every worker opens exactly "
+                                      "these and refuses one that changed. A job file that carries one pins its "
+                                      "corpus: the submit refuses it if the shards differ")
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataSpec:

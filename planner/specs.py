@@ -287,6 +287,9 @@ class TrainSpec(StrictModel):
                             "(0: none); held-out data from data.val_fraction or data.val_path")
     eval_samples: int = Field(default=0, ge=0, description="held-out samples each evaluation reads, a multiple of "
                               "global_batch (0: one global batch)")
+    epochs: float | None = Field(default=None, gt=0, le=1e6, description="bound the job by passes over the corpus "
+                                 "instead of `steps`: the job trains ceil(epochs x the corpus's training windows / "
+                                 "global_batch) steps (a file or shards; not synthetic data)")
 
     @model_validator(mode="after")
     def _eval_whole_batches(self) -> TrainSpec:

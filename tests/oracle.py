@@ -16,7 +16,7 @@ def one_device_run(job: JobSpec, steps: int, val_losses: dict | None = None) -> 
     tensors by canonical name), with the compute dtype a job's worker gives the plan's one stage. With
     `val_losses` (a dict, filled here) and `train.eval_every`, the validation losses where the controller
     evaluates (after every eval_every-th step and the last)."""
-    from workers.data import make_dataset, make_datasets
+    from workers.data import make_datasets
     from workers.engine import DTYPES, Engine, compute_dtype
     from workers.state import assemble, export_shards
 
@@ -26,7 +26,7 @@ def one_device_run(job: JobSpec, steps: int, val_losses: dict | None = None) -> 
         num_samples=t.global_batch, micro_batch_size=t.global_batch, num_micro_batches=1,
         stages=[Stage(layer_start=0, layer_end=m.num_layers, gpu_type=gpu, node="ref", devices=["ref/0"])])])
     d = job.data
-    data = make_dataset(d.kind, m.seq_len, m.vocab_size, t.seed, d.path, d.dtype)
+    data = make_datasets(d.model_dump(), m.seq_len, m.vocab_size, t.seed)[0]  # as a worker makes it
     e = Engine(plan, 0, m, t, data, DTYPES[compute_dtype(job.runtime.dtype, t.precision, gpu)])
     e.connect_alone(30)
     every = t.eval_every if val_losses is not None else 0

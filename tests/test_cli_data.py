@@ -105,3 +105,32 @@ def test_a_validation_loss_without_held_out_data_or_whole_batches_exits_2_naming
         res = runner.invoke(app, ["submit", str(f)])
         assert res.exit_code == 2, (data, train, res.output)
         assert needle in " ".join(res.output.split()) and "Traceback" not in res.output, (needle, res.output)
+
+
+def test_train_epochs_bound_the_job_and_bad_bounds_exit_2_naming_the_field(tmp_path):
+    """train.epochs: the job trains ceil(epochs x an epoch's samples / global_batch) steps, an epoch being the
+    corpus's windows less the held-out ones; with synthetic data, or beside a different `steps`, exit 2."""
+    from orchestrator.api import check_data
+    from orchestrator.job_spec import load_job
+
+    path = _write(tmp_path, "t.bin", np.random.default_rng(0).integers(0, 64, 17 * 50 + 9, dtype=np.uint16).tobytes())
+
+    def job(data, train, **top):
+        f = tmp_path / "job.yaml"
+        f.write_text(yaml.safe_dump({"model": {"preset": "tiny", "vocab_size": 64},
+                                     "train": {"global_batch": 4, **train}, "cluster": CLUSTER, "data": data} | top))
+        return f
+
+    tokens = {"kind": "tokens", "path": path}
+    assert check_data(load_job(job(tokens, {"epochs": 1.5})), "job").steps == 19  # 75 samples of 50 windows
+    held = tokens | {"val_fraction": 0.2}  # 40 windows to train on
+    assert check_data(load_job(job(held, {"epochs": 2})), "job").steps == 20
+    assert check_data(load_job(job(held, {"epochs": 2}, steps=20)), "job").steps == 20  # both, agreeing
+    for data, train, top, needle in [
+        ({"kind": "synthetic"}, {"epochs": 1}, {}, "train.epochs counts passes over a corpus"),
+        (tokens, {"epochs": 1}, {"steps": 5}, "steps (5) and train.epochs (1: 13 steps of 4 samples over 50 windows)"),
+        (tokens, {"epochs": 0}, {}, "field 'train.epochs'"),
+    ]:
+        res = runner.invoke(app, ["submit", str(job(data, train, **top))])
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and needle in text and "Traceback" not in text, (needle, text)

@@ -71,3 +71,55 @@ def test_a_folder_of_shards_reads_like_one_file_of_their_windows(tmp_path):
     rows = k.batch(range(17))
     want = sorted(tuple(int(x) for x in a[o:o + 17]) for a in shards for o in range(0, len(a) - 16, 17))
     assert sorted(tuple(r.tolist()) for r in rows) == want
+
+
+def test_the_held_out_windows_are_never_trained_on(tmp_path):
+    """data.val_fraction carves whole windows off the corpus's end: the training set's epochs are permutations of
+    the other windows (as the workers make it, with or without an evaluation asked for), and the held-out set reads
+    exactly the carved ones."""
+    from workers.data import make_datasets
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, n in enumerate((17 * 30 + 5, 17 * 20)):
+        (np.arange(n, dtype=np.uint16) % 97 + i).tofile(folder / f"part-{i}.bin")
+    data = {"kind": "tokens", "path": str(folder), "val_fraction": 0.2}
+    train, held = make_datasets(data, 16, 100, seed=0, validation=True)
+    alone, _ = make_datasets(data, 16, 100, seed=0)
+    assert train.order.windows == alone.order.windows == 40 and held.samples == 10  # 50 windows, a fifth held out
+    trained = {train.order.locate(g) for g in range(2 * 40)}  # two epochs
+    carved = {train.order.locate_held(i) for i in range(10)}
+    assert len(trained) == 40 and not trained & carved
+    assert carved == {(1, o * 17) for o in range(10, 20)}  # the corpus's last ten windows
+    assert [alone.order.locate(g) for g in range(40)] == [train.order.locate(g) for g in range(40)]
+
+
+def test_a_corpus_is_opened_as_it_was_indexed_and_a_changed_shard_is_refused(tmp_path):
+    """The workers open exactly the shards of the job's index: a file added to the folder later is not read (it
+    would change every sample), and a shard rewritten after the index (same size, other tokens) or cut shorter is
+    refused in one line naming it."""
+    from workers.corpus_index import index_corpus
+    from workers.data import make_datasets
+    from workers.data_validation import DataError
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(2):
+        (np.arange(17 * 12, dtype=np.uint16) % 50 + i).tofile(folder / f"part-{i}.bin")
+    data = {"kind": "tokens", "path": str(folder), "index": {"shards": index_corpus(str(folder))}}
+    before = make_datasets(data, 16, 100)[0].batch(range(24)).numpy()
+    (np.arange(17 * 5, dtype=np.uint16) % 50).tofile(folder / "part-2.bin")  # a shard added after the index
+    again = make_datasets(data, 16, 100)[0]
+    assert again.order.windows == 24 and np.array_equal(again.batch(range(24)).numpy(), before)
+    tokens = np.fromfile(folder / "part-1.bin", dtype=np.uint16)
+    tokens[-1] = 99  # one token of its last 4 KiB: the same size
+    tokens.tofile(folder / "part-1.bin")
+    with pytest.raises(DataError, match=r"shard '.*part-1\.bin' changed since the job was submitted \(version "):
+        make_datasets(data, 16, 100)
+    tokens[:-17].tofile(folder / "part-1.bin")
+    with pytest.raises(DataError, match=r"part-1\.bin' changed since the job was submitted \(374 bytes, "
+                                        r"indexed at 408"):
+        make_datasets(data, 16, 100)
+    (folder / "part-1.bin").unlink()
+    with pytest.raises(DataError, match=r"part-1\.bin' cannot be read on this node"):
+        make_datasets(data, 16, 100)

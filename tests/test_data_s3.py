@@ -140,3 +140,41 @@ def test_a_prefix_of_shards_reads_the_batches_of_the_same_local_folder(endpoint,
         assert np.array_equal(s3.batch(rows).numpy(), local.batch(rows).numpy())
     with pytest.raises(ValueError, match="no files in it"):
         check_data("tokens", "s3://data/nothing-here/", 16, 64, endpoint_url=endpoint)
+
+
+@pytest.mark.unit
+def test_a_shard_changed_after_submit_is_refused_in_one_line(endpoint, tmp_path):
+    """The submit indexes an s3:// prefix from its one listing (sizes and ETags) into the job: a worker opening a
+    shard overwritten since refuses it naming the shard, one overwritten while a worker reads it is refused at the
+    next GET (If-Match on the indexed ETag, with no block cache too), and a job file pinning an index that the
+    corpus no longer matches exits 2 naming data.index."""
+    from orchestrator.api import check_data
+    from orchestrator.cli.main import app
+    from orchestrator.job_spec import load_job
+    from workers.data import make_datasets
+    from workers.data_validation import DataError
+
+    c = boto3.client("s3", endpoint_url=endpoint, **CREDS)
+    for i in range(2):
+        c.put_object(Bucket="data", Key=f"pinned/part-{i}.bin", Body=TOKENS[i * 2000:(i + 1) * 2000].tobytes())
+    f = _job(tmp_path, {"kind": "tokens", "path": "s3://data/pinned/", "cache_gb": 0}, endpoint)
+    job = check_data(load_job(f), "job.yaml")
+    index = job.data.index
+    assert [(e.path, e.bytes) for e in index.shards] == [(f"s3://data/pinned/part-{i}.bin", 4000) for i in range(2)]
+    assert all(e.version.strip('"') for e in index.shards)
+    data = job.data.model_dump()
+    train = make_datasets(data, 16, 64)[0]
+    train.batch(range(8))
+    c.put_object(Bucket="data", Key="pinned/part-1.bin", Body=TOKENS[4000:6000].tobytes())  # same size, new ETag
+    with pytest.raises(DataError, match=r"shard 's3://data/pinned/part-1\.bin' changed since the job was submitted "
+                                        r"\(version "):
+        make_datasets(data, 16, 64)
+    with pytest.raises(DataError, match=r"'s3://data/pinned/part-1\.bin' changed while the job read it"):
+        train.batch(range(0, 235))  # an epoch: some windows lie in part-1
+    # a job file that pins the old index: refused before Ray starts, naming the shard that changed
+    pinned = yaml.safe_load(f.read_text()) | {"data": data | {"index": index.model_dump()}}
+    f.write_text(yaml.safe_dump(pinned))
+    res = CliRunner().invoke(app, ["submit", str(f)])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "Traceback" not in text, text
+    assert "data.index: the corpus is not the one the job file pins (s3://data/pinned/part-1.bin is 4,000 bytes" in text

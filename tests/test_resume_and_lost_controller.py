@@ -198,3 +198,47 @@ def test_a_restarted_driver_resumes_by_itself_from_the_newest_complete_step(tmp_
         assert r.returncode == 2 and "already holds steps" in err and "Traceback" not in err, err[-2000:]
     finally:
         ec.shutdown()
+
+
+def test_an_epoch_reads_every_window_once_across_a_resume_and_a_changed_corpus_is_not_resumed(tmp_path, endpoint):
+    """A corpus of three token shards (36 windows of seq_len + 1 tokens, 4.5 steps of 8): `submit --steps 3`, then
+    `submit --resume` to step 7, so the resume lands in the middle of the first epoch. The samples the ranks
+    trained, counted window by window: the first epoch reads every window exactly once, the second 20 distinct
+    windows in another order; the losses are the uninterrupted 1-device run's. Then one shard is rewritten and a
+    further --resume exits 2 in one line: the steps were trained on another version of the data."""
+    import numpy as np
+
+    from workers.epochs import EpochOrder
+
+    window = MODEL["seq_len"] + 1
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    lengths = [14 * window + 5, 12 * window, 10 * window + 16]
+    rng = np.random.default_rng(5)
+    for i, n in enumerate(lengths):
+        rng.integers(0, MODEL["vocab_size"], n, dtype=np.uint16).tofile(folder / f"shard-{i}.bin")
+
+    def job(steps: int) -> Path:
+        f = job_file(tmp_path, "epochs", "epochs", endpoint, A100_L4, steps=steps)
+        f.write_text(yaml.safe_dump(yaml.safe_load(f.read_text()) | {
+            "data": {"kind": "tokens", "path": str(folder), "dtype": "uint16"}}))
+        return f
+
+    first = submit(str(job(3)))
+    second = submit(str(job(7)), "--resume")
+    assert second["first_step"] == 3 and len(first["samples"]) == 3 and len(second["samples"]) == 4
+    order = EpochOrder(lengths, window, seed=0)
+    assert order.windows == 36
+    trained = sorted(i for step in first["samples"] + second["samples"] for a, n in step for i in range(a, a + n))
+    assert trained == list(range(7 * 8))  # every sample of 7 steps once, over both runs
+    read = [order.window_of(i) for i in trained]
+    assert sorted(read[:36]) == list(range(36))  # the first epoch: every window exactly once
+    assert len(set(read[36:])) == 20 and read[36:] != read[:20]  # the second: distinct windows, another order
+    assert_close(first["losses"] + second["losses"], one_device_losses(load_job(job(7)), 7))
+
+    rng.integers(0, MODEL["vocab_size"], lengths[1], dtype=np.uint16).tofile(folder / "shard-1.bin")
+    r = subprocess.run([HETSPOT, "submit", str(job(9)), "--resume"], capture_output=True, text=True, timeout=120,
+                       env=os.environ | CREDS)
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "Traceback" not in text, text
+    assert "holds steps trained on another version of the data" in text and text.count("error:") == 1, text

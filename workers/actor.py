@@ -94,16 +94,16 @@ class TrainWorker:
         import torch.distributed  # noqa: F401
 
         import workers.engine  # noqa: F401  (every module a method imports, imported before any runs on a thread)
-        from workers.data import make_dataset
+        from workers.data import make_datasets
         from workers.restore import Kept, Restore
 
         torch.set_num_threads(config.threads)  # the node's CPUs per GPU (runtime.torch_threads; 1 on test nodes)
         self.model = ModelSpec.model_validate_json(config.model_json)
         self.train = TrainSpec.model_validate_json(config.train_json)
         data = config.data
-        self.dataset = make_dataset(data.get("kind", "synthetic"), self.model.seq_len, self.model.vocab_size,
-                                    self.train.seed, data.get("path"), data.get("dtype", "uint16"),
-                                    data.get("endpoint_url"), CacheConfig.from_data(data))
+        # the training set (held-out windows left out), of the shards the job indexed at submit
+        self.dataset = make_datasets(data, self.model.seq_len, self.model.vocab_size, self.train.seed,
+                                     CacheConfig.from_data(data))[0]
         self.held_out: Dataset | None = None  # the validation set, made at the first evaluation
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config = config

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from workers.corpus_index import open_local
 from workers.data_validation import DataError, TokenArray, check_data, check_window, min_tokens, shard_paths
 from workers.epochs import EpochOrder
 from workers.s3_data import CacheConfig, S3Array, is_s3
@@ -151,12 +152,15 @@ class TextFile(_Windowed):
     ending in "/") is a corpus of shards, in name order."""
 
     def __init__(self, path: str, seq_len: int, seed: int = 0, vocab_size: int = 256, endpoint_url: str | None = None,
-                 cache: CacheConfig | None = None, holdout: float = 0.0):
-        def one(p: str) -> TokenArray:
+                 cache: CacheConfig | None = None, holdout: float = 0.0, index: list[dict] | None = None):
+        def one(p: str, entry: dict | None) -> TokenArray:
             if is_s3(p):
-                return S3Array(p, "uint8", endpoint_url, cache=cache)
+                return S3Array(p, "uint8", endpoint_url, cache=cache, expect=entry, source=f"data.path {path!r}")
+            if entry is not None:
+                return np.array(open_local(entry, f"data.path {path!r}"))  # read whole, as below
             return np.frombuffer(Path(p).read_bytes(), dtype=np.uint8)
-        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path, holdout)
+        super().__init__([one(p, e) for p, e in _shards(path, endpoint_url, index)], vocab_size, seq_len, seed, path,
+                         holdout)
 
 
 class TokenFile(_Windowed):
@@ -164,30 +168,46 @@ class TokenFile(_Windowed):
     (or an s3:// prefix ending in "/") of such files is a corpus of shards, in name order."""
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, dtype: str = "uint16", seed: int = 0,
-                 endpoint_url: str | None = None, cache: CacheConfig | None = None, holdout: float = 0.0):
-        def one(p: str) -> TokenArray:
-            return (S3Array(p, dtype, endpoint_url, cache=cache) if is_s3(p)
-                    else np.memmap(p, dtype=np.dtype(dtype), mode="r"))
-        super().__init__([one(p) for p in shard_paths(path, endpoint_url)], vocab_size, seq_len, seed, path, holdout)
+                 endpoint_url: str | None = None, cache: CacheConfig | None = None, holdout: float = 0.0,
+                 index: list[dict] | None = None):
+        def one(p: str, entry: dict | None) -> TokenArray:
+            if is_s3(p):
+                return S3Array(p, dtype, endpoint_url, cache=cache, expect=entry, source=f"data.path {path!r}")
+            if entry is not None:
+                raw = open_local(entry, f"data.path {path!r}")
+                return raw[:len(raw) // np.dtype(dtype).itemsize * np.dtype(dtype).itemsize].view(np.dtype(dtype))
+            return np.memmap(p, dtype=np.dtype(dtype), mode="r")
+        super().__init__([one(p, e) for p, e in _shards(path, endpoint_url, index)], vocab_size, seq_len, seed, path,
+                         holdout)
+
+
+def _shards(path: str, endpoint_url: str | None, index: list[dict] | None) -> list[tuple[str, dict | None]]:
+    """The shards to open, each with its entry in the job's corpus index: exactly the indexed ones when the job
+    carries an index (workers/corpus_index.py), else what the path names now."""
+    if index is not None:
+        return [(e["path"], e) for e in index]
+    return [(p, None) for p in shard_paths(path, endpoint_url)]
 
 
 def make_dataset(kind: str, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None,
                  dtype: str = "uint16", endpoint_url: str | None = None, cache: CacheConfig | None = None,
-                 holdout: float = 0.0) -> Dataset:
+                 holdout: float = 0.0, index: list[dict] | None = None) -> Dataset:
     """`cache`: the node's block cache for S3 data (CacheConfig.from_data(job's data section)); None reads each
     window with its own GET. `holdout`: the fraction of the corpus's windows kept out of training (the last
-    ones: `held_out(dataset)` reads them)."""
+    ones: `held_out(dataset)` reads them). `index`: the shards as the job indexed them at submit
+    (workers/corpus_index.py): exactly these are opened, each checked against its size and version."""
     if kind == "synthetic":
         return SyntheticCorpus(vocab_size, seq_len, seed)
     if path is None:
         raise DataError(f"data.kind {kind!r} reads a file: set data.path to it (a local path or s3://bucket/key)")
     if kind == "text":
         if not is_s3(path):  # a local file is read whole here anyway; S3 windows are checked as they are read
-            check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
-            return TextFile(path, seq_len, seed, vocab_size, endpoint_url, holdout=holdout)
-        return ReadAhead(TextFile(path, seq_len, seed, vocab_size, endpoint_url, cache, holdout))
+            if index is None:
+                check_data(kind, path, seq_len, vocab_size)  # bytes past the vocabulary: a clear DataError
+            return TextFile(path, seq_len, seed, vocab_size, endpoint_url, holdout=holdout, index=index)
+        return ReadAhead(TextFile(path, seq_len, seed, vocab_size, endpoint_url, cache, holdout, index))
     if kind == "tokens":
-        tokens = TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url, cache, holdout)
+        tokens = TokenFile(path, seq_len, vocab_size, dtype, seed, endpoint_url, cache, holdout, index)
         return ReadAhead(tokens) if is_s3(path) else tokens
     raise ValueError(f"unknown data kind {kind!r}; use synthetic, text or tokens")
 
@@ -198,17 +218,20 @@ SYNTHETIC_HELD_OUT = 1_000_003  # the synthetic corpus's validation samples: ano
 def make_datasets(data: dict, seq_len: int, vocab_size: int, seed: int = 0, cache: CacheConfig | None = None,
                   validation: bool = False) -> tuple[Dataset, Dataset | None]:
     """A job's training set and, with `validation`, its held-out set: `data.val_path` (a corpus of its own, its
-    windows in order), else `data.val_fraction` of the corpus's windows carved off its end (never trained on),
-    else, for synthetic data, another seed's samples."""
+    windows in order), else `data.val_fraction` of the corpus's windows carved off its end (never trained on:
+    the training set leaves them out whether or not this call asks for them), else, for synthetic data, another
+    seed's samples. `data` is the job's data section as the workers receive it, with its corpus index."""
     kind, path, dtype, endpoint = (data.get("kind", "synthetic"), data.get("path"), data.get("dtype", "uint16"),
                                    data.get("endpoint_url"))
     val_path, fraction = data.get("val_path"), float(data.get("val_fraction") or 0.0)
+    index = data.get("index") or {}
     train = make_dataset(kind, seq_len, vocab_size, seed, path, dtype, endpoint, cache,
-                         fraction if validation and not val_path else 0.0)
+                         0.0 if val_path else fraction, index.get("shards"))
     if not validation:
         return train, None
     if val_path:
-        inner = _windowed(make_dataset(kind, seq_len, vocab_size, seed, val_path, dtype, endpoint, cache, 1.0))
+        inner = _windowed(make_dataset(kind, seq_len, vocab_size, seed, val_path, dtype, endpoint, cache, 1.0,
+                                       index.get("val_shards")))
         return train, inner.held_out()
     if kind == "synthetic":
         return train, SyntheticCorpus(vocab_size, seq_len, seed + SYNTHETIC_HELD_OUT)

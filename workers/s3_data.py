@@ -53,6 +53,11 @@ def list_prefix(uri: str, endpoint_url: str | None = None) -> list[str]:
 
 def prefix_sizes(uri: str, endpoint_url: str | None = None) -> dict[str, int]:
     """`list_prefix`'s objects with their sizes in bytes, from the one listing."""
+    return {k: n for k, (n, _) in prefix_objects(uri, endpoint_url).items()}
+
+
+def prefix_objects(uri: str, endpoint_url: str | None = None) -> dict[str, tuple[int, str]]:
+    """`list_prefix`'s objects with their sizes in bytes and ETags, from the one listing."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.*/)?", uri)
@@ -62,7 +67,7 @@ def prefix_sizes(uri: str, endpoint_url: str | None = None) -> dict[str, int]:
     bucket, prefix = m.group(1), m.group(2) or ""
     try:
         pages = new_s3_client(endpoint_url).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        sizes = {o["Key"]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
+        sizes = {o["Key"]: (int(o["Size"]), str(o.get("ETag", ""))) for page in pages for o in page.get("Contents", [])}
     except ClientError as e:
         code = str(e.response.get("Error", {}).get("Code"))
         raise DataError(f"data.path {uri!r}: listing the shards was refused ({code}); give the job's credentials "
@@ -77,7 +82,9 @@ class S3Array:
     """An S3 object as a 1-D array of `dtype`, read by ranged GETs; `bytes_read` counts what came over."""
 
     def __init__(self, uri: str, dtype: str, endpoint_url: str | None = None, client=None,
-                 cache: CacheConfig | None = None):
+                 cache: CacheConfig | None = None, expect: dict | None = None, source: str | None = None):
+        """`expect`: the object's entry in the job's corpus index (workers/corpus_index.py): its size and ETag are
+        checked at the HEAD, and every GET asks for that ETag (If-Match), so no byte of another version is read."""
         m = _URI.fullmatch(uri)
         if not m:
             raise DataError(f"data.path {uri!r} must look like s3://BUCKET/KEY (a bucket name of 3-63 lowercase "
@@ -85,6 +92,11 @@ class S3Array:
         self.uri, self.bucket, self.key, self.dtype = uri, m.group(1), m.group(2), np.dtype(dtype)
         self.client = client or new_s3_client(endpoint_url)  # boto3 clients are safe to share between threads
         self.size_bytes, self.etag = self._head(endpoint_url)
+        self.pinned = expect is not None and bool(expect["version"])
+        if expect is not None:
+            from workers.corpus_index import check_shard
+
+            check_shard(expect, self.size_bytes, self.etag, source or f"data.path {uri!r}")
         self.bytes_read = 0
         self.requests = 0
         self._count = threading.Lock()
@@ -131,7 +143,7 @@ class S3Array:
         """Bytes [first, end) of the object in one GET (of the version the array was opened on, when cached)."""
         from botocore.exceptions import ClientError
 
-        extra = {"IfMatch": self.etag} if self.blocks is not None and self.etag else {}
+        extra = {"IfMatch": self.etag} if (self.blocks is not None or self.pinned) and self.etag else {}
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={first}-{end - 1}",
                                           **extra)["Body"].read()

@@ -229,7 +229,7 @@ def submit(
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    total = steps or job.steps
+    total = steps or (api.check_data(job, job_file).steps if job.train.epochs else job.steps)  # epochs: from the corpus
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), console=err_console, disable=as_json)
     with progress:
@@ -251,6 +251,11 @@ def submit(
                       f"(start-up {result['startup_s']:.1f} s): loss {result['losses'][0]:.4f} -> "
                       f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s over the step times, "
                       f"{result['restarts']} re-plans")
+        if result["val_losses"]:
+            (s0, v0), (s1, v1) = min(result["val_losses"].items()), max(result["val_losses"].items())
+            held = job.train.eval_batches * job.train.global_batch
+            console.print(f"validation loss {v0:.4f} after step {s0} -> {v1:.4f} after step {s1} "
+                          f"({len(result['val_losses'])} evaluations of {held} held-out samples)")
         console.print(f"run record: {result['run_record']}  (hetspot status {result['run_record']} --history; "
                       f"hetspot plot {result['run_record']} -o loss.png)", highlight=False, soft_wrap=True)
 

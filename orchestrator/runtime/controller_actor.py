@@ -72,8 +72,10 @@ def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None
     from orchestrator.state.s3_store import S3Checkpoints
 
     model = job.model_spec
+    from workers.corpus_index import data_digest
+
     meta = {"job": job.name, "run_id": run_id or uuid.uuid4().hex[:12], "model": model.model_dump(),
-            "global_batch": job.train.global_batch}
+            "global_batch": job.train.global_batch, "data": data_digest(job.data.model_dump())}
     return TieredState(job.runtime.snapshot_every, S3Checkpoints.at(c.location), s3_every=c.s3_every, keep=c.keep,
                        meta=meta, restore_from=restore_from or c.restore_from,
                        model_units={p.name: list(p.shape) for p in all_params(model)}, resuming=run_id is not None)
@@ -193,6 +195,8 @@ class ControllerActor:
                 "plan": c.plan.model_dump() if c.plan else None,
                 "first_step": steps[0] if steps else c.progress.committed + 1,
                 "losses": [c.progress.losses[s] for s in steps],
+                "samples": [c.progress.samples.get(s, []) for s in steps],  # (first sample, count) each rank trained
+                "val_losses": {s: v for s, v in sorted(c.progress.val_losses.items())},
                 "step_time_s": [c.progress.step_time_s[s] for s in steps],
                 "uploads": [asdict(u) for u in getattr(c.store, "uploads", [])],
                 "upload_lag": c.store.upload_lag(c.progress.committed),
@@ -202,12 +206,16 @@ class ControllerActor:
 
 def _windows(job: JobSpec) -> int | None:
     """The samples of one epoch of the job's corpus (None: synthetic data, or its shards could not be sized now:
-    the rows then carry no epoch)."""
+    the rows then carry no epoch): from the job's index, else from the shards' sizes now."""
+    from orchestrator.api import training_windows
     from workers.data_validation import corpus_windows
 
     d = job.data
+    if d.index is not None:
+        return training_windows(job)
     try:
-        return corpus_windows(d.kind, d.path, job.model_spec.seq_len, d.dtype, d.endpoint_url)
+        windows = corpus_windows(d.kind, d.path, job.model_spec.seq_len, d.dtype, d.endpoint_url)
+        return None if windows is None else windows - (0 if d.val_path else int(windows * d.val_fraction))
     except Exception as e:  # noqa: BLE001 - only the progress figure is lost; the workers check the data themselves
         log.warning("could not size the corpus at %s (%s): rows carry no epoch", d.path, e)
         return None
