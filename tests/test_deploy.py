@@ -18,6 +18,7 @@ from orchestrator.cli.deploy import render_text
 from orchestrator.cli.main import app
 from orchestrator.cluster.discovery import RayInventory
 from orchestrator.deploy.fleet import NODE_KINDS
+from orchestrator.deploy.image import ecr_login, runs_on
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,12 +26,15 @@ DEPLOY = ROOT / "deploy"
 runner = CliRunner()
 AWS_FILES = sorted((DEPLOY / "aws").glob("*.yaml"))
 K8S_FILES = sorted((DEPLOY / "kuberay").glob("*.yaml"))
+RUNNABLE = [k for k in NODE_KINDS if runs_on(k)]  # the types the pinned image runs (V100 needs a cu126 build)
 RENDERED = {  # more mixes and regions than the shipped files, through the same templates
-    "aws-all-types": ("aws", {"mix": ",".join(f"{k.lower()}:1" for k in NODE_KINDS), "region": "eu-west-1"}),
-    "aws-small": ("aws", {"mix": "t4:3", "region": "ap-southeast-2", "image": "123.dkr.ecr.ap-southeast-2."
+    "aws-all-types": ("aws", {"mix": ",".join(f"{k.lower()}:1" for k in RUNNABLE), "region": "eu-west-1"}),
+    "aws-all-types-cu126": ("aws", {"mix": ",".join(f"{k.lower()}:1" for k in NODE_KINDS), "region": "ap-south-1",
+                                    "torch_build": "cu126"}),
+    "aws-small": ("aws", {"mix": "t4:3", "region": "ap-southeast-2", "image": "123456789012.dkr.ecr.ap-southeast-2."
                           "amazonaws.com/hetspot-node:0.1.0", "ami": "ami-0123456789abcdef0",
                           "fast_health_checks": True}),
-    "k8s-eks-all": ("kuberay", {"mix": ",".join(f"{k.lower()}:2" for k in NODE_KINDS), "platform": "eks"}),
+    "k8s-eks-all": ("kuberay", {"mix": ",".join(f"{k.lower()}:2" for k in RUNNABLE), "platform": "eks"}),
     "k8s-gke": ("kuberay", {"mix": "a100-80gb:1,l4:2", "platform": "gke", "rayjob": True}),
     "k8s-gke-extended": ("kuberay", {"mix": "l4:2", "platform": "gke", "grace_s": 120, "s3_secret": "hetspot-s3",
                                      "fast_health_checks": True}),
@@ -82,8 +86,11 @@ def test_aws_config_passes_rays_own_validator(name, config):
     assert all("RAY_AUTH_MODE=token" in c for c in config["worker_start_ray_commands"][1:])
     # one image, nothing installed at launch, a current GPU AMI, a profile per role (deploy/aws/iam/)
     assert config["docker"]["image"] and config["docker"]["container_name"] and config["setup_commands"] == []
-    assert not any(k in config for k in ("head_setup_commands", "worker_setup_commands", "initialization_commands")
-                   if config.get(k))
+    assert not any(k in config for k in ("head_setup_commands", "worker_setup_commands") if config.get(k))
+    # the one host command: a login to a private ECR registry, before Ray pulls (none for a public image)
+    assert config["initialization_commands"] == ecr_login(config["docker"]["image"])
+    assert bool(config["initialization_commands"]) == (name == "aws-small")
+    assert config["docker"]["worker_run_options"] == ["--gpus all"]  # not Ray's guess from `docker info`
     for nt_name, nt in config["available_node_types"].items():
         ami = nt["node_config"]["ImageId"]
         assert ami.startswith("ami-") or ami.startswith("resolve:ssm:/aws/service/deeplearning/"), ami
@@ -91,8 +98,12 @@ def test_aws_config_passes_rays_own_validator(name, config):
         assert profile == ("hetspot-head" if nt_name == config["head_node_type"] else "hetspot-node")
     # nothing secret: the token is a file mounted from the user's machine, no key or password inline
     assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
-    text = yaml.safe_dump(config).lower()
+    text = yaml.safe_dump({k: v for k, v in config.items() if k != "initialization_commands"}).lower()
     assert not any(w in text for w in ("secret", "password", "akia", "aws_access_key"))
+    # the login pipes ECR's token from the instance role into docker: nothing secret is written either
+    assert all(re.fullmatch(r"aws ecr get-login-password --region [a-z0-9-]+ \| docker login --username AWS "
+                            r"--password-stdin \d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com", c)
+               for c in config["initialization_commands"])
 
 
 def test_rays_validator_refuses_an_unknown_key():
@@ -297,6 +308,7 @@ def test_rayjob_runs_the_driver_as_its_entrypoint():
     assert spec == parse_job(example_job("gke"), "x")  # the renderer's job, carried whole
     assert "emulate_speed" not in env[ENV_JOB] and "cache_gb" not in env[ENV_JOB]  # defaults are the image's
     assert spec.fleet is not None and spec.fleet.types  # it asks for its own GPUs: no worker runs until it does
+    assert spec.fleet.wait_s >= 1800  # a scale from zero: a spot node's start and a 15 GB image's pull
     # GKE: the job heeds the node's notice with the deadline the pods get (15 s), within their grace period
     pods = [g["template"]["spec"] for g in docs["RayCluster"]["spec"]["workerGroupSpecs"]]
     assert spec.runtime.notices == "gcp" and spec.runtime.notice_grace_s == 15
@@ -376,7 +388,11 @@ def test_every_hetspot_command_in_the_deploy_guide_exists_with_its_flags():
     (["--cloud", "aws", "--mix", "b200:2"], "unknown GPU type 'b200'"),
     (["--cloud", "aws", "--mix", "l4:0"], "the node count must be at least 1"),
     (["--cloud", "aws", "--mix", "l4:two"], "must be GPU_TYPE:NODES"),
-    (["--cloud", "aws", "--region", "mars-1"], "--region 'mars-1'"),
+    (["--cloud", "aws", "--region", "mars-1"], "--region 'mars-1' is not an AWS region name"),
+    (["--cloud", "aws", "--region", "cn-north-1"], "pass --ami with the ami-... id"),
+    (["--cloud", "aws", "--mix", "l4:2,v100:1"], "has no kernels for V100-16GB (sm_70)"),
+    (["--cloud", "kuberay", "--mix", "v100:1"], "render with --torch-build cu126"),
+    (["--cloud", "aws", "--torch-build", "cu118"], "--torch-build 'cu118' must be one of"),
     (["--cloud", "gcp"], "--cloud 'gcp' must be 'aws' or 'kuberay'"),
     (["--cloud", "kuberay", "--mix", "a10g:1"], "GKE has no A10G GPUs"),
     (["--cloud", "kuberay", "--platform", "aks"], "--platform 'aks'"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from orchestrator.deploy.fleet import DEFAULT_GKE_MIX, DEFAULT_MIX
+from orchestrator.deploy.image import IMAGE_TORCH
 from orchestrator.deploy.render import DEFAULT_AMI, DEFAULT_IMAGE
 
 deploy_app = typer.Typer(no_args_is_help=True, help="Spot-fleet configs for Ray's AWS launcher and KubeRay.")
@@ -16,7 +17,7 @@ deploy_app = typer.Typer(no_args_is_help=True, help="Spot-fleet configs for Ray'
 
 def render_command(cloud: str, mix: str, region: str, platform: str, image: str, rayjob: bool,
                    ami: str = DEFAULT_AMI, grace_s: int | None = None, s3_secret: str | None = None,
-                   fast_health_checks: bool = False) -> str:
+                   fast_health_checks: bool = False, torch_build: str = IMAGE_TORCH[1]) -> str:
     """The command line that renders these options: the header of the file, and how to re-render it."""
     cmd = f"hetspot deploy render --cloud {cloud} --mix {mix}"
     if cloud == "aws":
@@ -26,6 +27,7 @@ def render_command(cloud: str, mix: str, region: str, platform: str, image: str,
         cmd += f" --s3-secret {s3_secret}" if s3_secret else ""
         cmd += " --rayjob" if rayjob else ""
     cmd += f" --image {image}" if image != DEFAULT_IMAGE else ""
+    cmd += f" --torch-build {torch_build}" if torch_build != IMAGE_TORCH[1] else ""
     return cmd + (" --fast-health-checks" if fast_health_checks else "")
 
 
@@ -60,7 +62,8 @@ def kinds_for_fleet(job_file: str) -> tuple[list, str]:
 
 def render_text(cloud: str, mix: str | None = None, region: str = "us-east-1", platform: str = "gke",
                 image: str = DEFAULT_IMAGE, rayjob: bool = False, ami: str = DEFAULT_AMI, grace_s: int | None = None,
-                s3_secret: str | None = None, fast_health_checks: bool = False, from_job: str | None = None) -> str:
+                s3_secret: str | None = None, fast_health_checks: bool = False, from_job: str | None = None,
+                torch_build: str = IMAGE_TORCH[1]) -> str:
     from orchestrator.deploy.fleet import MixError
     from orchestrator.deploy.render import aws_config, kuberay_cluster, kuberay_job, to_yaml
     from orchestrator.errors import ConfigError
@@ -70,24 +73,26 @@ def render_text(cloud: str, mix: str | None = None, region: str = "us-east-1", p
     try:
         if from_job is not None:
             kinds, _ = kinds_for_fleet(from_job)
-            docs = aws_config(kinds, region, image, ami=ami, fast_health_checks=fast_health_checks)
+            docs = aws_config(kinds, region, image, ami=ami, fast_health_checks=fast_health_checks,
+                              torch_build=torch_build)
             header = render_command(cloud, "", region, platform, image, rayjob, ami, grace_s, s3_secret,
-                                    fast_health_checks).replace(" --mix ", f" --from-job {from_job}", 1)
+                                    fast_health_checks, torch_build).replace(" --mix ", f" --from-job {from_job}", 1)
             return to_yaml(docs, header)
         if cloud == "aws":
             mix = mix or DEFAULT_MIX
-            docs = aws_config(mix, region, image, ami=ami, fast_health_checks=fast_health_checks)
+            docs = aws_config(mix, region, image, ami=ami, fast_health_checks=fast_health_checks,
+                              torch_build=torch_build)
         elif cloud == "kuberay":
             mix = mix or (DEFAULT_GKE_MIX if platform == "gke" else DEFAULT_MIX)
             docs = [kuberay_cluster(mix, platform, image, grace_s=grace_s, s3_secret=s3_secret,
-                                    fast_health_checks=fast_health_checks)]
+                                    fast_health_checks=fast_health_checks, torch_build=torch_build)]
             docs += kuberay_job(platform=platform, grace_s=grace_s) if rayjob else []
         else:
             raise ConfigError(f"--cloud {cloud!r} must be 'aws' or 'kuberay'")
     except MixError as e:
         raise ConfigError(str(e)) from None
     return to_yaml(docs, render_command(cloud, mix, region, platform, image, rayjob, ami, grace_s, s3_secret,
-                                        fast_health_checks))
+                                        fast_health_checks, torch_build))
 
 
 def render(
@@ -109,6 +114,9 @@ def render(
                                             "2 s instead of Ray's 14 s (measured on one host only)"),
     from_job: str | None = typer.Option(None, "--from-job", help="aws: render exactly the node types and counts the "
                                         "job's fleet: asks for (its types, or the fleet its auto: chooses)"),
+    torch_build: str = typer.Option(IMAGE_TORCH[1], "--torch-build", help="the CUDA build of torch in --image "
+                                    f"(deploy/image/Dockerfile's TORCH_INDEX; {IMAGE_TORCH[1]} there): a GPU type "
+                                    "it has no kernels for is refused"),
     install: str | None = typer.Option(None, "--install", hidden=True),
     rayjob: bool = typer.Option(False, "--rayjob", help="kuberay: add a RayJob whose entry point is hetspot's driver "
                                                         "(an example job; edit its runtimeEnvYAML)"),
@@ -126,7 +134,7 @@ def render(
     if out and Path(out).is_dir():
         raise ConfigError(f"--out {out} is a directory; name the file to write, e.g. {Path(out) / 'cluster.yaml'}")
     text = render_text(cloud, mix, region, platform, image, rayjob, ami, grace_s, s3_secret, fast_health_checks,
-                       from_job)
+                       from_job, torch_build)
     if out:
         Path(out).write_text(text)
         typer.echo(f"wrote {out}", err=True)

@@ -7,6 +7,8 @@ most worker nodes of that type the cluster may hold.
 
 from __future__ import annotations
 
+import re
+
 # The labels hetspot's discovery reads and the node kinds it knows live in orchestrator/cluster/ (the capacity
 # loop reads them too); they are named here for the renderer.
 from orchestrator.cluster.labels import (  # noqa: F401
@@ -18,12 +20,8 @@ from orchestrator.cluster.labels import (  # noqa: F401
 )
 from orchestrator.cluster.node_kinds import EC2_SIZES, NODE_KINDS, NodeKind  # noqa: F401
 
-# Ray's AWS launcher picks a default Deep Learning AMI per region (its DEFAULT_AMI table);
-# these are the regions it knows. Another region needs an ImageId of the user's own.
-AWS_REGIONS = ("us-east-1", "us-east-2", "us-west-1", "us-west-2", "ca-central-1", "eu-central-1", "eu-west-1",
-               "eu-west-2", "eu-west-3", "sa-east-1", "ap-northeast-1", "ap-northeast-2", "ap-northeast-3",
-               "ap-southeast-1", "ap-southeast-2")
-
+# A region's name as AWS spells it (us-east-1, eu-central-2, ap-southeast-5, us-gov-west-1, cn-north-1).
+AWS_REGION = re.compile(r"(us-gov|us-iso[a-z]?|[a-z]{2})-[a-z]+-\d+")
 
 
 def instance_kind(name: str) -> NodeKind:
@@ -91,8 +89,13 @@ def parse_mix(text: str) -> list[tuple[NodeKind, int]]:
     return list(out.values())
 
 
-def check_region(region: str) -> str:
-    if region not in AWS_REGIONS:
-        raise MixError(f"--region {region!r} is not one where Ray's AWS launcher has a default AMI; use one of "
-                       f"{', '.join(AWS_REGIONS)}, or render for one and set node_config.ImageId yourself")
+def check_region(region: str, own_ami: bool = False) -> str:
+    """A region the default AMI resolves in (AWS publishes the Deep Learning AMIs' SSM parameters in its
+    commercial regions), or any region with `--ami`."""
+    if not AWS_REGION.fullmatch(region):
+        raise MixError(f"--region {region!r} is not an AWS region name (like us-east-1 or ap-south-1)")
+    if not own_ami and region.startswith(("us-gov", "us-iso", "cn-")):
+        raise MixError(f"--region {region}: the default AMI is resolved from AWS's public DLAMI parameter, which "
+                       "this partition may not publish; pass --ami with the ami-... id of a GPU AMI there (an "
+                       "NVIDIA driver, Docker and the NVIDIA container toolkit)")
     return region

@@ -30,6 +30,7 @@ from orchestrator.deploy.fleet import (
     check_region,
     parse_mix,
 )
+from orchestrator.deploy.image import IMAGE_TORCH, ecr_login
 
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "hetspot-node:0.1.0"  # built from deploy/image/Dockerfile and pushed to the user's registry
@@ -43,6 +44,7 @@ NODE_PROFILE = "hetspot-node"  # may read and write the checkpoint bucket, nothi
 DEFAULT_AMI = "resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 ULIMIT = "ulimit -n 65536;"  # what Ray's launcher puts before `ray start` by default
 HEAD_INSTANCE = "m5.2xlarge"  # on demand, no GPU: the controller lives there and must not be preempted
+HEAD_POD = (6, 24)  # KubeRay's head container: (CPUs, GiB), to fit the head pool's 8-vCPU, 32 GiB machine
 # Fast node-death detection on the head (defaults: about 14 s; these: about 2 s). Opt-in (--fast-health-checks):
 # measured on one host only, and on a busy multi-host network a late answer would declare a live node dead.
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500}
@@ -75,17 +77,32 @@ def _ray_resources(kind: NodeKind) -> dict[str, int]:
 NODE_LABELS = "$(python -m orchestrator.cluster.node_labels)"
 
 
+def check_image_runs(kinds: list[tuple[NodeKind, int]], torch_build: str) -> None:
+    """MixError naming the fix where the image's torch build has no kernels for a GPU type of the mix."""
+    from orchestrator.deploy.fleet import MixError
+    from orchestrator.deploy.image import TORCH_ARCHES, image_problem
+
+    if torch_build not in TORCH_ARCHES:
+        raise MixError(f"--torch-build {torch_build!r} must be one of {', '.join(TORCH_ARCHES)} (the CUDA build of "
+                       "torch the image installs: deploy/image/Dockerfile's TORCH_INDEX)")
+    for kind, _ in kinds:
+        problem = image_problem(kind.gpu_type, torch_build)
+        if problem:
+            raise MixError(f"--mix: {problem}")
+
+
 def aws_config(mix: str | list[tuple[NodeKind, int]], region: str = "us-east-1", image: str = DEFAULT_IMAGE,
                cluster_name: str = "hetspot-spot",
                head_profile: str = HEAD_PROFILE, node_profile: str = NODE_PROFILE, ami: str = DEFAULT_AMI,
-               fast_health_checks: bool = False) -> dict:
+               fast_health_checks: bool = False, torch_build: str = IMAGE_TORCH[1]) -> dict:
     """Ray's cluster launcher config. Every node runs `image` through the launcher's `docker:` section on `ami`
     (nothing installed at launch); the head runs with `head_profile` (launch the workers, pass the node role) and
     the workers with `node_profile` (the bucket only): deploy/aws/iam/ has both policies. `max_workers` per type
     is the mix's count and `min_workers` 0: hetspot's own demand (the job's `fleet:` or `cluster:`) starts them.
     `mix` is a --mix string or the node kinds and counts themselves (a job's fleet: `kinds_for_fleet`)."""
     kinds = parse_mix(mix) if isinstance(mix, str) else mix
-    check_region(region)
+    check_region(region, ami != DEFAULT_AMI)
+    check_image_runs(kinds, torch_build)
 
     def on(profile: str) -> dict:
         return {"ImageId": ami, "IamInstanceProfile": {"Name": profile}}
@@ -111,12 +128,18 @@ def aws_config(mix: str | list[tuple[NodeKind, int]], region: str = "us-east-1",
         "idle_timeout_minutes": 10,
         "provider": {"type": "aws", "region": region, "cache_stopped_nodes": False},
         "auth": {"ssh_user": "ubuntu"},
+        # The workers' GPUs reach the container by --gpus (Docker's own flag, through the NVIDIA container toolkit
+        # the AMI has), not by Ray finding `nvidia-container-runtime` in `docker info`; the head has no GPU.
         "docker": {"image": image, "container_name": "ray_container", "pull_before_run": True,
-                   "run_options": ["--ulimit nofile=65536:65536"]},
+                   "run_options": ["--ulimit nofile=65536:65536"], "worker_run_options": ["--gpus all"],
+                   "disable_automatic_runtime_detection": True},
         "available_node_types": nodes,
         "head_node_type": "head",
         # Token auth: the token the user made with `ray get-auth-token --generate` goes to every node.
         "file_mounts": {"~/.ray/auth_token": "~/.ray/auth_token"},
+        # On the host, before Ray's `docker pull`: a login to the image's private ECR registry (none for a public
+        # image; orchestrator/deploy/image.py)
+        "initialization_commands": ecr_login(image),
         "setup_commands": [],  # nothing installed at launch: the image holds Ray, torch and hetspot
         "head_start_ray_commands": [
             "ray stop",
@@ -190,7 +213,7 @@ def _pod(platform: str, s3_secret: str | None) -> dict:
 
 def kuberay_cluster(mix: str | None = None, platform: str = "gke", image: str = DEFAULT_IMAGE,
                     cluster_name: str = "hetspot-spot", grace_s: int | None = None, s3_secret: str | None = None,
-                    fast_health_checks: bool = False) -> dict:
+                    fast_health_checks: bool = False, torch_build: str = IMAGE_TORCH[1]) -> dict:
     """A RayCluster as KubeRay (1.5.1 and later) accepts it: node labels and custom resources in each group's
     top-level `labels` and `resources` fields, token auth through `spec.authOptions` (the operator makes the
     Secret and gives the token to every container, the autoscaler and the RayJob submitter), the autoscaler v2
@@ -204,7 +227,10 @@ def kuberay_cluster(mix: str | None = None, platform: str = "gke", image: str = 
         raise MixError(f"--platform {platform!r} must be one of {', '.join(PLATFORMS)}")
     grace = PLATFORM_GRACE_S["gke" if platform == "gke" else "eks"] if grace_s is None else grace_s
     kinds = parse_mix(mix or (DEFAULT_GKE_MIX if platform == "gke" else DEFAULT_MIX))
-    head = _container("ray-head", image, 8, 32, s3_secret=s3_secret)
+    check_image_runs(kinds, torch_build)
+    # the head pool's machine (HEAD_MACHINE: 8 vCPUs, 32 GiB) holds the head, the operator's autoscaler sidecar
+    # and the node agents (orchestrator/deploy/machines.py)
+    head = _container("ray-head", image, HEAD_POD[0], HEAD_POD[1], s3_secret=s3_secret)
     if fast_health_checks:
         head["env"] = list(HEALTH_ENV)
     groups = []
@@ -243,8 +269,9 @@ def kuberay_cluster(mix: str | None = None, platform: str = "gke", image: str = 
     }
 
 
+# The wait covers a scale from zero: a spot node's start, and the image's pull (about 15 GB) on it.
 EXAMPLE_JOB = {"name": "tiny-on-kuberay", "model": {"preset": "small"}, "train": {"global_batch": 32, "lr": 0.003},
-               "steps": 20, "fleet": {"types": [{"gpu_type": "L4", "min_nodes": 1, "max_nodes": 1}]}}
+               "steps": 20, "fleet": {"types": [{"gpu_type": "L4", "min_nodes": 1, "max_nodes": 1}], "wait_s": 1800}}
 
 
 def example_job(platform: str = "gke", grace_s: int | None = None) -> dict:
