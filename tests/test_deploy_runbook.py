@@ -122,3 +122,13 @@ def launch_a_spot_worker(fleet: dict, iam, admin: dict, url: str) -> None:
     (inst,) = [i for r in ec2.describe_instances(InstanceIds=[node_id])["Reservations"] for i in r["Instances"]]
     assert inst["InstanceLifecycle"] == "spot" and inst["InstanceType"] == worker["node_config"]["InstanceType"]
     assert inst["IamInstanceProfile"]["Arn"].endswith("instance-profile/hetspot-node")
+
+
+def test_the_kuberay_runbook_says_what_each_platform_needs_without_contradicting_itself():
+    """The lines of docs/deploy.md a person follows on EKS and GKE: IRSA makes the `hetspot` service account (so
+    the runbook creates none by hand), the pods reach IMDS through the setting each node provisioner has, and the
+    head pool's machine is named per platform (tests/test_deploy_image.py fits the head to it)."""
+    text = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    assert "eksctl create iamserviceaccount --name hetspot" in text and "kubectl create serviceaccount" not in text
+    assert "metadataOptions.httpPutResponseHopLimit: 2" in text and "EC2NodeClass" in text
+    assert "`e2-standard-8` on GKE, `m5.2xlarge` on EKS" in text
