@@ -128,8 +128,10 @@ def wait_status(head: RealHead, job_id: str, want: tuple[str, ...], *auth: str, 
         assert time.monotonic() < deadline, f"job {job_id} is {ray_status.value} after {timeout:.0f} s, not {want}"
         time.sleep(0.5)
     r = cli(head, "status", job_id, "--address", head.url, "--json", *auth, **kw)
-    assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
+    # the exit code tells the truth: 0 succeeded or not ended, the driver's own code for a failed job, 3 stopped
+    assert r.returncode == st["exit_code"] == {"SUCCEEDED": 0, "RUNNING": 0, "PENDING": 0, "STOPPED": 3}.get(
+        st["status"], st["exit_code"] or 99), (r.returncode, st)
     assert st["status"] == ray_status.value and st["status"] in want, (st, ray_status, want)
     return st
 
@@ -239,6 +241,18 @@ def test_cli_against_a_real_head(head, tmp_path):
     r = cli(head, "list", "--address", head.url, "--json", *auth, home=user_home)
     assert [j["job_id"] for j in json.loads(r.stdout)] == [job_id]
     outputs.append(r.stdout)
+
+    # a job that fails on the cluster (its data is not there): `submit --follow`, `logs --follow` and `status` exit
+    # with its driver's code (2: refused as bad input), not 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(JOB + "data: {kind: tokens, path: /nowhere/corpus.bin}\n")
+    r = cli(head, "submit", str(bad), "--address", head.url, "--follow", *auth, home=user_home, timeout=300)
+    assert r.returncode == 2 and "data.path '/nowhere/corpus.bin' does not exist" in r.stdout, (r.returncode,
+                                                                                                r.stdout[-2000:])
+    bad_id = next(j["job_id"] for j in json.loads(cli(head, "list", "--address", head.url, "--json", *auth,
+                                                      home=user_home).stdout) if j["job_id"] != job_id)
+    assert cli(head, "logs", bad_id, "--address", head.url, "--follow", *auth, home=user_home).returncode == 2
+    assert wait_status(head, bad_id, ("FAILED",), *auth, home=user_home)["exit_code"] == 2
 
     # unknown job id: exit 2 and the fix
     r = cli(head, "status", "no-such-job", "--address", head.url, *auth, home=user_home)

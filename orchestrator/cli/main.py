@@ -226,6 +226,8 @@ def submit(
             seen: set[str] = set()
             for chunk in jobs.follow(job_id):
                 sys.stdout.write(dedupe_worker_lines(chunk, seen))
+            sys.stdout.flush()
+            raise typer.Exit(jobs.ended(job_id))  # a failed or stopped job is not a success (job_exit_code)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -301,8 +303,12 @@ def status(
         st["history"] = read_steps(location, {"summary": st["summary"]}, endpoint_url)
     if as_json:
         _print_json(st)
-        return
-    print_status(job, st, console)
+    else:
+        print_status(job, st, console)
+    # 0: succeeded or not ended; a failed job's driver code (1, or 2 for bad input); 3: stopped (ray_jobs.py)
+    code = st.get("exit_code", 1 if st.get("status") == "failed" else 0)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -353,6 +359,7 @@ def logs(
         for chunk in jobs.follow(job_id):
             sys.stdout.write(dedupe_worker_lines(chunk, seen))
             sys.stdout.flush()
+        raise typer.Exit(jobs.ended(job_id))  # 0 succeeded, the driver's code if it failed, 3 stopped
     else:
         sys.stdout.write(dedupe_worker_lines(jobs.logs(job_id)))
 

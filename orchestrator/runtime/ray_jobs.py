@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -39,6 +40,16 @@ from orchestrator.runtime.progress_lines import (
 )
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+STOPPED_EXIT = 3  # `hetspot status`, `logs --follow` and `submit --follow` for a stopped job (`job_exit_code`)
+
+
+def job_exit_code(status: str, driver_exit_code: int | None = None) -> int:
+    """What the CLI exits with for a job in `status` (Ray's job state): 0 for one that succeeded or has not ended
+    (pending, running); for a failed one its driver's own exit code (1: the job failed; 2: refused as bad input,
+    its data or bucket), or 1 where Ray kept none (a driver killed); `STOPPED_EXIT` for a stopped one."""
+    if status == "FAILED":
+        return driver_exit_code if isinstance(driver_exit_code, int) and driver_exit_code > 0 else 1
+    return STOPPED_EXIT if status == "STOPPED" else 0
 PROBE_ENTRYPOINT = 'python -c "import ray, torch, boto3, pydantic, orchestrator.driver, planner, workers.actor"'
 DEPENDENCIES = "ray[default]==2.60.*, torch, boto3, pydantic, typer, pyyaml, rich, numpy, safetensors"
 
@@ -139,8 +150,6 @@ class RayJobs:
         head whose `python` lacks Ray, torch or another dependency would accept the job and fail it later. A
         tiny probe job with the same runtime env finds out first, in a few seconds.
         """
-        import time
-
         probe = f"hetspot-probe-{secrets.token_hex(4)}"
         self._call(lambda: self.client.submit_job(entrypoint=PROBE_ENTRYPOINT, submission_id=probe,
                                                   runtime_env=shipped_runtime_env()))
@@ -200,6 +209,7 @@ class RayJobs:
         out = {"job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
                "message": info.message, "start_time": info.start_time, "end_time": info.end_time,
                "metadata": info.metadata or {}}
+        out["exit_code"] = job_exit_code(out["status"], getattr(info, "driver_exit_code", None))
         where = out["metadata"].get("hetspot_record")
         if where:
             from orchestrator.errors import ConfigError
@@ -261,6 +271,17 @@ class RayJobs:
         finally:
             loop.run_until_complete(agen.aclose())
             loop.close()
+
+    def ended(self, job_id: str, timeout_s: float = 30.0) -> int:
+        """The exit code (`job_exit_code`) of a job whose log stream has ended: Ray may mark it ended a moment
+        after its last line, so its state is asked again until it is terminal (at most `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self._call(lambda: self.client.get_job_info(job_id), job_id)
+            status = str(getattr(info.status, "value", info.status))
+            if status in TERMINAL or time.monotonic() > deadline:
+                return job_exit_code(status, getattr(info, "driver_exit_code", None))
+            time.sleep(0.5)
 
     def stop(self, job_id: str) -> bool:
         self.status(job_id)
