@@ -228,28 +228,37 @@ class FleetSearch:
         return self.catalog.allows(fleet) and (self.budget is None or self.catalog.price(fleet) <= self.budget + 1e-9)
 
     def option(self, fleet: Fleet) -> Option | None:
-        """The fleet planned for the objective (None if the model does not fit it, or it is out of limits)."""
+        """The fleet planned for the objective (None if the model does not fit it, or it is out of limits). Under
+        a throughput floor, a fleet whose cheapest plan falls short of it is planned again for throughput: a floor
+        one of its plans meets is never refused (the cheapest per token among the plans the search knows that
+        meet it: the cost plan if it does, else the fastest)."""
         if fleet in self._seen:
             return self._seen[fleet]
         got = None
         if self.within(fleet):
-            cluster = self.catalog.cluster(fleet)
-            try:
-                plan = self._planner.sharing_caches().plan(cluster, self.objective)
-            except PlanningError:
-                plan = None
-            if plan is not None:
-                used: dict[str, int] = {}
-                for node in plan.nodes():
-                    it = cluster.node(node).instance_type
-                    used[it] = used.get(it, 0) + 1
-                trimmed = fleet_of(used)
-                est = plan.estimate
-                got = Option(trimmed, plan, self.catalog.price(trimmed), est.cost_per_mtok, est.tokens_per_s)
+            got = self._planned(fleet, self.objective)
+            if got is not None and not self.meets(got) and self.objective == "cost":
+                faster = self._planned(fleet, "throughput")
+                if faster is not None and faster.effective_tokens_per_s > got.effective_tokens_per_s:
+                    got = faster
         self._seen[fleet] = got
         if self.progress is not None:
             self.progress(len(self._seen))
         return got
+
+    def _planned(self, fleet: Fleet, objective: str) -> Option | None:
+        cluster = self.catalog.cluster(fleet)
+        try:
+            plan = self._planner.sharing_caches().plan(cluster, objective)
+        except PlanningError:
+            return None
+        used: dict[str, int] = {}
+        for node in plan.nodes():
+            it = cluster.node(node).instance_type
+            used[it] = used.get(it, 0) + 1
+        trimmed = fleet_of(used)  # what the plan uses: a node it would leave idle still bills
+        est = plan.estimate
+        return Option(trimmed, plan, self.catalog.price(trimmed), est.cost_per_mtok, est.tokens_per_s)
 
     def meets(self, o: Option) -> bool:
         return self.floor is None or o.effective_tokens_per_s >= self.floor * (1 - 1e-9)

@@ -183,3 +183,20 @@ def test_cost_with_a_floor_meets_the_floor_at_the_lowest_cost_per_token():
     assert choice.best.cost_per_mtok <= min(o.cost_per_mtok for o in meeting) * 1.01
     with pytest.raises(PlanningError, match="no fleet found delivers"):
         choose_fleet(HOT, MODEL, TRAIN, "cost", min_tokens_per_s=max(o.effective_tokens_per_s for o in options) * 2)
+
+
+def test_a_floor_that_a_fleets_fastest_plan_meets_is_never_refused():
+    """The cost objective plans each fleet for the lowest $ per token, which on four small L4 instances leaves
+    one idle (a 3-node plan, trimmed to the 3 it uses); a floor above what any fleet's cheapest plan delivers
+    but below the 4-node plan's is met by planning that fleet for throughput, not refused. Brute force over
+    the catalog's fleets, each planned both ways, agrees on the best that meets the floor."""
+    l4 = Catalog(types=[_t("g6.xlarge", "L4", 1, 0.35, 0.13, 4, host_mem_gib=16, nic_gb_s=1.9)])
+    for_cost = FleetSearch(l4, MODEL, TRAIN, "cost")
+    for_speed = FleetSearch(l4, MODEL, TRAIN, "throughput")
+    cheapest = max(for_cost.option(f).effective_tokens_per_s for f in all_fleets(l4))
+    fastest = max(for_speed.option(f).effective_tokens_per_s for f in all_fleets(l4))
+    assert fastest > cheapest * 1.05  # the premise: the fastest plan is not any fleet's cheapest plan
+    floor = (cheapest + fastest) / 2
+    choice = choose_fleet(l4, MODEL, TRAIN, "cost", min_tokens_per_s=floor)
+    assert choice.best.effective_tokens_per_s >= floor and choice.best.fleet == (("g6.xlarge", 4),)
+    assert choice.best.effective_tokens_per_s == pytest.approx(fastest)

@@ -203,3 +203,17 @@ def _closed_form_within_5pct(prob):
         return
     sim = simulate(p, *prob).step_time_s
     assert abs(p.estimate.step_time_s - sim) <= 0.05 * sim
+
+
+def test_more_host_ram_never_gives_a_slower_plan():
+    """One node of four L4s training a 7B model (offloaded state needs about 47 GiB of host RAM): from the least
+    RAM that plans to twice it, each step up in RAM gives a plan at least as fast by the planner's own estimate
+    (a plan that fits less RAM fits more, so a slower choice would be the search's fault)."""
+    from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec, plan
+
+    times = []
+    for gib in (48, 56, 64, 72, 96):
+        cluster = ClusterSpec(nodes=[NodeSpec(name="l4", gpu_type="L4", num_gpus=4, host_mem_gib=gib)])
+        times.append(plan(cluster, ModelSpec.preset("7b"), TrainSpec(global_batch=32)).estimate.step_time_s)
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(times, times[1:])), times
+    assert times[-1] < times[0]  # and the RAM is used: offload gives way to keeping state on the GPUs
