@@ -215,5 +215,5 @@ def test_more_host_ram_never_gives_a_slower_plan():
     for gib in (48, 56, 64, 72, 96):
         cluster = ClusterSpec(nodes=[NodeSpec(name="l4", gpu_type="L4", num_gpus=4, host_mem_gib=gib)])
         times.append(plan(cluster, ModelSpec.preset("7b"), TrainSpec(global_batch=32)).estimate.step_time_s)
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(times, times[1:])), times
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(times, times[1:], strict=False)), times
     assert times[-1] < times[0]  # and the RAM is used: offload gives way to keeping state on the GPUs
