@@ -225,6 +225,12 @@ def test_an_epoch_reads_every_window_once_across_a_resume_and_a_changed_corpus_i
         return f
 
     first = submit(str(job(3)))
+    from orchestrator.runtime.run_record import DATA_INDEX, _Files, read_record
+
+    index = json.loads(_Files(first["run_record"], endpoint).read(DATA_INDEX))  # beside the run record
+    assert [(Path(e["path"]).name, e["bytes"]) for e in index["shards"]] == [
+        (f"shard-{i}.bin", 2 * n) for i, n in enumerate(lengths)]
+    assert "index" not in read_record(first["run_record"], endpoint)["job"]["data"]
     second = submit(str(job(7)), "--resume")
     assert second["first_step"] == 3 and len(first["samples"]) == 3 and len(second["samples"]) == 4
     order = EpochOrder(lengths, window, seed=0)

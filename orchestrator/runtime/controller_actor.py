@@ -119,8 +119,10 @@ class ControllerActor:
         from orchestrator.runtime.run_record import RunRecordWriter, record_location
 
         ck = self.job.checkpoint
+        job_dict = json.loads(job_json)
+        index = (job_dict.get("data") or {}).pop("index", None)  # beside the record, not in it (shards: many)
         self.record = RunRecordWriter(record_location(ck.uri if ck else None, job_id),
-                                      json.loads(job_json), job_id, steps, ck.endpoint_url if ck else None)
+                                      job_dict, job_id, steps, ck.endpoint_url if ck else None, data_index=index)
         self.metrics = StepMetrics(job_id)
         tb = self.job.runtime.tensorboard_dir
         if tb == "record":  # beside the run record: in its S3 prefix (tensorboardX writes s3:// itself) or folder

@@ -9,6 +9,8 @@ What:
   drains, restores with bytes by tier, scale moves), the newest progress row, and a summary (steps committed,
   goodput, seconds recovering, lost steps, failed uploads, an ETA). Its size grows with events, not with steps,
   so `hetspot status` reads the same few kilobytes on a job of 20 steps or of 2,000.
+- `data-index.json`: the training corpus's index (every shard with its size and version: S3's ETag, or a local
+  file's digest), taken at submit (workers/corpus_index.py); the job in `record.json` names its data without it.
 - `steps-NNNNNNNNNN.jsonl`: per committed step (loss, tokens/s, step time, seconds since the start), `CHUNK`
   steps a file; only the chunk being filled is rewritten. `hetspot status --history` and `hetspot plot` read them.
 The controller writes it at most every `flush_every_s` seconds and at every event and at the end; a write that
@@ -28,6 +30,7 @@ from orchestrator.errors import ConfigError
 log = logging.getLogger("hetspot.run_record")
 CHUNK = 1000  # steps per steps-*.jsonl file
 RECORD = "record.json"
+DATA_INDEX = "data-index.json"  # the corpus's shards with their sizes and versions, as the job indexed them
 FORMAT = "hetspot-run/1"
 
 
@@ -80,8 +83,9 @@ class RunRecordWriter:
     """Kept by the controller actor: rows and events in, files out (`flush`)."""
 
     def __init__(self, location: str, job: dict, job_id: str, steps: int, endpoint_url: str | None = None,
-                 flush_every_s: float = 10.0, clock=time.time):
+                 flush_every_s: float = 10.0, clock=time.time, data_index: dict | None = None):
         self.files = _Files(location, endpoint_url)
+        self.data_index = data_index  # the corpus's index (data.index), written once beside the record
         self.location, self.clock, self.flush_every_s = location, clock, flush_every_s
         self.record = {"format": FORMAT, "job_id": job_id, "job": job, "steps": steps, "started_at": clock(),
                        "state": "running", "error": None, "phase": None, "plans": [], "events": [], "progress": None,
@@ -116,6 +120,9 @@ class RunRecordWriter:
     def flush(self) -> None:
         self.record["summary"] = summarize(self.record, self.rows, self.redone)
         try:
+            if self.data_index is not None:
+                self.files.write(DATA_INDEX, json.dumps(self.data_index).encode())
+                self.data_index = None
             for chunk in sorted(self.dirty):
                 lines = [json.dumps(self.rows[s]) for s in sorted(self.rows) if s // CHUNK == chunk]
                 self.files.write(f"steps-{chunk * CHUNK:010d}.jsonl", ("\n".join(lines) + "\n").encode())
