@@ -214,16 +214,10 @@ def with_index(job: JobSpec) -> JobSpec:
 
 
 def training_windows(job: JobSpec) -> int | None:
-    """The samples of one epoch (the corpus's windows less the held-out ones) from the job's index; None for
-    synthetic data or a job not indexed."""
-    from workers.corpus_index import windows_of
+    """The samples of one epoch of the job's indexed corpus (workers/corpus_index.py); None where it has none."""
+    from workers.corpus_index import training_windows as windows
 
-    d = job.data
-    if d.kind == "synthetic" or d.index is None:
-        return None
-    itemsize = 1 if d.kind == "text" else {"uint16": 2, "uint32": 4}[d.dtype]
-    windows = windows_of([e.model_dump() for e in d.index.shards], itemsize, job.model_spec.seq_len + 1)
-    return windows - (0 if d.val_path else int(windows * d.val_fraction))
+    return windows(job.data.model_dump(), job.model_spec.seq_len)
 
 
 def with_epochs(job: JobSpec) -> JobSpec:

@@ -70,7 +70,7 @@ def main() -> int:
                "GPU types to ask Ray's autoscaler for, docs/jobfile.md) or a cluster: section naming the nodes "
                "it needs", True)
         return 2
-    _withdraw_on_stop(job)
+    _withdraw_on_stop(job, job_id)
     _print(f"hetspot: job {job_id}: {job.name}, {steps} steps, model {job.model_spec.name}")
     if resumed and not resume:
         _print(f"hetspot: {job.checkpoint.uri} holds this job's steps: going on from the newest complete one "
@@ -104,7 +104,7 @@ def main() -> int:
     try:
         summary = drive(actor, on_row, on_event, lambda ph: _print(phase_line(ph, time.perf_counter() - t0)))
     except RayActorError:
-        _withdraw(job)
+        _withdraw(job, job_id)
         _print("hetspot: job failed: the job's controller died; run the driver again (a RayJob retry or a restarted "
                "head does) and it goes on from the newest complete step (checkpoint.resume: auto)", True)
         return 1
@@ -136,25 +136,25 @@ def _unservable(job) -> list[str]:
     return unservable(demand, types)
 
 
-def _withdraw(job) -> None:
-    """Clear the fleet's demand on the autoscaler (the controller does at its end; this covers a driver stopped
-    or left without its controller), so the GPU nodes can go."""
-    if job.fleet is None:
+def _withdraw(job, job_id: str) -> None:
+    """Clear the job's demand on the autoscaler (the controller does at its end; this covers a driver stopped
+    or left without its controller), so the GPU nodes can go; other jobs' demand stands."""
+    if job.demand() is None:
         return
     from orchestrator.cluster.capacity import RayAutoscaler
 
     try:
-        RayAutoscaler(job.fleet).withdraw()
+        RayAutoscaler(job.demand(), job_id).withdraw()
     except Exception as e:  # the stop goes on; say that nodes may stay up
         _print(f"hetspot: could not withdraw the demand for GPU nodes ({e}); scale them down by hand", True)
 
 
-def _withdraw_on_stop(job) -> None:
+def _withdraw_on_stop(job, job_id: str) -> None:
     """`hetspot stop` (Ray Jobs) ends the driver with SIGTERM: withdraw the fleet's demand first."""
     import signal
 
     def stop(signum, frame):
-        _withdraw(job)
+        _withdraw(job, job_id)
         _print("hetspot: stopped; the demand for GPU nodes is withdrawn", True)
         sys.exit(128 + signum)
 

@@ -22,14 +22,20 @@ def use_test_credentials() -> None:
 def moto_server():
     """moto's server for every AWS service it fakes (S3, EC2, IAM), on a free port: yield its endpoint URL,
     stop it."""
+    import requests
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    # moto keeps its accounts in the process: a server starts and ends empty, so an IAM user or role one module
+    # made is not there when the next module (in the same test worker) makes it
+    requests.post(f"{url}/moto-api/reset", timeout=30)
     try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
+        yield url
     finally:
+        requests.post(f"{url}/moto-api/reset", timeout=30)
         server.stop()
 
 

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from workers.data_errors import DataError
+from workers.shard_check import check_shard
 
 ENDS = 4096  # bytes of each end of a local shard that its version hashes
 
@@ -64,17 +65,6 @@ def index_corpus(path: str, endpoint_url: str | None = None, field: str = "data.
     return out
 
 
-def check_shard(entry: dict, size: int, version: str, source: str) -> None:
-    """A shard as a worker found it against its index entry: DataError in one line where it changed."""
-    if size == entry["bytes"] and (not entry["version"] or version == entry["version"]):
-        return
-    what = (f"{size:,} bytes, indexed at {entry['bytes']:,}" if size != entry["bytes"]
-            else f"version {version}, indexed as {entry['version']}")
-    raise DataError(f"{source}: shard {entry['path']!r} changed since the job was submitted ({what}); a job reads one "
-                    "version of its corpus (a sample is a window chosen by its index): put the shard back as it was, "
-                    "or submit the job again on the new corpus (with a new checkpoint.uri: its steps read the old one)")
-
-
 def open_local(entry: dict, source: str):
     """A local shard checked against its index entry, then memory-mapped as raw bytes (the caller views it)."""
     import numpy as np
@@ -93,6 +83,17 @@ def open_local(entry: dict, source: str):
 def windows_of(entries: list[dict], itemsize: int, window: int) -> int:
     """The windows of `window` tokens the indexed shards hold (workers/epochs.py: none crosses a shard's end)."""
     return sum((e["bytes"] // itemsize) // window for e in entries)
+
+
+def training_windows(data: dict, seq_len: int) -> int | None:
+    """The samples of one epoch (the indexed corpus's windows less the held-out ones) from a job's data section;
+    None for synthetic data or a job not indexed."""
+    index = data.get("index")
+    if data.get("kind", "synthetic") == "synthetic" or not index:
+        return None
+    itemsize = 1 if data.get("kind") == "text" else {"uint16": 2, "uint32": 4}[data.get("dtype", "uint16")]
+    windows = windows_of(index["shards"], itemsize, seq_len + 1)
+    return windows - (0 if data.get("val_path") else int(windows * float(data.get("val_fraction") or 0.0)))
 
 
 def data_digest(data: dict) -> str:

@@ -94,7 +94,7 @@ class S3Array:
         self.size_bytes, self.etag = self._head(endpoint_url)
         self.pinned = expect is not None and bool(expect["version"])
         if expect is not None:
-            from workers.corpus_index import check_shard
+            from workers.shard_check import check_shard
 
             check_shard(expect, self.size_bytes, self.etag, source or f"data.path {uri!r}")
         self.bytes_read = 0

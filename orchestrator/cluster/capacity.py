@@ -1,7 +1,8 @@
 """The fleet's demand on a Ray cluster: `RayAutoscaler` executes orchestrator/control/capacity.py's decisions.
 
 It counts GPU nodes by type (discovery) and states the demand with Ray's
-`ray.autoscaler.sdk.request_resources`, one bundle per node.
+`ray.autoscaler.sdk.request_resources`, one bundle per node, summed over the
+cluster's hetspot jobs (`DemandLedger`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from orchestrator.control.capacity import Capacity
 log = logging.getLogger("hetspot.capacity")
 
 
-def ray_capacity(job, now: Callable[[], float]) -> Capacity:
+def ray_capacity(job, now: Callable[[], float], job_id: str = "") -> Capacity:
     """A Capacity that asks the connected Ray cluster's autoscaler for the job's fleet: the types it names, or
-    (`fleet.auto`) the fleet chosen from its catalog, chosen again when a type does not come."""
+    (`fleet.auto`) the fleet chosen from its catalog, chosen again when a type does not come. `job_id` keeps the
+    job's demand apart from other jobs' (DemandLedger)."""
     rechoose, fleet = None, job.fleet
     if fleet.auto is not None:
         from orchestrator.control.fleet_choice import Rechooser
 
         rechoose = Rechooser(job)
         fleet = rechoose.first()
-    ray_side = RayAutoscaler(fleet)
+    ray_side = RayAutoscaler(fleet, job_id or job.name)
     if rechoose is not None:
         rechoose.on_new = ray_side.use
     return Capacity(fleet, ray_side.count_up, ray_side.request, now, ray_side.withdraw, rechoose=rechoose)
@@ -65,9 +67,10 @@ class RayAutoscaler:
     autoscaler launches the flavour asked for where two share Ray's name (A100-40GB and A100-80GB are both
     `A100`: without the selector an A100-80GB demand could start an A100-40GB node)."""
 
-    def __init__(self, fleet):
+    def __init__(self, fleet, job_id: str):
         self.gpus: dict[str, int] = {}
         self.resource: dict[str, str] = {}
+        self.ledger = DemandLedger(job_id)
         self.use(fleet)
 
     def use(self, fleet) -> None:
@@ -89,14 +92,76 @@ class RayAutoscaler:
         return counts
 
     def request(self, demand: dict[str, int]) -> None:
-        from ray.autoscaler.sdk import request_resources
-
         bundles, selectors = demand_bundles(demand, self.gpus, self.resource)
         log.info("asking the autoscaler for %s", ", ".join(f"{n}x {t}" for t, n in sorted(demand.items()) if n))
-        request_resources(bundles=bundles, bundle_label_selectors=selectors)
+        self.ledger.state(bundles, selectors)
 
     def withdraw(self) -> None:
+        self.ledger.withdraw()
+        log.info("withdrew the job's demand for GPU nodes: the autoscaler may scale them down (other jobs' demand "
+                 "stands)")
+
+
+class DemandLedger:
+    """Every hetspot job's autoscaler demand on one Ray cluster, kept apart, and the cluster's one request their
+    sum. Ray's `request_resources` replaces the previous call cluster-wide: a job stating its own fleet alone
+    would erase another job's, and its withdrawal would clear both. So each job keeps its bundles under its own
+    key in the GCS's key-value store (namespace `hetspot-demand`), and every change re-states the sum of all the
+    entries of jobs still alive (an entry whose Ray job is dead, a driver killed before it withdrew, is dropped
+    at the next change). Two jobs changing at once each re-read the entries after their request and request
+    again until they read what they asked for, so the last request made holds both."""
+
+    NAMESPACE = "hetspot-demand"
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+
+    def state(self, bundles: list[dict], selectors: list[dict]) -> None:
+        import json
+
+        import ray
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        entry = {"bundles": bundles, "selectors": selectors, "ray_job": ray.get_runtime_context().get_job_id()}
+        _internal_kv_put(self.job_id, json.dumps(entry), namespace=self.NAMESPACE)
+        self._request_sum()
+
+    def withdraw(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        _internal_kv_del(self.job_id, namespace=self.NAMESPACE)
+        self._request_sum()
+
+    def entries(self) -> dict[str, dict]:
+        """job id -> its entry, of jobs whose Ray job is alive (the dead ones' entries deleted)."""
+        import json
+
+        import ray
+        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
+
+        dead = {j["JobID"] for j in ray._private.state.state.job_table() if j.get("IsDead")}
+        out = {}
+        for key in _internal_kv_list("", namespace=self.NAMESPACE):
+            raw = _internal_kv_get(key, namespace=self.NAMESPACE)
+            if raw is None:
+                continue
+            entry = json.loads(raw)
+            if entry.get("ray_job") in dead:
+                _internal_kv_del(key, namespace=self.NAMESPACE)
+                log.info("dropped the autoscaler demand of job %s: its driver is gone", key.decode())
+                continue
+            out[key.decode()] = entry
+        return out
+
+    def _request_sum(self) -> None:
         from ray.autoscaler.sdk import request_resources
 
-        request_resources(bundles=[])
-        log.info("withdrew the demand for GPU nodes: the autoscaler may scale them down")
+        asked = None
+        for _ in range(5):
+            entries = self.entries()
+            if entries == asked:
+                return
+            bundles = [b for _, e in sorted(entries.items()) for b in e["bundles"]]
+            selectors = [x for _, e in sorted(entries.items()) for x in e["selectors"]]
+            request_resources(bundles=bundles, bundle_label_selectors=selectors)
+            asked = entries

@@ -108,7 +108,7 @@ class ControllerActor:
 
             from orchestrator.cluster.capacity import ray_capacity
 
-            capacity = ray_capacity(self.job.model_copy(update={"fleet": demand}), time.monotonic)
+            capacity = ray_capacity(self.job.model_copy(update={"fleet": demand}), time.monotonic, job_id)
         self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
                                           replan_user_plan=replan_user_plan, capacity=capacity,
                                           checkpoint_run=checkpoint_run)
@@ -209,12 +209,12 @@ class ControllerActor:
 def _windows(job: JobSpec) -> int | None:
     """The samples of one epoch of the job's corpus (None: synthetic data, or its shards could not be sized now:
     the rows then carry no epoch): from the job's index, else from the shards' sizes now."""
-    from orchestrator.api import training_windows
+    from workers.corpus_index import training_windows
     from workers.data_validation import corpus_windows
 
     d = job.data
     if d.index is not None:
-        return training_windows(job)
+        return training_windows(d.model_dump(), job.model_spec.seq_len)
     try:
         windows = corpus_windows(d.kind, d.path, job.model_spec.seq_len, d.dtype, d.endpoint_url)
         return None if windows is None else windows - (0 if d.val_path else int(windows * d.val_fraction))
