@@ -18,7 +18,7 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")  # not a head nearby
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
