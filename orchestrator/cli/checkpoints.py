@@ -9,7 +9,8 @@ import sys
 
 import typer
 
-checkpoints_app = typer.Typer(no_args_is_help=True, help="A job's checkpoints in S3: list, verify, delete, export.")
+checkpoints_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                              help="A job's checkpoints in S3: list, verify, delete, export.")
 URI_HELP = "the job's checkpoint.uri, s3://BUCKET/PREFIX"
 ENDPOINT_HELP = "S3 endpoint (default: AWS_ENDPOINT_URL, else AWS)"
 

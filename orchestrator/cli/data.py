@@ -7,7 +7,8 @@ import sys
 
 import typer
 
-data_app = typer.Typer(no_args_is_help=True, help="Training data: tokenize text into the shards a job reads.")
+data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                       help="Training data: tokenize text into the shards a job reads.")
 
 
 def prepare(

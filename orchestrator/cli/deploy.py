@@ -12,7 +12,8 @@ from orchestrator.deploy.fleet import DEFAULT_GKE_MIX, DEFAULT_MIX
 from orchestrator.deploy.image import IMAGE_TORCH
 from orchestrator.deploy.render import DEFAULT_AMI, DEFAULT_IMAGE
 
-deploy_app = typer.Typer(no_args_is_help=True, help="Spot-fleet configs for Ray's AWS launcher and KubeRay.")
+deploy_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                         help="Spot-fleet configs for Ray's AWS launcher and KubeRay.")
 
 
 def render_command(cloud: str, mix: str, region: str, platform: str, image: str, rayjob: bool,

@@ -17,7 +17,10 @@ from orchestrator.cli.common import console, err_console
 from orchestrator.cli.common import print_json as _print_json
 from orchestrator.errors import HetspotError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic training on mixed spot GPUs.",
+# rich_markup_mode=None: help as click prints it, a description column of at least 46 characters at 80 columns
+# (rich's option panels squeeze it to a dozen where an option has a long --no- form); the same in every sub-app.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Elastic training on mixed spot GPUs.",
                   context_settings={"help_option_names": ["-h", "--help"]})
 
 

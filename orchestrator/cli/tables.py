@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.numbers import num
 from planner.catalog import gpu_info
 from planner.plan_types import OffloadPolicy
 
@@ -51,7 +52,7 @@ def fleet_table(fleet: dict[str, Any], console: Console) -> None:
     for o in fleet["options"]:
         t.add_row(o["label"], " + ".join(f"{x['nodes']}x {x['type']}" for x in o["fleet"]),
                   f"{o['price_per_hour']:.2f}", f"{o['tokens_per_s']:,.0f}", f"{o['effective_tokens_per_s']:,.0f}",
-                  _usd(o["cost_per_mtok"]), f"{o['preemption_loss'] * 100:.1f}%")
+                  _usd(o["cost_per_mtok"]), num(o["preemption_loss"], ".1%"))
     console.print(_whole_words(t, console))
     console.print("delivered: tokens/s after the expected preemptions; time lost: the share of time they cost")
 
@@ -64,7 +65,8 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
         f"{model['num_layers']} layers), global batch {plan['global_batch']}"
     )
     t = Table(title="Plan: pipelines (data-parallel replicas) and stages", show_lines=False)
-    for col in ("pipe", "samples", "micro batches", "stage", "GPUs @ node", "layers", "GiB / cap", "offload"):
+    for col in ("pipe", "samples", "micro-batches x samples", "stage", "GPUs @ node", "layers", "GiB used / cap",
+                "offload"):
         t.add_column(col, overflow="fold")  # a narrow terminal or a pipe folds a cell, never cuts it
     mem = est["memory_gib"]
     reasons: list[str] = []  # offload reasons, as numbered notes under the table
@@ -93,11 +95,11 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
             ", ".join(devs[:6]) + (f" and {len(devs) - 6} more" if len(devs) > 6 else "") + f": {why}"
             for why, devs in by_reason.items()))
     line = (f"[bold]Estimate[/]: step {_fmt_time(est['step_time_s'])}, {est['tokens_per_s']:,.0f} tokens/s, "
-            f"MFU {est['mfu'] * 100:.1f}%, bottleneck: {est['bottleneck']}")
+            f"MFU {num(est['mfu'], '.1%')}, bottleneck: {est['bottleneck']}")
     if est.get("cost_per_mtok") is not None:
         line += f", ${est['cost_per_mtok']:.4f} per M tokens"
     if est.get("preemption_loss"):
-        line += f" (expected preemptions cost {est['preemption_loss'] * 100:.1f}% of the time)"
+        line += f" (expected preemptions cost {num(est['preemption_loss'], '.1%')} of the time)"
     console.print(line)
     b = Table(title="Against baselines (same cost model)")
     if result.get("objective") == "cost":  # what the objective weighs: $ per million tokens

@@ -8,12 +8,13 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.errors import ConfigError
+from orchestrator.numbers import num
 
 REFERENCE_KINDS = {"fixed": "the first plan throughout", "replayed": "the drill's plans, without faults"}
 
 
 def _s(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
+    return "-" if x is None else num(x, ".2f")
 
 
 def _mib(n: int) -> str:
@@ -56,7 +57,8 @@ def drill_tables(r: dict, console: Console) -> None:
         console.print(f"S3 uploads: newest step {lag['newest_step']}, at most {lag['max_lag_steps']} steps behind and "
                       f"{lag['max_backlog']} in flight or waiting at a commit, {lag['dropped']} dropped for a newer "
                       "step")
-    console.print(f"goodput: {r['goodput'] * 100:.1f}% (useful step time {r['useful_s']:.1f} s of {r['wall_s']:.1f} s)")
+    console.print(f"goodput: {num(r['goodput'], '.1%')} (useful step time {num(r['useful_s'], '.1f')} s of "
+                  f"{num(r['wall_s'], '.1f')} s)")
     for bad in r["expect_failures"]:
         console.print(f"[red]expectation not met[/]: {bad}")
 
@@ -163,8 +165,8 @@ def simulate_tables(r: dict, console: Console) -> None:
         t.add_column(col, overflow="fold", no_wrap=col == "strategy")  # a name whole, never broken mid-word
     oracle = r["strategies"]["oracle"]["tokens"] or 1.0
     for name, s in r["strategies"].items():
-        t.add_row(name, f"{s['tokens'] / 1e9:.3f}", f"{s['tokens'] / oracle * 100:.1f}%", f"{s['goodput'] * 100:.1f}%",
-                  str(s["recoveries"]), f"{s['down_s']:.0f}", f"{s['lost_s']:.0f}")
+        t.add_row(name, num(s["tokens"] / 1e9, ".3f"), num(s["tokens"] / oracle, ".1%"), num(s["goodput"], ".1%"),
+                  str(s["recoveries"]), num(s["down_s"], ".0f"), num(s["lost_s"], ".0f"))
     console.print(t)
     console.print("assumptions: " + "; ".join(f"{k} {v}" for k, v in r["assumptions"].items()), highlight=False)
     console.print(f"simulated in {r['sim_s']:.1f} s")
