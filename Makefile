@@ -41,10 +41,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check planner workers orchestrator tests bench
 
 gpu-check: $(STAMP)  # the GPU checklist (docs/gpu.md): gpu tests, offload bench, MFU, profiling; needs CUDA
-	$(BIN)/python bench/gpu_check.py
+	$(BIN)/python bench/gpu_check.py --json docs/gpu-run.json
+	$(BIN)/python bench/report.py --gpu docs/gpu-run.json
 
+# Every CPU benchmark at a size for a 2-core machine (about 20 minutes), its tables written into docs/benchmarks.md
+# (bench/report.py); bench/peers.py needs Ray Train and torchft, the `peers` extra.
 bench: $(STAMP)
-	$(BIN)/python bench/planner.py
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[peers]'
+	$(BIN)/python bench/report.py
 
 deploy-configs: $(STAMP)  # re-render deploy/ from orchestrator/deploy/render.py (a test checks they match)
 	$(BIN)/hetspot deploy render --cloud aws --out deploy/aws/mixed-spot.yaml

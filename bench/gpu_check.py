@@ -369,8 +369,12 @@ def _device() -> dict:
                                 capture_output=True, text=True, timeout=30).stdout.strip()
     except OSError:
         driver = "unknown"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {"name": torch.cuda.get_device_name(0), "memory_gib": p.total_memory / 2**30, "sms": p.multi_processor_count,
-            "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+            "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "commit": commit.stdout.strip() or "unknown (not a git checkout)",
+            "command": " ".join(["python", "bench/gpu_check.py", *sys.argv[1:]])}
 
 
 class Report:
@@ -417,13 +421,26 @@ def _mfu_table(r: dict) -> None:
            [[r["gpu"], r["model"], where, r["precision"], f"{r['params_b']:.2f}B",
              f"{r['step_s']:.3f} ({p['step_s']:.3f})", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.1f}",
              f"{r['mfu_vs_bf16_peak']:.1%}", f"{r['peak_mem_gib']:.1f} ({p['mem_gib']:.1f})"]])
-    _table(["kernel", "ms", "calls", "share"], _ops(r["top_kernels"]["device"]))
+    if "top_kernels" in r:
+        _table(["kernel", "ms", "calls", "share"], _ops(r["top_kernels"]["device"]))
     _syncs(r)
 
 
 def _syncs(r: dict) -> None:
-    sites = r.get("sync_sites", {}).get("sites", {})
+    if "sync_sites" not in r:
+        return
+    sites = r["sync_sites"].get("sites", {})
     _table([f"host syncs in one step: {sum(sites.values())}", "count"], [[f"`{k}`", str(v)] for k, v in sites.items()])
+
+
+def _print_header(d: dict) -> None:
+    dev = d.get("device", {})
+    print(f"{dev.get('name', 'a GPU')} ({dev.get('memory_gib', 0):.1f} GiB, {dev.get('sms', '?')} SMs), driver "
+          f"{dev.get('driver', '?')}, CUDA {dev.get('cuda', '?')}, torch {dev.get('torch', '?')}, Python "
+          f"{dev.get('python', '?')}, {dev.get('cpus', '?')} CPU cores; {dev.get('date', 'date not recorded')}, "
+          f"commit {dev.get('commit', '?')}: `{dev.get('command', 'python bench/gpu_check.py')}`")
+    if d.get("transcribed"):
+        print(f"\n{d['transcribed']}")
 
 
 def _print_tables(d: dict) -> None:
@@ -439,9 +456,11 @@ def _print_tables(d: dict) -> None:
                  f"{t['compute_s']:.3f}", f"{t['h2d_s']:.3f}", f"{t['d2h_s']:.3f}", f"{t['cpu_adamw_s']:.3f}",
                  f"{o['bound_s']:.3f}", f"{o['ratio']:.2f}x", f"{o['ordered_bound_s']:.3f}",
                  f"{o['ratio_to_ordered']:.2f}x"]])
-        _table(["offloaded step: host op (own time)", "ms", "calls", "share"], _ops(o["top_ops"]["host_self"]))
-        _table(["offloaded step: host op <- hetspot caller", "ms", "calls", "share"], _ops(o["top_ops"]["by_caller"]))
-        _table(["offloaded step: kernel", "ms", "calls", "share"], _ops(o["top_ops"]["device"]))
+        if "top_ops" in o:
+            _table(["offloaded step: host op (own time)", "ms", "calls", "share"], _ops(o["top_ops"]["host_self"]))
+            _table(["offloaded step: host op <- hetspot caller", "ms", "calls", "share"],
+                   _ops(o["top_ops"]["by_caller"]))
+            _table(["offloaded step: kernel", "ms", "calls", "share"], _ops(o["top_ops"]["device"]))
         _syncs(o)
     if "step_s" in d.get("llama", {}):
         _mfu_table(d["llama"])
@@ -484,7 +503,18 @@ def main() -> None:
     ap.add_argument("--cold-trials", type=int, default=2, help="item 5's worker starts (0: skip it)")
     ap.add_argument("--cold-timeout", type=float, default=300, help="seconds a cold-start child may take")
     ap.add_argument("--json", help="write the figures here, after every item")
+    ap.add_argument("--tables-from", metavar="RUN.json", help="print the tables of a run's --json file (no GPU "
+                    "needed: bench/report.py writes docs/benchmarks.md's GPU section with it)")
     args = ap.parse_args()
+    if args.tables_from:
+        try:
+            saved = json.loads(Path(args.tables_from).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"error: --tables-from {args.tables_from}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        _print_header(saved)
+        _print_tables(saved)
+        return
     items = set(args.items.split(","))
     if unknown := items - set(ITEMS):
         print(f"error: --items: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ITEMS)}", file=sys.stderr)

@@ -447,8 +447,9 @@ def wait_all_gpus_free(num_nodes: int, added_at: float, timeout_s: float = 120.0
 def ray_train_trials(ec: EmbeddedCluster, setup: Setup, kills: int, work: Path,
                      start_timeout_s: float | None = None, tries: int = 3) -> tuple[dict, list]:
     """Ray Train's kills: as its docs set it up, or (`start_timeout_s`) with a shorter worker-group start
-    timeout, the one knob that decides its recovery time here (see docs/benchmarks.md). A kill whose steps
-    before it did not run on every node is tried again (up to `tries` times), and fails the bench after."""
+    timeout, the one knob that decides its recovery time here (docs/benchmarks.md, "Recovery beside the peers").
+    A kill whose steps before it did not run on every node is tried again (up to `tries` times), and fails the
+    bench after."""
     tag = "rt" if start_timeout_s is None else f"rt{start_timeout_s:g}s"
     system = "Ray Train (elastic)" if start_timeout_s is None else \
         f"Ray Train (elastic, start timeout {start_timeout_s:g} s)"

@@ -3,6 +3,7 @@
     python bench/planner.py            # both parts, prints markdown tables
     python bench/planner.py --quick    # one run of each (the 4,096-GPU plan alone takes about a minute)
     python bench/planner.py --warm-only  # the warm re-plan table at 1,024 to 16,384 GPUs
+    python bench/planner.py --quick --no-warm  # all but it, one run each (docs/benchmarks.md)
     python bench/planner.py --warm-only --collector-on  # the same with the garbage collector left on
     python bench/planner.py --baseline-sweep  # where the planner loses to a baseline on small clusters
 
@@ -204,6 +205,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warm-only", action="store_true", help="only the warm re-plan table")
+    ap.add_argument("--no-warm", action="store_true", help="all but the warm re-plan table")
     ap.add_argument("--baseline-sweep", action="store_true", help="only the sweep of small clusters on which "
                     "the planner loses to a baseline")
     ap.add_argument("--collector-on", action="store_true", help="leave Python's garbage collector on during "
@@ -225,7 +227,8 @@ def main() -> None:
     scale("175B on 4,096 GPUs (6 types, 512 nodes of 8)",
           _round_robin(["H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4"], 512), "175b", 2048,
           {f"n{i:03d}" for i in range(0, 512, 16)}, repeats, "plan <= 10 s, re-plan <= 1 s")
-    warm_replans((1024, 4096, 8192, 16384), 1 if args.quick else 3)
+    if not args.no_warm:
+        warm_replans((1024, 4096, 8192, 16384), 1 if args.quick else 3)
 
 
 if __name__ == "__main__":

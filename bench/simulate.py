@@ -47,7 +47,7 @@ def main() -> None:
     a = Assumptions()
     print("| trace | fleet | model | hetspot | hetspot, no warm-at-join | hetspot, restart path | oracle paying "
           "start-up | s3-only | symmetric | oracle tokens (B) | hetspot goodput | recoveries | simulated in |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 13 + "|")
     for tr_path in traces:
         tr = load_trace(tr_path)
         for fleet_name in FLEETS[:1] if args.quick else FLEETS:

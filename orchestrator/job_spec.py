@@ -155,7 +155,7 @@ class RuntimeSpec(_Section):
         default=0, ge=0, le=64, description="in-place recovery: keep up to this many worker processes ready on GPUs "
         "the plan leaves idle or that joined (torch imported, device context made, in no group), so a re-plan that "
         "needs a new rank takes one instead of starting a process. Each costs one Python process with torch in host "
-        "memory, plus a CUDA context on a GPU (docs/benchmarks.md, 'Warm workers'). A notice pre-stages the next "
+        "memory, plus a CUDA context on a GPU (docs/recovery.md, in-place recovery). A notice pre-stages the next "
         "plan's new workers whatever this is; a node that joins gets workers on every GPU at once whatever this is")
     replan_tolerance: float = Field(
         default=0.02, ge=0.0, le=0.5, description="a re-plan after a loss or a notice may take a plan up to this "

@@ -32,10 +32,11 @@ class GPUInfo:
 
 _PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0  # x16 per direction, PCI-SIG spec rates
 
-# Fraction of peak a large GEMM-bound layer reaches, held to published runs by bench/calibration.py (table in
-# docs/benchmarks.md): three A100 runs (Megatron-LM's GPT-3 175B at 51.4% MFU, torchtitan's Llama 3 8B and 70B at
-# 56.3% and 50.5%) all came out 22-23% low at 0.55, and land within 3% at 0.70; torchtitan's Llama 3.1 8B on
-# H100 (5,762 tokens/s per GPU, 33-39% MFU) came out 28% high at 0.55; V100s reach about 30% of peak (Megatron-LM
+# Fraction of peak a large GEMM-bound layer reaches, held to published runs by bench/calibration.py
+# (docs/benchmarks.md, "The cost model: how close is it to published runs?"): three A100 runs (Megatron-LM's
+# GPT-3 175B at 51.4% MFU, torchtitan's Llama 3 8B and 70B at 56.3% and 50.5%) all came out 22-23% low at 0.55,
+# and land within 3% at 0.70; torchtitan's Llama 3.1 8B on H100 (5,762 tokens/s per GPU, 33-39% MFU) came out
+# 28% high at 0.55; V100s reach about 30% of peak (Megatron-LM
 # 2019's single-GPU baseline, 39 TFLOPS; ZeRO-Offload's 10B at 40 TFLOPS). Other types keep 0.55 (no published
 # run checked); a profiling pass on a real cluster replaces any of these (ClusterSpec.calibration).
 _EFF_A100, _EFF_H100, _EFF_V100 = 0.70, 0.45, 0.35

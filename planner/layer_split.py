@@ -389,7 +389,7 @@ class PipelineModel:
         Deeper pipelines keep the policies costed at m = p: re-choosing there too moved the sample
         allocator's seed and settled one heterogeneity case 1.1% slower (bench/planner.py, 13b on H100 +
         L40S + RTX4090), while it recovered only 3 more of the 49 losses to a baseline in a sweep of small
-        clusters (docs/benchmarks.md)."""
+        clusters (`python bench/planner.py --baseline-sweep`)."""
         p = len(self.slots)
         if p > 1 or m <= p:
             return stages

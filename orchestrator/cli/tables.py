@@ -64,9 +64,9 @@ def plan_tables(result: dict[str, Any], console: Console) -> None:
         f"[bold]{result['job']}[/]: model {model['name']} ({model['num_params'] / 1e6:,.1f}M params, "
         f"{model['num_layers']} layers), global batch {plan['global_batch']}"
     )
-    t = Table(title="Plan: pipelines (data-parallel replicas) and stages", show_lines=False)
-    for col in ("pipe", "samples", "micro-batches x samples", "stage", "GPUs @ node", "layers", "GiB used / cap",
-                "offload"):
+    t = Table(title="Plan: pipelines (data-parallel replicas) and stages; micro-batches as n x samples",
+              show_lines=False)
+    for col in ("pipe", "samples", "micro-batches", "stage", "GPUs @ node", "layers", "GiB / cap", "offload"):
         t.add_column(col, overflow="fold")  # a narrow terminal or a pipe folds a cell, never cuts it
     mem = est["memory_gib"]
     reasons: list[str] = []  # offload reasons, as numbered notes under the table
