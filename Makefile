@@ -44,7 +44,7 @@ gpu-check: $(STAMP)  # the GPU checklist (docs/gpu.md): gpu tests, offload bench
 	$(BIN)/python bench/gpu_check.py --json docs/gpu-run.json
 	$(BIN)/python bench/report.py --gpu docs/gpu-run.json
 
-# Every CPU benchmark at a size for a 2-core machine (about 20 minutes), its tables written into docs/benchmarks.md
+# Every CPU benchmark at a size for a 2-core machine (about 35 minutes), its tables written into docs/benchmarks.md
 # (bench/report.py); bench/peers.py needs Ray Train and torchft, the `peers` extra.
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[peers]'

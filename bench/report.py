@@ -1,6 +1,6 @@
 """Regenerate docs/benchmarks.md's tables: run each benchmark and write what it prints between its markers.
 
-    python bench/report.py                 # every CPU block (about 20 minutes on a 2-core machine)
+    python bench/report.py                 # every CPU block (about 35 minutes on a 2-core machine)
     python bench/report.py --only planner-quality simulate-goodput
     python bench/report.py --list          # the blocks, their commands and sections
     python bench/report.py --gpu RUN.json  # the GPU block, from `make gpu-check`'s JSON (no GPU needed here)
@@ -52,7 +52,8 @@ class Block:
         return [sys.executable, *words[1:]]
 
 
-# In the page's order. Sizes are chosen so that the whole CPU report takes about 20 minutes on 2 cores.
+# In the page's order, at sizes for a 2-core machine: about 35 minutes in all, 11 of them bench/peers.py (Ray Train
+# restarts its worker group after a kill, 20-70 s each, for each of its two set-ups).
 BLOCKS = [
     Block("planner-speedup", "python bench/planner.py --quick --no-warm"),
     Block("planner-optimality", "python bench/optimality.py --clusters 40 --seed 1"),
@@ -111,7 +112,8 @@ def _which(cmd: str) -> bool:
 
 
 def stamp() -> str:
-    dirty = "+local changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    changed = [ln[3:] for ln in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    dirty = "+local changes" if set(changed) - {"docs/benchmarks.md", GPU_JSON} else ""  # what this writes is not
     return (f"_Measured {datetime.date.today().isoformat()}, commit {_git('rev-parse', '--short', 'HEAD')}{dirty}, "
             f"{machine()}; `{{command}}` took {{took:.0f}} s._")
 

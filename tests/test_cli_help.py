@@ -73,3 +73,36 @@ def test_no_negative_zero_in_a_number_or_a_table():
     buf = io.StringIO()
     simulate_tables(result, Console(file=buf, width=120))
     assert "-0" not in buf.getvalue(), buf.getvalue()
+
+
+def _doc_commands() -> list[tuple[str, list[str]]]:
+    """Every `hetspot ...` line of a ```bash block in README.md and docs/*.md, with its file."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in block.splitlines():
+                for part in line.split("&&"):
+                    part = part.split("  #")[0].split(" # ")[0].strip()
+                    if part.startswith("hetspot "):
+                        out.append((path.name, shlex.split(part)))
+    return out
+
+
+def test_every_command_the_docs_show_exists_with_its_flags():
+    """The README and every page of docs/ name only commands and flags the CLI has (what each does is the pages'
+    own tests: the README walk-through, the deploy runbook)."""
+    cmds = _doc_commands()
+    assert len({page for page, _ in cmds}) >= 5, cmds  # README, planning, cluster, watching, deploy, drills, ...
+    runner = CliRunner()
+    groups = {"deploy", "checkpoints", "data"}
+    for page, argv in cmds:
+        words = [w for w in argv[1:] if not w.startswith("-")]
+        sub = words[:2] if words and words[0] in groups else words[:1]
+        res = runner.invoke(app, [*sub, "--help"], terminal_width=200, env={"COLUMNS": "200"})
+        assert res.exit_code == 0, f"{page}: `{' '.join(argv)}`: no command `hetspot {' '.join(sub)}`"
+        for flag in (w.split("=")[0] for w in argv if w.startswith("--")):
+            assert flag in res.output, f"{page}: `{' '.join(argv)}`: `hetspot {' '.join(sub)}` has no {flag}"

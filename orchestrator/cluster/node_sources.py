@@ -2,8 +2,11 @@
 
 - `DeclaredNodes`: the job's `cluster:` nodes that Ray still reports alive, with
   the job's specs (bandwidths, prices); used on the embedded test cluster.
-- `LiveNodes`: a running cluster's GPU nodes as Ray reports them, calibrated by
-  the profiling pass once per GPU type; used by `hetspot submit --address`.
+- `LiveNodes`: a running cluster's GPU nodes as Ray reports them, each with the GPUs free to this job (other
+  jobs' GPUs left out: orchestrator/cluster/holders.py), calibrated by the profiling pass once per GPU type on
+  free GPUs only; used by `hetspot submit --address`.
+
+Both say who holds the GPUs they leave out (`held`: node name -> {holder: GPUs}).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class DeclaredNodes:
                              "Ray cluster")
         self.declared = declared
         self.notes: dict[str, str] = {}
+        self.held: dict[str, dict[str, int]] = {}  # the embedded cluster runs one job
 
     def discover(self) -> ClusterSpec:
         alive = {n.name for n in RayInventory().discover()}
@@ -26,16 +30,22 @@ class DeclaredNodes:
 
 
 class LiveNodes:
-    def __init__(self, profile: bool = True):
+    def __init__(self, profile: bool = True, job: str | None = None):
         self.profile = profile
+        self.job = job  # the hetspot job id (None: this process's, holders.job_id)
         self.calibration: dict[str, float] = {}
         self.host_adamw: dict[str, float] = {}  # per GPU type: its nodes' measured host AdamW rate
         self.notes: dict[str, str] = {}  # per GPU type: what profiling measured, or why it skipped
+        self.held: dict[str, dict[str, int]] = {}  # node -> {holder: GPUs} not free to this job
 
     def discover(self) -> ClusterSpec:
+        from orchestrator.cluster.holders import ray_free_for_job
         from orchestrator.cluster.profiling import profile_cluster
 
-        nodes = RayInventory().discover()
+        nodes, self.held = ray_free_for_job(RayInventory().discover(), self.job)
+        if not nodes:  # every GPU is another's: the controller says whose
+            return ClusterSpec.model_construct(nodes=[], calibration={})
+        # the profiling pass pins one GPU of a node of each type: a free one (a node left here has one free)
         new = [n for n in nodes if n.gpu_type not in self.notes]
         if self.profile and new:
             cal, notes, rates = profile_cluster(new)

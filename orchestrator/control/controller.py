@@ -113,6 +113,7 @@ class Controller:
         self.capacity = capacity  # cluster/capacity.Capacity: the fleet's standing demand; None: take what is there
         self.sleep = sleep or time.sleep
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
+        self._held: dict[str, dict[str, int]] = {}  # GPUs other jobs hold, as last said in an event
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
         self._failure: tuple | None = None  # (the WorkerFailure being recovered from, when it was detected)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
@@ -221,7 +222,16 @@ class Controller:
 
     def _discover(self) -> State:
         self._phase("discovering GPUs")
-        self.cluster = self.nodes.discover().without_nodes(self.doomed)
+        found = self.nodes.discover()
+        held = self.nodes.held
+        if held != self._held:  # GPUs another job holds: named once, and again when that changes
+            self._held = held
+            if held:
+                self._event("held", f"GPUs held by other jobs, left out of the plan: {_holders(held)}", held=held)
+        if not found.nodes:
+            return self._fail("no GPU of the cluster is free to this job" + (
+                f": {_holders(held)} hold them; submit it again when they end" if held else ""))
+        self.cluster = found.without_nodes(self.doomed)
         self._known_nodes = {n.name for n in self.cluster.nodes}
         log.info("discovered %d GPUs on %d nodes", self.cluster.num_gpus, len(self.cluster.nodes))
         return State.PLANNING
@@ -564,6 +574,12 @@ class Controller:
         self._phase("failed")
         log.error("job failed: %s", reason)
         return State.FAILED
+
+
+def _holders(held: dict[str, dict[str, int]]) -> str:
+    """"l4-a: 2 GPUs (hetspot-b-1a2b3c4d); ..." for a person."""
+    return "; ".join(f"{node}: " + ", ".join(f"{c} GPU{'s' if c > 1 else ''} ({who})" for who, c in by.items())
+                     for node, by in sorted(held.items()))
 
 
 def _present(value: T | None, what: str, state: State) -> T:

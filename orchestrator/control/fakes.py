@@ -17,6 +17,7 @@ class FakeNodes:
         self.clusters = list(clusters)
         self.calls = 0
         self.notes: dict[str, str] = {}
+        self.held: dict[str, dict[str, int]] = {}
 
     def discover(self) -> ClusterSpec:
         c = self.clusters[min(self.calls, len(self.clusters) - 1)]

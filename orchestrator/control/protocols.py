@@ -22,7 +22,9 @@ from planner import ClusterSpec
 
 
 class NodeSource(Protocol):
-    def discover(self) -> ClusterSpec: ...
+    held: dict[str, dict[str, int]]  # after discover: node -> {holder (another job): GPUs not free to this job}
+
+    def discover(self) -> ClusterSpec: ...  # the GPUs free to this job (no node at all where none is)
 
 
 class WorkerGroup(Protocol):

@@ -99,7 +99,7 @@ class ControllerActor:
         from orchestrator.runtime.metrics import StepMetrics, TensorBoardLog
 
         self.job = JobSpec.model_validate_json(job_json)
-        nodes = DeclaredNodes(self.job.cluster) if embedded else LiveNodes(self.job.runtime.profile)
+        nodes = DeclaredNodes(self.job.cluster) if embedded else LiveNodes(self.job.runtime.profile, job_id)
         first = Plan.model_validate_json(first_plan_json) if first_plan_json else None
         capacity = None
         demand = None if embedded else self.job.demand()  # a real cluster: its fleet, or its cluster: nodes

@@ -162,8 +162,12 @@ class WorkerPool:
 
 
 def _gpu_pg(node_id: str):
-    """A placement group of one GPU on the node with Ray id `node_id` (one per worker: a kept process keeps it)."""
-    return placement_group([{"GPU": 1}], strategy="STRICT_PACK", bundle_label_selector=[{"ray.io/node-id": node_id}])
+    """A placement group of one GPU on the node with Ray id `node_id` (one per worker: a kept process keeps it),
+    named by the job that holds it, so that another job plans around it (orchestrator/cluster/holders.py)."""
+    from orchestrator.cluster.holders import pg_name
+
+    return placement_group([{"GPU": 1}], strategy="STRICT_PACK", bundle_label_selector=[{"ray.io/node-id": node_id}],
+                           name=pg_name())
 
 
 def torch_threads(job: JobSpec, node) -> int:
