@@ -8,6 +8,7 @@ out five placement timeouts, about 16 minutes)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -106,6 +107,15 @@ def test_live_discovery_leaves_out_another_jobs_gpus_and_keeps_its_own(local_ray
     everyone_else = LiveNodes(profile=False, job="another")
     assert everyone_else.discover().nodes == [] and list(everyone_else.held.values()) == [
         {OTHER: 1, "hetspot-first-1a2b3c4d": 2, "local": 1}]
+    # the profiling pass pins a GPU only where one is free to the job: none here, so it never waits for one (its
+    # probe's timeout is 300 s); with the holder gone it profiles the freed GPU (a fake one: skipped, at once)
+    t0 = time.monotonic()
+    profiled = LiveNodes(profile=True, job="another")
+    assert profiled.discover().nodes == [] and profiled.notes == {}
     ray.kill(h)
+    while not (found := profiled.discover()).nodes and time.monotonic() - t0 < 30:  # Ray frees it soon after
+        time.sleep(0.2)
+    assert found.num_gpus == 1 and "skipped" in profiled.notes["L4"], profiled.notes
+    assert time.monotonic() - t0 < 60
     remove_placement_group(other)
     remove_placement_group(own)
