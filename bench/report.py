@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
 GPU_JSON = "docs/gpu-run.json"
+CODE = ("planner/", "workers/", "orchestrator/", "bench/", "examples/", "drills/", "pyproject.toml", "constraints.txt")
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def _which(cmd: str) -> bool:
 
 def stamp() -> str:
     changed = [ln[3:] for ln in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    dirty = "+local changes" if set(changed) - {"docs/benchmarks.md", GPU_JSON} else ""  # what this writes is not
+    dirty = "+local changes" if any(p.startswith(CODE) for p in changed) else ""  # in what the benchmarks run
     return (f"_Measured {datetime.date.today().isoformat()}, commit {_git('rev-parse', '--short', 'HEAD')}{dirty}, "
             f"{machine()}; `{{command}}` took {{took:.0f}} s._")
 
