@@ -127,8 +127,9 @@ def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
     model, train = ModelSpec.preset("175b"), TrainSpec(global_batch=2048)
     print("## Warm re-plan at scale (175B, 6 types, nodes of 8, 32 nodes lost spread over the types)\n")
     print("| GPUs | types lost | first plan CPU s | warm re-plan CPU s (median) | runs | before tok/s | warm tok/s "
-          "(kept) | fresh search tok/s | broken pipelines dropped tok/s (kept) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "(kept) | fresh search tok/s (CPU s) | longer search tok/s | fresh / best | broken pipelines dropped tok/s "
+          "(kept) |")
+    print("|---" * 11 + "|")
     for gpus in sizes:
         nodes = gpus // 8
         cluster = _round_robin(types, nodes)
@@ -143,7 +144,13 @@ def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
             t0 = time.process_time()
             p2 = planner.plan(survivors)
             warm.append(time.process_time() - t0)
+        t0 = time.process_time()
         fresh = Planner(model, train).plan(survivors)
+        fresh_s = time.process_time() - t0
+        longer = Planner(model, train)
+        longer.thorough = True  # every start descended, not only the best of each kind
+        longer_plan = longer.plan(survivors)
+        best = max(p2.estimate.tokens_per_s, longer_plan.estimate.tokens_per_s)
         dropped = search.kept_pipelines(p1, survivors, model, train)
         before = p1.estimate.tokens_per_s
         drop = (f"{dropped.estimate.tokens_per_s:,.0f} ({dropped.estimate.tokens_per_s / before:.1%})"
@@ -151,9 +158,11 @@ def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
         print(f"| {gpus:,} | {len({cluster.node(n).gpu_type for n in lost})} of {len(types)} | "
               f"{statistics.median(first):.2f} | {statistics.median(warm):.2f} | {repeats} | {before:,.0f} | "
               f"{p2.estimate.tokens_per_s:,.0f} ({p2.estimate.tokens_per_s / before:.1%}) | "
-              f"{fresh.estimate.tokens_per_s:,.0f} | {drop} |")
+              f"{fresh.estimate.tokens_per_s:,.0f} ({fresh_s:.2f}) | {longer_plan.estimate.tokens_per_s:,.0f} | "
+              f"{fresh.estimate.tokens_per_s / best:.3f} | {drop} |")
     print("\nTargets: a warm re-plan at most 1 s of CPU at 16,384 GPUs, its plan no slower than a fresh search's "
-          "or than the last plan with its broken pipelines dropped.\n")
+          "or than the last plan with its broken pipelines dropped; a fresh search within 2% of the best of the "
+          "warm re-plan and a longer search (every start descended).\n")
 
 
 def spread_loss(cluster: ClusterSpec, count: int) -> set[str]:

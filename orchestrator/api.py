@@ -446,13 +446,16 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
     """
     from orchestrator.cluster.discovery import RayInventory, to_cluster_spec
     from orchestrator.cluster.ec2 import Boto3SpotPrices, EC2Facts
+    from orchestrator.cluster.holders import held_by_job
 
     started = None
     nodes_fn = None
+    table_fn = None  # the placement group table: which hetspot job holds which GPUs
     if address and address.startswith(("http://", "https://")):
         from orchestrator.runtime.ray_jobs import RayJobs
 
-        nodes_fn = RayJobs(address, token_file).nodes
+        jobs = RayJobs(address, token_file)
+        nodes_fn, table_fn = jobs.nodes, jobs.placement_groups
     else:
         import ray
 
@@ -475,6 +478,9 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
                                   "(its embedded test cluster)")
     try:
         nodes = RayInventory(nodes_fn).discover()
+        if table_fn is None:
+            from ray.util import placement_group_table as table_fn
+        held = held_by_job(table_fn())
         if ec2_region or endpoint_url:
             import boto3
 
@@ -492,7 +498,8 @@ def inventory(address: str | None = None, job_path: str | Path | None = None, ec
     return {"cluster": spec.model_dump(), "gpus_by_type": by_type,
             "nodes": [{"name": n.name, "address": n.address, "gpu_type": n.gpu_type, "num_gpus": n.num_gpus,
                        "market": n.market, "zone": n.zone, "instance_type": n.instance_type,
-                       "gpu_mem_gib": n.gpu_mem_gib, "price_per_hour": n.price_per_hour, "node_id": n.node_id}
+                       "gpu_mem_gib": n.gpu_mem_gib, "price_per_hour": n.price_per_hour, "node_id": n.node_id,
+                       "held": dict(sorted(held.get(n.node_id, {}).items()))}  # hetspot job -> its GPUs here
                       for n in nodes]}
 
 

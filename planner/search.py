@@ -482,12 +482,14 @@ def _count_sets(groups: list[Group], max_stages: int) -> int:
     return count
 
 
-def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = None, bound: float = math.inf):
+def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = None, bound: float = math.inf,
+                    thorough: bool = False):
     """Homogeneous pipelines per type at chosen depths, leftovers pooled into mixed pipelines.
 
     `warm`: the depths this search settled on last time (a re-plan after a loss starts there, not from
     each type's best depth alone; it holds the new ones when the search is done). `bound`: a step time past
-    which a second descent is not worth its time (another TP degree already does much better)."""
+    which a second descent is not worth its time (another TP degree already does much better). `thorough`:
+    descend from every start, not only the best of each kind (the planner bench's longer search)."""
     by_type: dict[str, list[Group]] = {}
     for g in sorted(groups, key=lambda g: (-g.slot.flops_per_gpu, g.slot.gpu_type, g.node, g.devices)):
         by_type.setdefault(g.slot.gpu_type, []).append(g)
@@ -587,10 +589,24 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
 
     others = [{t: (depth[t] if i < j else -1) for i, t in enumerate(types)} | {_POOL: pool}
               for j in range(1, len(types) + 1) for pool in (1, 0)]
+    # Each type at its own best depth makes replicas of unequal lengths, and a descent that moves one type at a
+    # time may not get out: the 175B on 1,024 GPUs of six types, 32 nodes lost, ended with both A100 types idle at
+    # 69% of the throughput a re-plan warm from the whole cluster found (docs/benchmarks.md, re-plan at scale).
+    # So a fresh search also starts from the types at one depth together (each at the least of its depths not
+    # below it) and keeps the better end; a resumed search starts where the last one settled instead.
+    qs = sorted({p_min[t] for t in types if p_min[t]})  # each type's least depth that fits
+    uniform = [{t: next((o for o in depths(t) if o >= q), max(depths(t), default=0)) for t in types} | {_POOL: 1}
+               for q in qs]
     ends = [descend(depth)]
-    other = min(others, key=val) if not resumed else ends[0]  # a resumed search had these starts last time
-    if val(other) < min(val(ends[0]) * (1 - 1e-9), bound):
-        ends.append(descend(other))
+    if thorough:
+        ends += [descend(d) for d in others + uniform]
+    elif not resumed:  # a resumed search had these starts last time
+        other = min(others, key=val)
+        if val(other) < min(val(ends[0]) * (1 - 1e-9), bound):
+            ends.append(descend(other))
+        together = min(uniform, key=val, default=None)  # descended where it starts ahead of every degree so far
+        if together is not None and val(together) * DEGREE_SLACK < bound:
+            ends.append(descend(together))
     depth = min(ends, key=val)
     if warm is not None:
         warm["depth"] = dict(depth)
@@ -774,6 +790,7 @@ class Planner:
         # A refusal for host memory searches for the least RAM that plans (`_least_host`, a few searches more):
         # for a person reading it (`hetspot plan` sets it), not for a re-plan, a fleet search or a sweep.
         self.explain = False
+        self.thorough = False  # large clusters: descend from every start (bench/planner.py's longer search)
 
     def sharing_caches(self) -> Planner:
         """A planner for the same job with these cost caches but no memory of earlier plans (no warm start,
@@ -893,7 +910,8 @@ class Planner:
             exact = exhaustive and train.global_batch <= EXACT_BATCH and model.num_layers <= EXACT_LAYERS
             sets = (_exhaustive_sets(groups, most_stages) if exhaustive
                     else _heuristic_sets(search, groups, self._warm.setdefault(tp, {}),
-                                         DEGREE_SLACK * min((f[0] for f in finalists), default=math.inf)))
+                                         DEGREE_SLACK * min((f[0] for f in finalists), default=math.inf),
+                                         self.thorough))
             scored = []
             if exact:
                 # Every variant's lower bound first (`floor` at its fastest sync group's bandwidth, mostly

@@ -409,6 +409,13 @@ def test_ray_drain_on_a_real_cluster_moves_the_job_before_the_deadline(tmp_path)
         wait_progress(h, job_id, lambda p: p.get("step", -1) >= 2)
         st = json.loads(cli(h, "status", job_id, "--address", h.url, "--json").stdout)
         assert st["status"] == "RUNNING" and st["progress"]["step"] >= 2, st
+        # who holds what, as another user of the cluster sees it: the job's workers hold their GPUs through
+        # placement groups named by the job, which `list` and `inventory` read over the dashboard's State API
+        listed = {j["job_id"]: j["gpus"] for j in json.loads(cli(h, "list", "--address", h.url, "--json").stdout)}
+        inv = json.loads(cli(h, "inventory", "--address", h.url, "--json").stdout)
+        held = [by for n in inv["nodes"] for by in [n["held"]] if by]
+        assert listed[job_id] >= 1 and all(set(by) == {job_id} for by in held), (listed, inv["nodes"])
+        assert sum(by[job_id] for by in held) == listed[job_id], (listed, inv["nodes"])
         nodes = json.loads(h.ray_out("list", "nodes", "--address", f"127.0.0.1:{h.gcs}", "--format", "json"))
         doomed = next(n["node_id"] for n in nodes if n["labels"].get("hetspot/node") == "a100-spot")
         h.ray_out("drain-node", "--address", f"127.0.0.1:{h.gcs}", "--node-id", doomed, "--reason",

@@ -390,18 +390,28 @@ def list_jobs(
     token_file: str | None = _token_option(),
     as_json: bool = typer.Option(False, "--json", help="print the jobs as JSON"),
 ) -> None:
-    """hetspot jobs on a running cluster, oldest first."""
+    """hetspot jobs on a running cluster, oldest first, with the GPUs each holds."""
+    from collections import Counter
+
     from rich.table import Table
 
-    rows = _jobs(address, token_file).list()
+    from orchestrator.cluster.holders import held_by_job
+
+    jobs = _jobs(address, token_file)
+    rows = jobs.list()
+    held: Counter[str] = Counter()
+    for by_job in held_by_job(jobs.placement_groups()).values():
+        held.update(by_job)
+    for r in rows:
+        r["gpus"] = held.get(r["job_id"], 0)
     if as_json:
         _print_json(rows)
         return
     t = Table(title="hetspot jobs")
-    for col in ("job id", "name", "status"):
+    for col in ("job id", "name", "status", "GPUs held"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["job_id"], r["name"], r["status"])
+        t.add_row(r["job_id"], r["name"], r["status"], str(r["gpus"]))
     console.print(t)
 
 
@@ -430,10 +440,11 @@ def inventory(
         _print_json(result)
         return
     t = Table(title="GPU inventory")
-    for col in ("node", "GPUs", "type", "market", "zone", "instance", "$/h"):
+    for col in ("node", "GPUs", "held by", "type", "market", "zone", "instance", "$/h"):
         t.add_column(col)
     for n in result["nodes"]:
-        t.add_row(n["name"], str(n["num_gpus"]), n["gpu_type"], n["market"], n["zone"] or "-",
+        held = ", ".join(f"{c} {job}" for job, c in n.get("held", {}).items()) or "-"
+        t.add_row(n["name"], str(n["num_gpus"]), held, n["gpu_type"], n["market"], n["zone"] or "-",
                   n["instance_type"] or "-", f"{n['price_per_hour']:.2f}" if n["price_per_hour"] is not None else "-")
     console.print(t)
     console.print("total: " + ", ".join(f"{c}x {g}" for g, c in sorted(result["gpus_by_type"].items())))

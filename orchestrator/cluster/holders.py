@@ -40,7 +40,7 @@ def job_of(name: str) -> str | None:
     return name[len(PG_PREFIX):].rsplit(":", 1)[0] or None
 
 
-def _held(table: Mapping[str, Mapping[str, Any]]) -> dict[str, Counter[str]]:
+def held_by_job(table: Mapping[str, Mapping[str, Any]]) -> dict[str, Counter[str]]:
     """Ray node id -> {hetspot job: GPUs its placement groups reserve there}, from `ray.util.placement_group_table()`.
     A removed group holds nothing; a bundle not placed yet has no node."""
     out: dict[str, Counter[str]] = {}
@@ -62,7 +62,7 @@ def free_for_job(nodes: list, job: str, table: Mapping[str, Mapping[str, Any]],
     others and how many). `nodes`: DiscoveredNodes (their `node_id` is Ray's); `table`: the placement group table;
     `available`: Ray node id -> its available resources (None where it could not be read: then only other hetspot
     jobs' placement groups are subtracted)."""
-    held = _held(table)
+    held = held_by_job(table)
     free, holders = [], {}
     for n in nodes:
         on = held.get(n.node_id, Counter())
@@ -80,6 +80,21 @@ def free_for_job(nodes: list, job: str, table: Mapping[str, Mapping[str, Any]],
         if count > 0:
             free.append(dataclasses.replace(n, num_gpus=count))
     return free, holders
+
+
+def table_from_state_api(rows: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The State API's placement groups (`list_placement_groups(detail=True)`, what the dashboard serves over
+    HTTP) in `ray.util.placement_group_table()`'s form: bundles by index, and each bundle's node."""
+    table = {}
+    for i, pg in enumerate(rows):
+        bundles, nodes = {}, {}
+        for j, b in enumerate(pg.get("bundles") or []):
+            idx = (b.get("bundle_id") or {}).get("bundle_index", j)
+            bundles[idx] = b.get("unit_resources") or b.get("unitResources") or {}
+            nodes[idx] = b.get("node_id") or b.get("nodeId") or ""
+        table[pg.get("placement_group_id") or str(i)] = {"name": pg.get("name") or "", "state": pg.get("state"),
+                                                         "bundles": bundles, "bundles_to_node_id": nodes}
+    return table
 
 
 def ray_free_for_job(nodes: list, job: str | None = None,

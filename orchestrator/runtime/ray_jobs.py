@@ -300,20 +300,34 @@ class RayJobs:
     # -- nodes ----------------------------------------------------------------
     def nodes(self) -> builtins.list[dict]:  # (`list` here is RayJobs.list)
         """Alive nodes in `ray.nodes()` form, from the State API (for discovery over HTTP)."""
-        from ray.util.state.api import StateApiClient
-        from ray.util.state.common import ListApiOptions, StateResource
+        from ray.util.state.common import StateResource
 
-        headers = self.headers | {"Content-Type": "application/json"}
-        client = self._call(lambda: StateApiClient(self.url, headers=headers))
-        states = self._call(lambda: client.list(StateResource.NODES, ListApiOptions(detail=True, limit=10_000),
-                                                raise_on_missing_output=False))
         out = []
-        for n in states:
-            n = n if isinstance(n, dict) else n.__dict__
+        for n in self._state_rows(StateResource.NODES):
             out.append({"NodeID": n["node_id"], "Alive": n["state"] == "ALIVE", "NodeName": n.get("node_name") or
                         n.get("node_ip"), "NodeManagerAddress": n.get("node_ip", ""),
                         "Resources": n.get("resources_total") or {}, "Labels": n.get("labels") or {}})
         return out
+
+    def placement_groups(self) -> dict[str, dict]:
+        """The cluster's placement groups in `ray.util.placement_group_table()` form, from the State API: which job
+        holds which GPUs (orchestrator/cluster/holders.py)."""
+        from ray.util.state.common import StateResource
+
+        from orchestrator.cluster.holders import table_from_state_api
+
+        return table_from_state_api(self._state_rows(StateResource.PLACEMENT_GROUPS))
+
+    def _state_rows(self, resource) -> builtins.list[dict]:
+        """Every row of one State API resource, with its detail columns."""
+        from ray.util.state.api import StateApiClient
+        from ray.util.state.common import ListApiOptions
+
+        headers = self.headers | {"Content-Type": "application/json"}
+        client = self._call(lambda: StateApiClient(self.url, headers=headers))
+        rows = self._call(lambda: client.list(resource, ListApiOptions(detail=True, limit=10_000),
+                                              raise_on_missing_output=False))
+        return [r if isinstance(r, dict) else r.__dict__ for r in rows]
 
 
 def _slug(name: str) -> str:
