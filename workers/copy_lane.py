@@ -123,12 +123,7 @@ class Lane:
             fn, after, keep, ticket = job
             del job
             try:
-                for dep in after:
-                    if self.stream is not None and dep.event is not None:
-                        dep._ran()
-                        self.stream.wait_event(dep.event)
-                    else:
-                        dep.host_wait()
+                self._after(after)
                 with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                     ticket.result = fn()
                     if self.stream is not None:
@@ -141,6 +136,17 @@ class Lane:
             issued = ticket.issued
             del fn, after, keep, ticket
             issued.set()
+
+    def _after(self, after: tuple[Ticket, ...]) -> None:
+        """Wait for the jobs this one follows: on the device where both have events, else on this thread. In a
+        function of its own, so that no loop variable of the lane's loop keeps the last one's ticket (and the
+        tensors of its result) alive while the thread waits for its next job."""
+        for dep in after:
+            if self.stream is not None and dep.event is not None:
+                dep._ran()
+                self.stream.wait_event(dep.event)
+            else:
+                dep.host_wait()
 
 
 def _tensors(obj) -> list[torch.Tensor]:

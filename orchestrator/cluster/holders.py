@@ -14,7 +14,7 @@ import dataclasses
 import os
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 PG_PREFIX = "hetspot:"
@@ -82,7 +82,7 @@ def free_for_job(nodes: list, job: str, table: Mapping[str, Mapping[str, Any]],
     return free, holders
 
 
-def table_from_state_api(rows: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+def table_from_state_api(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The State API's placement groups (`list_placement_groups(detail=True)`, what the dashboard serves over
     HTTP) in `ray.util.placement_group_table()`'s form: bundles by index, and each bundle's node."""
     table = {}
