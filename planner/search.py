@@ -527,14 +527,25 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
             pool += gs[full:]
         if not depth[_POOL]:
             return pset
-        current: list[Group] = []
-        for g in _stage_order(pool):
-            current.append(g)
-            if len(current) <= search.model.num_layers \
-                    and search.pipeline_model(_stage_order(current), False).finish(1) is not None:
-                pset.append(_stage_order(current))
-                current = []
-        return pset
+        return pset + pooled(tuple(_stage_order(pool)))
+
+    pools: dict[tuple[int, ...], list[list[Group]]] = {}  # by the groups' identities (they outlive the search)
+
+    def pooled(pool: tuple[Group, ...]) -> list[list[Group]]:
+        """The leftovers' mixed pipelines, each closed as soon as it fits (the descent asks for the same leftovers
+        under many depths of the other types: built once)."""
+        ids = tuple(map(id, pool))
+        got = pools.get(ids)
+        if got is None:
+            got, current = [], []
+            for g in pool:
+                current.append(g)
+                if len(current) <= search.model.num_layers \
+                        and search.pipeline_model(_stage_order(current), False).finish(1) is not None:
+                    got.append(_stage_order(current))
+                    current = []
+            pools[ids] = got
+        return [list(p) for p in got]
 
     def depths(t: str) -> list[int]:
         p, n = p_min[t], len(by_type[t])
@@ -604,9 +615,9 @@ def _heuristic_sets(search: _Search, groups: list[Group], warm: dict | None = No
         other = min(others, key=val)
         if val(other) < min(val(ends[0]) * (1 - 1e-9), bound):
             ends.append(descend(other))
-        together = min(uniform, key=val, default=None)  # descended where it starts ahead of every degree so far
-        if together is not None and val(together) * DEGREE_SLACK < bound:
-            ends.append(descend(together))
+        # each descended where it starts ahead of every degree so far: the best start of them is not the best
+        # end (1,024 GPUs of six types, the 175B: the start at 112 s a step ends at 56, one at 125 ends at 49)
+        ends += [descend(d) for d in uniform if val(d) * DEGREE_SLACK < bound]
     depth = min(ends, key=val)
     if warm is not None:
         warm["depth"] = dict(depth)
@@ -791,12 +802,15 @@ class Planner:
         # for a person reading it (`hetspot plan` sets it), not for a re-plan, a fleet search or a sweep.
         self.explain = False
         self.thorough = False  # large clusters: descend from every start (bench/planner.py's longer search)
+        self._subplans: dict[str, Plan | None] = {}  # small clusters one node smaller: their best plans
+        self._heuristic = False  # the last search took the heuristic one at some TP degree
+        self._below = False  # a planner of a cluster one node smaller (`_without_one_node`)
 
     def sharing_caches(self) -> Planner:
         """A planner for the same job with these cost caches but no memory of earlier plans (no warm start,
         no TP degree skipped): a full search that costs less."""
         other = Planner(self.model, self.train)
-        other._pm_cache, other._stage_cache = self._pm_cache, self._stage_cache
+        other._pm_cache, other._stage_cache, other._subplans = self._pm_cache, self._stage_cache, self._subplans
         return other
 
     def plan(self, cluster: ClusterSpec, objective: str = "throughput") -> Plan:
@@ -825,6 +839,7 @@ class Planner:
         if objective == "cost" and any(n.price_per_hour is None for n in cluster.nodes):
             missing = [n.name for n in cluster.nodes if n.price_per_hour is None]
             raise PlanningError(f"objective 'cost' needs price_per_hour on every node; missing on {', '.join(missing)}")
+        self._heuristic = False
         try:
             found = self._candidates(cluster, objective, k, _kinds)
         except PlanningError:
@@ -842,6 +857,8 @@ class Planner:
                 except PlanningError:
                     continue
                 found += [p for p in more if all(q.pipelines != p.pipelines for q in found)]
+        if objective == "throughput" and _kinds and self._heuristic:
+            found += [p for p in self._without_one_node(cluster) if all(q.pipelines != p.pipelines for q in found)]
         if objective == "throughput" and _kinds and self._last_plan is not None:
             kept = kept_pipelines(self._last_plan, cluster, self.model, self.train)
             if kept is not None and all(q.pipelines != kept.pipelines for q in found):
@@ -855,6 +872,41 @@ class Planner:
         if objective == "throughput" and _kinds:
             self._last_plan = ranked[0]
         return ranked
+
+    def _without_one_node(self, cluster: ClusterSpec) -> list[Plan]:
+        """On a small cluster searched heuristically at some TP degree, the best plan of each cluster one node
+        smaller (one node of each kind left out), its node idle: what the search finds on the smaller cluster
+        stays a candidate on this one, so a node added never gives a plan slower than the search found without
+        it (each smaller cluster planned once, `_subplans`, and one level deep: their own smaller ones are not
+        searched; an exhaustive search tries every subset of the groups already). Without it a node that takes
+        the cluster past the exhaustive search's size hands it to the heuristic one, which can find a plan 1.5x
+        slower than the one it had (a 7B on A100 + L4 + T4 + A10G nodes, a T4 node added)."""
+        if self._below or not 1 < len(cluster.nodes) <= MONOTONE_NODES or cluster.num_gpus > MONOTONE_GPUS:
+            return []
+        out = []
+        kinds: dict[tuple, str] = {}
+        for n in cluster.nodes:  # interchangeable nodes: leaving out either gives the same plan, renamed
+            kinds[n.model_dump_json(exclude={"name"})] = n.name
+        for name in kinds.values():
+            sub = cluster.without_nodes({name})
+            key = sub.model_dump_json()
+            if key not in self._subplans:
+                other = self.sharing_caches()
+                other._below = True  # one level: the smaller cluster's own smaller ones are not searched
+                try:
+                    self._subplans[key] = other._ranked(sub, "throughput", 1, True)[0]
+                except PlanningError:
+                    self._subplans[key] = None
+            got = self._subplans[key]
+            if got is None:
+                continue
+            p = got.model_copy(deep=True)
+            why = "left out: the plan without this node is faster than any the search found with it"
+            p.unused = sorted(p.unused + [UnusedDevice(device=d, reason=why) for d in cluster.node(name).device_ids()],
+                              key=lambda u: u.device)
+            p.estimate = evaluate(p, cluster, self.model, self.train)
+            out.append(p)
+        return out
 
     def _least_host(self, cluster: ClusterSpec, objective: str) -> float | None:
         """Where host memory is what a node lacks (the node `_host_short` names), the least RAM on that node with
@@ -903,6 +955,7 @@ class Planner:
             if not groups:
                 continue
             exhaustive = len(groups) <= EXHAUSTIVE_GROUPS and _count_sets(groups, most_stages) <= MAX_EXHAUSTIVE_SETS
+            self._heuristic |= not exhaustive
             if (not exhaustive and last is not None and tp in last[1]
                     and last[1][tp] > DEGREE_SLACK * min(last[1].values())):
                 continue
@@ -1104,6 +1157,7 @@ def plan(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec, objective: st
     return Planner(model, train).plan(cluster, objective)
 
 
+MONOTONE_NODES, MONOTONE_GPUS = 6, 32  # up to here a plan is never slower than the best one node smaller
 LEAST_HOST_GPUS = 16  # up to here a refusal for host memory names the least RAM the search plans with
 
 

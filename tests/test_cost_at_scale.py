@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from planner.at_scale import Layout, estimate_layout
+from planner.catalog import gpu_info
 from planner.specs import ModelSpec, TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,3 +86,45 @@ def test_calibration_fitted_on_a_training_split_holds_every_held_out_run_within_
     bad = [(x["name"], x["ratio"]) for x in held if not abs(x["ratio"] - 1) <= 0.20]
     assert not bad, bad
     assert all(x["source"] and x["fits"] for x in rows)
+    # One set of efficiencies: the rows are priced with the catalog's, which is the fit (rounded)
+    for g, eff in t["fitted_efficiency"].items():
+        assert abs(t["catalog_efficiency"][g] - eff) <= 0.005, (g, eff, t["catalog_efficiency"][g])
+        assert t["catalog_efficiency"][g] == gpu_info(g).default_efficiency
+    # The A100 runs at 1,000+ GPUs and the H100 runs at 1,000-16,384 GPUs are among those held out
+    assert any(x["gpu_type"].startswith("A100") and x["gpus"] >= 1000 for x in held)
+    assert any(x["gpu_type"].startswith("H100") and 1000 <= x["gpus"] <= 16384 for x in held)
+    planned = t["planned"]  # hetspot's own plans of published set-ups: each row says whether it was fitted
+    assert planned and all(x["split"] in ("fitted", "held-out") for x in planned)
+    h200 = next(x for x in planned if "H200" in x["name"])  # hetspot's own engine, priced at the H100's figure
+    assert h200["split"] == "held-out" and abs(h200["ratio"] - 1) <= 0.15, h200
+
+
+@pytest.mark.unit
+def test_evaluate_and_the_published_layout_model_price_one_layout_alike():
+    """`evaluate` (what `plan`, the fleet choice and the simulator use) and planner/at_scale.py (what the
+    calibration prices published layouts with) are one cost model: a plan that both can describe (symmetric, no
+    recompute or offload), priced by at_scale with its own additions switched off, costs the same step within 2%.
+    A second efficiency table, or a term one of them prices differently, fails here."""
+    from planner import ClusterSpec, NodeSpec, plan
+
+    cases = [
+        ("A100-80GB", 8, 8, 200.0, ModelSpec.preset("175b"), TrainSpec(global_batch=64)),
+        ("H200", 1, 1, 50.0, ModelSpec.preset("gpt-1.3b"), TrainSpec(global_batch=8)),
+        ("H100-SXM", 8, 2, 50.0, ModelSpec.preset("gpt-1.3b"), TrainSpec(global_batch=64)),
+    ]
+    for gpu, per_node, nodes, nic, model, train in cases:
+        cluster = ClusterSpec(nodes=[NodeSpec(name=f"n{i}", gpu_type=gpu, num_gpus=per_node, inter_node_bw_gb_s=nic)
+                                     for i in range(nodes)])
+        p = plan(cluster, model, train)
+        stages = [st for pipe in p.pipelines for st in pipe.stages]
+        assert not any(st.offload.recompute_layers or st.offload.offload_optimizer or st.offload.offload_params
+                       for st in stages), "the case must be one both models describe"
+        pipe = p.pipelines[0]
+        assert all(len(q.stages) == len(pipe.stages) and q.micro_batch_size == pipe.micro_batch_size
+                   for q in p.pipelines) and len({st.tp for st in stages}) == 1
+        layout = Layout(gpu, pipe.stages[0].tp, len(pipe.stages), len(p.pipelines), micro_batch=pipe.micro_batch_size,
+                        virtual_stages=1, sequence_parallel=False, distributed_optimizer=False, tp_overlap=False,
+                        nic_gb_s=nic)
+        e = estimate_layout(layout, model, train)
+        assert e.recompute_layers == 0
+        assert e.step_s == pytest.approx(p.estimate.step_time_s, rel=0.02), (gpu, e.step_s, p.estimate.step_time_s)
