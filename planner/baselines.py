@@ -14,14 +14,16 @@ Each returns a Plan with its estimate, or None if it cannot fit the model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from planner import cost
 from planner.contract import PlanContractError
 from planner.errors import PlanningError
 from planner.estimate import evaluate
+from planner.groups import Group, make_groups, tp_candidates
 from planner.offload_policy import cheapest, fitting_policies, to_policy
 from planner.plan_types import Pipeline, Plan, Stage
-from planner.search import Group, Planner, make_groups, tp_candidates
+from planner.search import Planner
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 
@@ -69,9 +71,9 @@ def _uniform_plan(groups_per_pipe: list[list[Group]], cluster: ClusterSpec, mode
     return pl
 
 
-def _best(plans: list[Plan | None]) -> Plan | None:
+def _best(plans: Sequence[Plan | None]) -> Plan | None:
     ok = [p for p in plans if p is not None]
-    return min(ok, key=lambda p: p.estimate.step_time_s) if ok else None
+    return min(ok, key=lambda p: p.estimated.step_time_s) if ok else None
 
 
 def _micro_batches(train: TrainSpec) -> list[int]:
@@ -80,7 +82,7 @@ def _micro_batches(train: TrainSpec) -> list[int]:
 
 def megatron_symmetric(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> Plan | None:
     """Best uniform DP x PP x TP layout; every GPU used where the shape allows."""
-    plans = []
+    plans: list[Plan] = []
     for tp in tp_candidates(cluster, model):
         groups, _ = make_groups(cluster, train, tp)
         # Megatron-LM's own rule: the pipeline depth divides the layer count (no uneven first or last stage)
@@ -89,14 +91,15 @@ def megatron_symmetric(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec)
             if dp == 0:
                 continue
             pset = [groups[r * pp:(r + 1) * pp] for r in range(dp)]
-            best, worse = None, 0
+            best: float | None = None
+            worse = 0
             for b in _micro_batches(train):
                 got = _uniform_plan(pset, cluster, model, train, b)
                 if got is None:
                     break  # activations grow with the micro-batch: a larger one does not fit either
                 plans.append(got)
-                if best is None or got.estimate.step_time_s < best:
-                    best, worse = got.estimate.step_time_s, 0
+                if best is None or got.estimated.step_time_s < best:
+                    best, worse = got.estimated.step_time_s, 0
                 else:
                     worse += 1
                     if worse == 2:  # past the sweet spot between GEMM efficiency and bubble (as the planner)

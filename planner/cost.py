@@ -358,6 +358,7 @@ HOST_ADAMW_BESIDE_COPIES = 0.85
 def first_layer_share(model: ModelSpec, shape: StageShape, tp: int, p):
     """The share of a stage's parameters in its first layer, whose update (and copy back) its forward waits for
     before it starts: the embedding's on a first stage (several blocks' worth with a large vocabulary)."""
+    first: float
     if shape.first:
         first = embed_params_dev(model, tp)
     elif shape.num_layers:

@@ -58,7 +58,7 @@ def profile_pipeline(
     return out
 
 
-def _sync_bandwidths(plan: Plan, cluster: ClusterSpec) -> dict[tuple[int, int], float]:
+def _sync_bandwidths(plan: Plan, cluster: ClusterSpec) -> dict[tuple[int | str, int], float]:
     """Bandwidth of each (layer, tp rank) gradient group, and of the embedding's ("embed", 0) and the LM
     head's ("head", 0): intra-node if one node, else the slowest NIC."""
     nodes: dict[tuple, set[str]] = {}
@@ -106,7 +106,8 @@ def estimate_from_profiles(
     plan: Plan, profiles: list[list[StageProfile]], pipe_times: list[float],
     cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
 ) -> Estimate:
-    step, worst = 0.0, ("", 0.0, None, 0)
+    step = 0.0
+    worst: tuple[str, float, StageProfile | None, int] = ("", 0.0, None, 0)
     memory: dict[str, float] = {}
     host: dict[str, float] = {}  # GiB of offloaded state per node (its GPUs' workers share the node's RAM)
     oom = []
@@ -124,7 +125,9 @@ def estimate_from_profiles(
             if mem > sp.slot.mem_cap_bytes:
                 oom.append(f"device {st.devices[0]} needs {memory[st.devices[0]]:,.1f} GiB with the "
                            f"{train.memory_reserve_gib} GiB reserve and has {cost.gpu_info(st.gpu_type).mem_gib:,.0f}")
-    where, t_pipe, sp, r = worst
+    where, t_pipe, slowest, r = worst
+    assert slowest is not None, "a plan has at least one stage"
+    sp = slowest
     terms = {
         "compute": sp.busy_s,
         "pipeline bubble": t_pipe - sp.busy_s,
@@ -163,9 +166,10 @@ def _cost_per_mtok(plan: Plan, cluster: ClusterSpec, step_s: float, tokens: int)
     time lost to expected preemptions trains nothing)."""
     used = plan.nodes()
     prices = [cluster.node(n).price_per_hour for n in used]
-    if any(p is None for p in prices):
+    priced = [p for p in prices if p is not None]
+    if len(priced) < len(prices):
         return None
-    dollars_per_s = sum(prices) / 3600.0
+    dollars_per_s = sum(priced) / 3600.0
     kept = 1.0 - preemption_loss(plan, cluster, step_s)
     return math.inf if kept <= 0 else dollars_per_s * step_s / tokens * 1e6 / kept
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -36,6 +36,9 @@ from planner.errors import PlanningError
 from planner.plan_types import Plan
 from planner.search import Planner, collector_paused
 from planner.specs import ClusterSpec, ModelSpec, NodeSpec, StrictModel, TrainSpec, plain_name
+
+if TYPE_CHECKING:
+    from multiprocessing.pool import Pool
 
 Fleet = tuple[tuple[str, int], ...]  # ((instance type name, nodes), ...), sorted by name, counts > 0
 
@@ -109,7 +112,7 @@ class Catalog(StrictModel):
             if not 0 < n <= t.max_nodes or (self.one_per_gpu_type and t.gpu_type in gpus):
                 return False
             gpus[t.gpu_type] = gpus.get(t.gpu_type, 0) + n * t.num_gpus
-        return all(self.quota(g) is None or n <= self.quota(g) for g, n in gpus.items())
+        return all((q := self.quota(g)) is None or n <= q for g, n in gpus.items())
 
     def price(self, fleet: Fleet) -> float:
         return sum(self.type(name).price_per_hour * n for name, n in fleet)
@@ -144,7 +147,7 @@ class Option:
     def effective_tokens_per_s(self) -> float:
         """What the fleet delivers after its expected preemptions (the plan's `preemption_loss`: the share of wall
         time its recoveries take)."""
-        return self.tokens_per_s * (1.0 - self.plan.estimate.preemption_loss)
+        return self.tokens_per_s * (1.0 - self.plan.estimated.preemption_loss)
 
     def describe(self) -> str:
         return " + ".join(f"{n}x {name}" for name, n in self.fleet)
@@ -189,7 +192,7 @@ class FleetSearch:
         self.objective, self.budget, self.floor = objective, budget_per_hour, min_tokens_per_s
         self.progress = progress
         self.workers = max(1, workers)
-        self._pool = None
+        self._pool: Pool | None = None
         self._planner = Planner(model, train)
         self._seen: dict[Fleet, Option | None] = {}
 
@@ -255,17 +258,19 @@ class FleetSearch:
         used: dict[str, int] = {}
         for node in plan.nodes():
             it = cluster.node(node).instance_type
+            assert it is not None, "a catalog's cluster names each node's instance type"
             used[it] = used.get(it, 0) + 1
         trimmed = fleet_of(used)  # what the plan uses: a node it would leave idle still bills
-        est = plan.estimate
-        return Option(trimmed, plan, self.catalog.price(trimmed), est.cost_per_mtok, est.tokens_per_s)
+        est = plan.estimated  # a catalog's nodes are all priced: every plan has its $ per M tokens
+        return Option(trimmed, plan, self.catalog.price(trimmed), est.cost_per_mtok if est.cost_per_mtok is not None
+                      else math.inf, est.tokens_per_s)
 
     def meets(self, o: Option) -> bool:
         return self.floor is None or o.effective_tokens_per_s >= self.floor * (1 - 1e-9)
 
     def key(self, o: Option) -> tuple:
         if self.objective == "cost":  # a fleet below the floor ranks after every one above it, nearest first
-            short = 0.0 if self.meets(o) else self.floor - o.effective_tokens_per_s
+            short = 0.0 if self.floor is None or self.meets(o) else self.floor - o.effective_tokens_per_s
             return (short, o.cost_per_mtok, -o.effective_tokens_per_s, o.fleet)
         return (-o.effective_tokens_per_s, o.cost_per_mtok, o.fleet)
 
@@ -300,9 +305,9 @@ class FleetSearch:
             by_type.setdefault(o.fleet[0][0], o)
         seeds = list(dict.fromkeys([o.fleet for o in ranked[:starts]] + [o.fleet for o in by_type.values()]))
         # Every seed's first step plans all its neighbours: plan them together (in parallel where workers > 1).
-        self.options([f for s in seeds if (o := self.option(s)) is not None for f in self._neighbours(o.fleet)])
+        self.options([f for s in seeds if (got := self.option(s)) is not None for f in self._neighbours(got.fleet)])
         for fleet in seeds:
-            current = self.option(fleet)
+            current: Option | None = self.option(fleet)
             while current is not None:
                 better = [o for o in self.options(self._neighbours(current.fleet)) if o is not None]
                 step = min(better, key=self.key, default=None)

@@ -22,12 +22,26 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from planner import cost
 from planner.offload_policy import _MODES, cheapest, cheapest_by_layers, fitting_by_layers, fitting_policies
 from planner.specs import ModelSpec, TrainSpec
+
+# A gradient sync's bandwidth (bytes/s) as the search costs it: one for every sync group (outside exact mode), one per
+# sync group in the order of `SetCost.link_vector` (planner/scoring.py: embedding, layer 0, ..., layer L-1, LM head),
+# or such a vector per stage (`SetCost._best_response`: the links each stage's node would give the groups).
+Links = tuple[float, ...]
+SyncBw = float | Links | tuple[Links, ...]
+
+
+def stage_links(sync_bw: SyncBw, i: int) -> float | Links:
+    """Stage i's bandwidths: the one for every group, or its vector per sync group."""
+    if isinstance(sync_bw, tuple) and isinstance(sync_bw[0], tuple):
+        return cast(tuple[Links, ...], sync_bw)[i]
+    return cast("float | Links", sync_bw)
 
 
 @dataclass(frozen=True)
@@ -267,8 +281,8 @@ class PipelineModel:
         num_layers = self.model.num_layers
         if not np.isfinite(st.prim[num_layers]):
             return None
-        empty = [self._empty_stage(i, b, m) for i in [*range(lo), *range(hi, len(self.slots))]]
-        if any(e is None for e in empty):
+        empty = self._empty_stages(b, m, lo, hi)
+        if empty is None:
             return None
         edges, edge_val = [e for e, _ in empty], [v for _, v in empty]
         worst = max([float(st.prim[num_layers]), *edge_val])
@@ -281,6 +295,12 @@ class PipelineModel:
             st = st.parent
         return (worst, total), tuple(edges[:lo]) + tuple(reversed(out)) + tuple(edges[lo:])
 
+    def _empty_stages(self, b: int, m: int, lo: int, hi: int) -> list[tuple[StageChoice, float]] | None:
+        """The stages outside [lo, hi) with no transformer layer, each with its cost; None if one fits nothing."""
+        got = [self._empty_stage(i, b, m) for i in [*range(lo), *range(hi, len(self.slots))]]
+        empty = [e for e in got if e is not None]
+        return empty if len(empty) == len(got) else None
+
     def _dp(self, b: int, m: int, lo: int, hi: int) -> tuple[tuple, tuple[StageChoice, ...]] | None:
         """Lexicographic min-max DP over (stage, layers covered), vectorized with numpy, for stages lo..hi-1
         holding every layer (the stages outside hold none). Returns ((max stage cost, sum of stage times),
@@ -290,8 +310,8 @@ class PipelineModel:
         stage contributes a cost vector over layer counts and one DP step is a
         max/plus over an (start, end) matrix.
         """
-        empty = [self._empty_stage(i, b, m) for i in [*range(lo), *range(hi, len(self.slots))]]
-        if any(e is None for e in empty):
+        empty = self._empty_stages(b, m, lo, hi)
+        if empty is None:
             return None
         edges, edge_val = [e for e, _ in empty], [v for _, v in empty]
         p, num_layers = hi - lo, self.model.num_layers
@@ -344,17 +364,18 @@ class PipelineModel:
         out.add(cap)
         return sorted(out)
 
-    def finish(self, n: int, num_replicas: int = 1, sync_bw: float | tuple[float, ...] = 1.0) -> Finish | None:
+    def finish(self, n: int, num_replicas: int = 1, sync_bw: SyncBw = 1.0) -> Finish | None:
         """Fastest (micro-batch size, split) for n samples: the slowest device's finish time. A tuple of
         bandwidths per sync group (see `_stage_options`) is for exact mode only."""
         key = (n, num_replicas, sync_bw)
         if key in self._finish:
             return self._finish[key]
         if self.exact:
-            found = [self._exact_finish(n, b, num_replicas, sync_bw) for b in self._mb_candidates(n)]
-            found = [f for f in found if f is not None]
+            tried = [self._exact_finish(n, b, num_replicas, sync_bw) for b in self._mb_candidates(n)]
+            found = [f for f in tried if f is not None]
             self._finish[key] = min(found, key=lambda f: f.time_s) if found else None
             return self._finish[key]
+        one_bw = cast(float, sync_bw)  # outside exact mode one bandwidth for every sync group
         best, worse = None, 0
         for b in self._mb_candidates(n):
             m = math.ceil(n / b)
@@ -363,10 +384,10 @@ class PipelineModel:
                 if best is not None and not self.exact:
                     break  # larger micro-batches only need more memory
                 continue
-            t = self._time(stages, n, b, m, num_replicas, sync_bw)
+            t = self._time(stages, n, b, m, num_replicas, one_bw)
             again = self._policies_at(stages, b, m)
             if again is not stages:
-                t_again = self._time(again, n, b, m, num_replicas, sync_bw)
+                t_again = self._time(again, n, b, m, num_replicas, one_bw)
                 if t_again < t:
                     stages, t = again, t_again
             if best is None or t < best.time_s * (1 - 1e-12):
@@ -411,7 +432,7 @@ class PipelineModel:
         return got
 
     def _stage_options(self, i: int, a: int, nl: int, b: int, last_b: int, m: int, num_replicas: int,
-                       sync_bw: float | tuple[float, ...]) -> tuple[list[tuple], float]:
+                       sync_bw: SyncBw) -> tuple[list[tuple], float]:
         """Every fitting policy of stage i with layers [a, a + nl), as (choice, t full mb, t last mb, optimizer,
         last backward), and the stage's gradient sync time: its exposed extra is optimizer + max(0, sync -
         last backward).
@@ -421,21 +442,19 @@ class PipelineModel:
         stage's node would give the groups, the other replicas held fixed)."""
         p, slot, shape = len(self.slots), self.slots[i], self._shape(i, nl)
         k = cost.inflight(i, p, m, self.schedule)
-        vector = isinstance(sync_bw, tuple)
-        if vector and isinstance(sync_bw[0], tuple):
-            sync_bw = sync_bw[i]
-        key = (a if vector else -1, nl, slot.tp, shape.first, shape.last, num_replicas, sync_bw)
+        links = stage_links(sync_bw, i)
+        key = (a if isinstance(links, tuple) else -1, nl, slot.tp, shape.first, shape.last, num_replicas, links)
         sync = self._syncs.get(key)
         if sync is None:
-            if vector:
-                sync = sum(cost.sync_s(self.model.layer_params / slot.tp, self.train, num_replicas, sync_bw[1 + j])
+            if isinstance(links, tuple):
+                sync = sum(cost.sync_s(self.model.layer_params / slot.tp, self.train, num_replicas, links[1 + j])
                            for j in range(a, a + nl))
                 sync += shape.first * cost.sync_s(cost.embed_params_dev(self.model, slot.tp), self.train, num_replicas,
-                                                  sync_bw[0])
+                                                  links[0])
                 sync += shape.last * cost.sync_s(cost.head_params_dev(self.model, slot.tp), self.train, num_replicas,
-                                                 sync_bw[-1])
+                                                 links[-1])
             else:
-                sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, sync_bw)
+                sync = cost.sync_s(shape.params_per_device(self.model, slot.tp), self.train, num_replicas, links)
             self._syncs[key] = sync
         # What does not depend on the sync, shared by every pipeline of the search with this hardware and these
         # links at a stage position of this kind.
@@ -460,7 +479,7 @@ class PipelineModel:
             self._stage_cache[okey] = base
         return base, sync
 
-    def _exact_finish(self, n: int, b: int, num_replicas: int, sync_bw: float | tuple[float, ...]) -> Finish | None:
+    def _exact_finish(self, n: int, b: int, num_replicas: int, sync_bw: SyncBw) -> Finish | None:
         """Exact optimum of the closed form over splits and per-stage policies (Pareto DP).
 
         The 1F1B closed form sum(t) + (m-2) max(t) + max(t_last) + max(extra) is not
@@ -540,6 +559,7 @@ class PipelineModel:
                 slot, kn = self.slots[i], ch.policy
                 p = self._shape(i, ch.num_layers).params_per_device(self.model, slot.tp)
                 pb = self.train.param_bytes
+                opt: tuple[float, float, float] | float
                 if kn.offload_optimizer:
                     shape = self._shape(i, ch.num_layers)
                     d2h, h2d, cpu = cost.offload_lanes(slot, self.train, kn.offload_params, p)
@@ -622,7 +642,7 @@ def _pareto(items: list) -> list:
 
 
 def allocate_samples(pipes: list[PipelineModel], global_batch: int, exact: bool,
-                     sync_bw: float | tuple[float, ...]) -> list[int] | None:
+                     sync_bw: SyncBw) -> list[int] | None:
     """Split the global batch over pipelines minimizing the slowest finish (min-max).
 
     Exact DP over (pipeline, samples so far) for small problems; otherwise greedy,

@@ -41,7 +41,7 @@ class GradGroup:
 
 
 def ranks(plan: Plan) -> list[RankInfo]:
-    out = []
+    out: list[RankInfo] = []
     for r, p in enumerate(plan.pipelines):
         for i, st in enumerate(p.stages):
             for k, d in enumerate(st.devices):

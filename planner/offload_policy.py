@@ -159,7 +159,7 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
     modes, unsettled, p_shape, resident, first_p = fitting
     n = np.arange(1, len(unsettled) + 1)
     act_bytes = model.seq_len * b * model.hidden_size * train.param_bytes
-    best = None
+    best: list[np.ndarray] | None = None
     for mi, got in enumerate(modes):
         if got is None:
             continue
@@ -170,7 +170,6 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
             bwd = bwd + act_bytes / p2p_prev_bw
         busy = num_mb * (fwd + bwd)
         opt, params = _MODES[mi]
-        first_last = best is None
         if not opt:
             value = busy + resident
         else:
@@ -179,7 +178,7 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
             tail = (d2h + cpu + h2d) * (first_p / p_shape)  # cost.first_layer_share
             value = busy + (np.maximum(np.maximum(0.0, d2h - (busy - fwd_busy)), np.maximum(h2d, cpu) - fwd_busy)
                             + tail)
-        if first_last:
+        if best is None:
             mode = np.where(fits, mi, -1)
             best = [mode, r, fwd, bwd, mem, np.where(fits, value, np.inf)]
             continue
@@ -192,6 +191,14 @@ def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train:
         return np.full(k, -1), np.zeros(k, dtype=np.int64), np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     best[0] = np.where(unsettled, -2, best[0])
     return tuple(best)
+
+
+def _cost_of(kn: cost.Knobs, t: cost.StageTimes, slot: cost.Slot, model: ModelSpec, train: TrainSpec,
+             shape: cost.StageShape, num_mb: int) -> float:
+    """A fitting policy's per-step cost (`cheapest` of it alone)."""
+    got = cheapest([(kn, t)], slot, model, train, shape, num_mb)
+    assert got is not None, "a fitting policy has a cost"
+    return got[2]
 
 
 def to_policy(kn: cost.Knobs, layer_start: int) -> OffloadPolicy:
@@ -251,7 +258,7 @@ def share_node_host(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: T
             whole = replace(sp.slot, host_cap_bytes=cap)
             b = pipe.micro_batch_size
             cands = fitting_policies(whole, model, train, sp.shape, b, k, nxt, prv)
-            options.append([(cheapest([(kn, t)], whole, model, train, sp.shape, pipe.num_micro_batches)[2], kn)
+            options.append([(_cost_of(kn, t, whole, model, train, sp.shape, pipe.num_micro_batches), kn)
                             for kn, t in cands])
         if not all(options) or math.prod(len(o) for o in options) > JOINT_MOST:
             return False

@@ -115,6 +115,14 @@ class Plan(_Model):
     unused: list[UnusedDevice] = Field(default_factory=list)
     estimate: Estimate | None = None
 
+    @property
+    def estimated(self) -> Estimate:
+        """`estimate`, which every plan the planner returns has (`evaluate` sets it); a plan built by hand and not
+        evaluated yet raises."""
+        if self.estimate is None:
+            raise ValueError("the plan has no estimate yet: planner.evaluate(plan, cluster, model, train) sets it")
+        return self.estimate
+
     def devices(self) -> list[str]:
         """All devices in rank order: pipeline, then stage, then TP rank."""
         return [d for p in self.pipelines for s in p.stages for d in s.devices]

@@ -173,21 +173,25 @@ def test_search_bounds_and_scores_are_honest(inst):
     score would drop plans silently; the looser one-bandwidth bound must not exceed the per-group one. And
     a score is the time `evaluate` gives the plan built from it, even where the replicas' splits never agree
     on the links they hoped for (the round is charged at the links its splits imply)."""
-    from planner import search as S
+    from planner.assembly import build_plan
+    from planner.candidates import exhaustive_sets
+    from planner.groups import make_groups
+    from planner.orders import node_aligned, node_orders
+    from planner.scoring import SetCost
 
     cluster, model, train = inst
-    srch = S._Search(cluster, model, train)
-    groups, _ = S.make_groups(cluster, train, 1)
-    for pset in itertools.islice(S._exhaustive_sets(groups, model.num_layers), 60):
+    srch = SetCost(cluster, model, train)
+    groups, _ = make_groups(cluster, train, 1)
+    for pset in itertools.islice(exhaustive_sets(groups, model.num_layers), 60):
         pset = [srch.best_order(p, len(pset), True) for p in pset]
-        for v in (pset, S._node_aligned(pset), *S._node_orders(pset)):
+        for v in (pset, node_aligned(pset), *node_orders(pset)):
             ceiling = srch.bw_ceiling(v)
             assert ceiling == srch.bw_ceiling(v) and len(ceiling) == model.num_layers + 2
             fine, coarse = srch.floor(v, bw=ceiling), srch.floor(v, bw=max(ceiling))
             got, _, _ = srch.score(v, True)
             assert coarse <= fine * (1 + 1e-12) and fine <= got * (1 + 1e-12), (coarse, fine, got)
             if got < math.inf:
-                built, _ = srch.build(v, True, [])
+                built, _ = build_plan(srch, v, True, [])
                 assert evaluate(built, cluster, model, train).step_time_s == pytest.approx(got, rel=1e-9)
 
 

@@ -1,6 +1,6 @@
-"""The recovery wing type-checks and the code lints: mypy over what pyproject.toml's [tool.mypy] names
+"""The recovery wing and the planner type-check and the code lints: mypy over what pyproject.toml's [tool.mypy] names
 (orchestrator/control/, orchestrator/state/, orchestrator/runtime/ and workers/, the records every state-plane call
-carries among them), so the protocols in control/protocols.py and state/protocols.py and the records'
+carries among them, and planner/), so the protocols in control/protocols.py and state/protocols.py and the records'
 annotations are checked against the code, not only read (tests/test_transfer_types.py checks that the calls are
 annotated with records at all); and ruff over the code, the line-length rule on."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_recovery_wing_type_checks():
     from mypy import api
 
-    assert 'files = ["orchestrator/control", "orchestrator/state", "orchestrator/runtime", "workers"]' in (
+    assert 'files = ["orchestrator/control", "orchestrator/state", "orchestrator/runtime", "workers", "planner"]' in (
         ROOT / "pyproject.toml").read_text()
     cwd = os.getcwd()
     os.chdir(ROOT)  # the config's paths are the repository's
