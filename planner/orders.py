@@ -4,12 +4,8 @@ point-to-point links and, on small clusters, which nodes share each layer's grad
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
-from planner.groups import Group, by_kind, by_kind_and_node, stage_order
-
-if TYPE_CHECKING:
-    from planner.scoring import SetCost
+from planner.groups import Group, by_kind
 
 MAX_ORDERS = 24  # stage orders tried per pipeline at most
 
@@ -30,23 +26,6 @@ def node_aligned(pset: list[list[Group]]) -> list[list[Group]]:
             if pos < len(p):
                 out[r][pos] = pools[p[pos].kind_id].pop(0)
     return out  # type: ignore[return-value]
-
-
-def refine_orders(search: SetCost, pset: list[list[Group]], t: float, rounds: int = 3) -> tuple[list, float]:
-    """Coordinate descent over each pipeline's stage order, the others held, scored together: where a
-    stage sits decides which nodes share each layer's gradient sync, so the best order of one replica
-    depends on the others' (small clusters only: every order that differs in a position's kind or node)."""
-    for _ in range(rounds):
-        improved = False
-        for r in range(len(pset)):
-            for order in distinct_orders(stage_order(pset[r]), MAX_ORDERS, by_kind_and_node):
-                cand = pset[:r] + [order] + pset[r + 1:]
-                s, _, _ = search.score(cand, True)
-                if s < t * (1 - 1e-12):
-                    pset, t, improved = cand, s, True
-        if not improved:
-            break
-    return pset, t
 
 
 def shape_key(pset: list[list[Group]]) -> tuple:

@@ -51,11 +51,21 @@ from planner.candidates import (
 from planner.contract import PlanContractError
 from planner.errors import PlanningError
 from planner.estimate import evaluate
-from planner.groups import HOST_SPLITS, Group, Profile, PSet, host_never_binds, make_groups, tp_candidates
+from planner.groups import (
+    HOST_SPLITS,
+    Group,
+    Profile,
+    PSet,
+    by_kind_and_node,
+    host_never_binds,
+    make_groups,
+    stage_order,
+    tp_candidates,
+)
 from planner.layer_split import edge_stages_may_win
 from planner.mixed_tp import MIXED_GPUS, MIXED_ORDERS, mixed_sets
 from planner.offload_policy import share_node_host
-from planner.orders import node_aligned, node_orders, refine_orders, shape_key
+from planner.orders import MAX_ORDERS, distinct_orders, node_aligned, node_orders, shape_key
 from planner.plan_types import Plan, UnusedDevice
 from planner.scoring import SetCost
 from planner.specs import ClusterSpec, ModelSpec, TrainSpec
@@ -67,6 +77,23 @@ Finalist = tuple[float, float, int, PSet, bool, list[UnusedDevice], list[Group],
 EXACT_BATCH = 32
 EXACT_LAYERS = 6
 POOLED_GPUS = 64  # up to here a plan that needs recompute or offload is also searched with pooled host RAM
+
+
+def refine_orders(search: SetCost, pset: list[list[Group]], t: float, rounds: int = 3) -> tuple[list, float]:
+    """Coordinate descent over each pipeline's stage order, the others held, scored together: where a
+    stage sits decides which nodes share each layer's gradient sync, so the best order of one replica
+    depends on the others' (small clusters only: every order that differs in a position's kind or node)."""
+    for _ in range(rounds):
+        improved = False
+        for r in range(len(pset)):
+            for order in distinct_orders(stage_order(pset[r]), MAX_ORDERS, by_kind_and_node):
+                cand = pset[:r] + [order] + pset[r + 1:]
+                s, _, _ = search.score(cand, True)
+                if s < t * (1 - 1e-12):
+                    pset, t, improved = cand, s, True
+        if not improved:
+            break
+    return pset, t
 
 
 def _exact_scored(search: SetCost, sets: Iterable[PSet]) -> list[tuple[float, int, PSet]]:
