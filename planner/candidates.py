@@ -103,16 +103,16 @@ class DepthSearch:
             pool += gs[full:]
         if not depth[_POOL]:
             return pset
-        return pset + self._pooled(tuple(stage_order(pool)))
+        return pset + self._pooled(pool)
 
-    def _pooled(self, pool: tuple[Group, ...]) -> PSet:
-        """The leftovers' mixed pipelines, each closed as soon as it fits (the descent asks for the same leftovers
-        under many depths of the other types: built once)."""
+    def _pooled(self, pool: list[Group]) -> PSet:
+        """The leftovers' mixed pipelines, in stage order, each closed as soon as it fits (the descent asks for
+        the same leftovers, listed alike, under many depths of the other types: built once)."""
         ids = tuple(map(id, pool))
         got = self._pools.get(ids)
         if got is None:
             got, current = [], []
-            for g in pool:
+            for g in stage_order(pool):
                 current.append(g)
                 if len(current) <= self.search.model.num_layers \
                         and self.search.pipeline_model(stage_order(current), False).finish(1) is not None:

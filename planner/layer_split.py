@@ -130,6 +130,7 @@ class PipelineModel:
         self._splits: dict[tuple[int, int], tuple[StageChoice, ...] | None] = {}
         self._again: dict[tuple[int, int], tuple[StageChoice, ...]] = {}  # (id(split), m) -> _policies_at's
         self._finish: dict[tuple, Finish | None] = {}
+        self._parts: dict[tuple[int, int, int, int], tuple[float, list[tuple[float, float, float]]]] = {}
         self._times: dict[tuple[int, int, int], cost.StageTimes] = {}
         self._consts: dict[int, list[tuple]] = {}
         self._syncs: dict[tuple, float] = {}
@@ -572,13 +573,29 @@ class PipelineModel:
         return got
 
     def _time(self, stages, n: int, b: int, m: int, num_replicas: int, sync_bw: float) -> float:
+        """The step of n samples in micro-batches of b (m of them) over these stages, with `num_replicas`
+        replicas syncing gradients at `sync_bw`. What does not depend on the replicas is worked out once per
+        (stages, n, b, m): a search asks again for every replica count its pipeline sets try."""
+        key = (id(stages), n, b, m)  # stages live in self._splits / self._again as long as this model
+        got = self._parts.get(key)
+        if got is None:
+            got = self._parts[key] = self._pipe_parts(stages, n, b, m)
+        t_pipe, rows = got
+        per_byte = 0.0 if num_replicas <= 1 else 2.0 * (num_replicas - 1) / num_replicas / sync_bw
+        extra = 0.0
+        for sync_bytes, bwd, opt in rows:
+            extra = max(extra, max(0.0, sync_bytes * per_byte - bwd) + opt)
+        return t_pipe + extra
+
+    def _pipe_parts(self, stages, n: int, b: int, m: int) -> tuple[float, list[tuple[float, float, float]]]:
+        """1F1B's closed form for these stages, and per stage (gradient bytes to sync, its last backward, its
+        exposed optimizer time)."""
         last_b = n - (m - 1) * b
         last_t = [ch.times if last_b == b else self._last_times(i, ch, last_b, m) for i, ch in enumerate(stages)]
         full = [ch.times.fwd_s + ch.times.bwd_s for ch in stages]
         last = [t.fwd_s + t.bwd_s for t in last_t]
         t_pipe = cost.closed_form_1f1b(sum(full), max(full), max(last), sum(last), m)
-        per_byte = 0.0 if num_replicas <= 1 else 2.0 * (num_replicas - 1) / num_replicas / sync_bw
-        extra = 0.0
+        rows = []
         for (offloaded, opt, sync_bytes), ch, lt, f, la in zip(self._stage_consts(stages), stages, last_t, full, last,
                                                               strict=True):
             if offloaded:
@@ -586,9 +603,8 @@ class PipelineModel:
                 fwd = (m - 1) * ch.times.fwd_s + lt.fwd_s
                 d2h, h2d_cpu, tail = opt
                 opt = max(0.0, d2h - (busy - fwd), h2d_cpu - fwd) + tail
-            extra = max(extra, max(0.0, sync_bytes * per_byte - lt.bwd_s) + opt)
-        return t_pipe + extra
-
+            rows.append((sync_bytes, lt.bwd_s, opt))
+        return t_pipe, rows
 
 EDGE_RATIO = 0.5
 
