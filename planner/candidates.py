@@ -112,11 +112,11 @@ class DepthSearch:
         got = self._pools.get(ids)
         if got is None:
             got, current = [], []
-            for g in stage_order(pool):
+            for g in stage_order(pool):  # a run of groups in stage order is in stage order
                 current.append(g)
                 if len(current) <= self.search.model.num_layers \
-                        and self.search.pipeline_model(stage_order(current), False).finish(1) is not None:
-                    got.append(stage_order(current))
+                        and self.search.pipeline_model(list(current), False).finish(1) is not None:
+                    got.append(current)
                     current = []
             self._pools[ids] = got
         return [list(p) for p in got]
