@@ -748,7 +748,7 @@ def test_a_503_slowdown_period_loses_no_step_and_no_upload(cluster, endpoint):
         c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
         run_until(c, 0)
         c.store.flush()
-        proxy.slowdown(1.5)  # shorter than boto3's 8 jittered retries can run out in (4 s did once)
+        proxy.slowdown(1.5)
         assert c.run() == State.DONE, c.error
         assert proxy.counts["throttled"] > 0
         assert not [u for u in c.store.uploads if u.status == "failed"], c.store.uploads

@@ -994,3 +994,29 @@ def test_a_versioned_bucket_reads_the_versions_its_manifest_recorded_and_pruning
     client.put_bucket_lifecycle_configuration(Bucket="versioned", LifecycleConfiguration=rules)
     got = client.get_bucket_lifecycle_configuration(Bucket="versioned")["Rules"]
     assert any(r.get("NoncurrentVersionExpiration") for r in got)
+
+
+def test_a_head_backs_off_at_the_throttling_scale_through_a_slowdown(s3, proxy, monkeypatch):
+    """A 503 to a HEAD has no body, so botocore cannot tell SlowDown from another 503 and its retries (a few
+    seconds in all) end inside a throttling episode that a GET or PUT outlasts: a drill's checkpoint gave up on
+    its HEAD 2.5 s into 6 s of SlowDown. The store's HEADs back off at S3's throttling scale between rounds of
+    botocore's retries. Here botocore makes one retry (AWS_MAX_ATTEMPTS=2, so it alone gives up at once) and the
+    jitter is fixed at its middle: the HEAD is answered once the second round starts after the 1 s episode."""
+    import random
+
+    from orchestrator.state import s3_store
+
+    for k, v in TEST_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    store = store_at(proxy.url, "slow-head")
+    store.save(1, state(1), 1.0, meta())
+    monkeypatch.setattr(random, "random", lambda: 0.5)  # waits 0.5, 1, 2, 4, 8 s between rounds
+    proxy.slowdown(1.0)
+    t0 = time.perf_counter()
+    assert store.prepare_step(1, identity()) == "exists"  # its HEAD of the manifest, then the listing
+    assert proxy.counts["throttled"] >= 2 and time.perf_counter() - t0 >= 1.0
+    proxy.slowdown(30.0)  # past every round: refused as S3 refused it, not waited on forever
+    monkeypatch.setattr(s3_store, "HEAD_RETRIES", 1)
+    with pytest.raises(Exception, match="503"):
+        store.prepare_step(1, identity())

@@ -112,6 +112,30 @@ def s3_code(e: Exception) -> str:
     return type(e).__name__
 
 
+HEAD_RETRIES = 5  # a HEAD's own rounds of botocore's retries, after its first, while S3 answers it 503
+
+
+def head_object(client, **kwargs) -> dict:
+    """`client.head_object`, backing off at S3's throttling scale while it answers 503. A 503 to a HEAD has no
+    body, so botocore cannot tell SlowDown from any other 503 and backs off at its non-throttling scale (0.05 s
+    growing to 3.2 s, about 3 s for its eight attempts in all): its retries end inside a SlowDown episode that
+    a GET or PUT outlasts (a drill saw a checkpoint's HEAD give up 2.5 s into 6 s of SlowDown). Here each round of
+    botocore's retries that ends in a 503 waits a jittered 1, 2, 4, 8, 16 s before the next."""
+    import random
+
+    from botocore.exceptions import ClientError
+
+    for attempt in range(HEAD_RETRIES + 1):
+        try:
+            return client.head_object(**kwargs)
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if attempt == HEAD_RETRIES or status != 503:
+                raise
+            time.sleep(random.random() * min(20.0, 2.0 ** attempt))
+    raise AssertionError("unreachable")
+
+
 def read_refusal(e: Exception) -> Refusal:
     """A failed read's refusal: a missing object is MISSING (the step is broken); anything else (access denied,
     throttled past the retries, a dropped connection) is UNREADABLE (the step may be fine: never deleted for it)."""
@@ -571,7 +595,7 @@ class S3Checkpoints:
         from botocore.exceptions import ClientError
 
         try:
-            self.client.head_object(Bucket=self.bucket, Key=key)
+            head_object(self.client, Bucket=self.bucket, Key=key)
             return True
         except ClientError as e:
             if s3_code(e) in _ABSENT:
@@ -590,7 +614,7 @@ class S3Checkpoints:
             cfg = TransferConfig(multipart_threshold=self.multipart_bytes, max_concurrency=self.connections,
                                  multipart_chunksize=max(5 << 20, self.multipart_bytes))
             self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=cfg)
-            r = self.client.head_object(Bucket=self.bucket, Key=key)  # (one writer per run: this upload's)
+            r = head_object(self.client, Bucket=self.bucket, Key=key)  # (one writer per run: this upload's)
         return (str(r["ETag"]).strip('"') if r.get("ETag") else None), r.get("VersionId")
 
     def versioned(self) -> bool:
@@ -763,7 +787,7 @@ class S3Checkpoints:
         size = entry["bytes"]
         if size <= self.part_bytes or self.connections <= 1:
             return self._get_piece(step, entry)["Body"].read()
-        head = self.client.head_object(Bucket=self.bucket, Key=entry["key"], **_version(entry))
+        head = head_object(self.client, Bucket=self.bucket, Key=entry["key"], **_version(entry))
         if head.get("ContentLength") != size:
             raise CheckpointError(f"{self.where(entry['key'])} of step {step} is {head.get('ContentLength')} bytes; "
                                   f"its manifest says {size}", Refusal.CORRUPT, step)
