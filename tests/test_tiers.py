@@ -155,6 +155,40 @@ def test_an_upload_a_restore_went_back_from_is_not_written_and_the_redo_is(endpo
     assert all(not k.pinned for k in calls.keepers.values())
 
 
+def test_a_keeper_whose_node_goes_under_its_upload_fails_the_step_naming_the_node(endpoint):
+    """The cover of step 2 is chosen from keepers that answered; then, while the first keeper's upload runs, the
+    other nodes go. The upload fails as a checkpoint error that names a node that went and says the step is not
+    written (not Ray's or the fake's own exception text); no manifest of step 2 is written and no pin is left."""
+    import threading
+
+    calls = LocalCalls(["a", "b", "c", "d"])
+    s3 = S3Checkpoints("s3://tiers/went-under-upload", endpoint)
+    store = TieredState(1, s3, s3_every=1, keep=5, meta={"job": "went"}, model_units=model_units(LAYERS),
+                        calls=calls)
+    group = LocalGroup(OLD, calls)
+    for step in range(2):
+        group.commit(step)
+        store.after_step(group, step)
+        store.flush()
+    entered = threading.Event()
+    for k in calls.keepers.values():
+        k.hold_uploads()
+        k.upload = (lambda orig: lambda *a, **kw: (entered.set(), orig(*a, **kw))[1])(k.upload)
+    group.commit(2)
+    store.after_step(group, 2)
+    assert entered.wait(10), "step 2's upload never reached a keeper"
+    gone = {"b", "c", "d"}  # (one of them may be the keeper whose upload runs: it ends; a later one fails)
+    for n in gone:
+        calls.kill(n)
+    for k in calls.keepers.values():
+        k.release_uploads()
+    store.flush()
+    got = store.uploads[-1]
+    assert (got.step, got.status) == (2, "failed"), store.uploads
+    assert "not written" in got.error and any(f"the keeper on {n} went" in got.error for n in gone), got.error
+    assert sorted(s3.complete_steps()) == [0, 1]
+
+
 def test_s3_every_counts_steps_on_the_snapshot_steps(endpoint):
     """Snapshots every 2 steps and S3 every 4: peer copies at steps 1, 3, 5, 7, uploads at steps 3 and 7."""
     calls = LocalCalls(["a", "b", "c", "d"])

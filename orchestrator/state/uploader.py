@@ -116,7 +116,11 @@ class Uploader:
         t0 = time.perf_counter()
         c = self.s3
         try:
-            receipts = self.keepers.calls.get(refs, timeout=RPC_TIMEOUT_S)
+            try:
+                receipts = self.keepers.calls.get(refs, timeout=RPC_TIMEOUT_S)
+            except self.keepers.calls.lost as e:
+                raise CheckpointError(f"a peer copy of step {step} was lost before it landed ({type(e).__name__}: "
+                                      f"a rank or its keeper went); not written") from e
             self.received.add(receipts)
             if any(r is None for r in receipts):
                 raise CheckpointError(f"the peer copies of step {step} are incomplete")
@@ -142,13 +146,13 @@ class Uploader:
                 assert isinstance(o, KeeperSource), o  # the cover is of peer copies: keepers' shards
                 by_node.setdefault(o.node, []).append(ShardRequest(o.tier, o.rank, t.need.unit, t.region))
             run_id = self.meta.get("run_id")
-            futures = [self.keepers.keepers[n].upload.remote(step, pieces, c.location, run_id)
-                       for n, pieces in by_node.items()]
-            entries = [e for got in self.keepers.calls.get(futures, timeout=UPLOAD_TIMEOUT_S) for e in got]
+            futures = {n: self.keepers.keepers[n].upload.remote(step, pieces, c.location, run_id)
+                       for n, pieces in by_node.items()}
+            entries = [u for got in self._uploaded(step, futures) for u in got]
             self.received.add(entries)
             pieces: dict[str, list] = {}
-            for e in entries:
-                pieces.setdefault(e.unit, []).append(e.piece.entry())
+            for u in entries:
+                pieces.setdefault(u.unit, []).append(u.piece.entry())
             self._check_not_rolled_back(step, era)  # its pieces are in S3 but no manifest names them: not a step
             if self.writer is not None:
                 self.writer.check()  # another job took the run over: its pieces are its own, no manifest of ours
@@ -165,6 +169,21 @@ class Uploader:
             self._release(step)
             self.uploads.append(UploadRecord(step, "failed", 0, time.perf_counter() - t0, str(e)))
             log.warning("checkpoint step %d to %s failed: %s", step, c.uri, e)
+
+    def _uploaded(self, step: int, futures: dict) -> list:
+        """The keepers' answers to their uploads of `step` (node -> ref). A keeper whose node went before it
+        answered fails the upload naming that node: the cover was placed on keepers alive when it was chosen, and
+        a node that goes after that leaves pieces no manifest will name (not written)."""
+        deadline = time.monotonic() + UPLOAD_TIMEOUT_S
+        got = []
+        for node, ref in futures.items():
+            try:
+                got.append(self.keepers.calls.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except self.keepers.calls.lost as e:
+                how = "did not answer" if "Timeout" in type(e).__name__ else "went"
+                raise CheckpointError(f"the keeper on {node} {how} while it uploaded its pieces of step {step} "
+                                      f"({type(e).__name__}); not written") from e
+        return got
 
     def _prune(self) -> None:
         """Keep the newest `keep` good steps of this run; a prune that fails or leaves keys is recorded and logged,
