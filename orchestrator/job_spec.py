@@ -163,6 +163,10 @@ class RuntimeSpec(_Section):
         "0: the plan that finishes soonest, migration included); the event says what was traded")
     max_restarts: int = Field(default=100, ge=0, description="re-plans after failures before the job gives up (a "
                               "spot job sees many; a deterministic error stops it at once whatever this is)")
+    queue_timeout_s: float = Field(
+        default=3600.0, gt=0, description="on a cluster other hetspot jobs share: how long the job waits in the "
+        "cluster's queue (state `queued`, first come first served) for GPUs they hold when no plan trains on what "
+        "is free to it; past this it fails with exit code 2 naming the holders")
     max_failures_without_progress: int = Field(
         default=5, ge=1, description="the job stops at this many failures in a row that lost no node with no step "
         "committed between them (a restore or a collective failing the same way on every new plan): re-planning "

@@ -128,3 +128,38 @@ def test_live_discovery_leaves_out_another_jobs_gpus_and_keeps_its_own(local_ray
     assert time.monotonic() - t0 < 60
     remove_placement_group(other)
     remove_placement_group(own)
+
+
+@pytest.mark.ray
+def test_the_queue_in_rays_key_value_store_orders_jobs_first_come_and_forgets_a_dead_driver(local_ray):
+    """Jobs enter the cluster's queue in turn and see who is ahead; one that leaves lets the next be first; a
+    job whose driver died without leaving is dropped by the next reader (a killed `hetspot submit`'s controller
+    must not hold the line forever)."""
+    import subprocess
+    import sys
+
+    from orchestrator.cluster.job_queue import RayJobQueue, waiting
+
+    ray = local_ray
+    gcs = ray.get_runtime_context().gcs_address
+    gone = subprocess.run([sys.executable, "-c", (
+        f"import ray; ray.init(address={gcs!r}, logging_level='ERROR');"
+        "from orchestrator.cluster.job_queue import RayJobQueue; RayJobQueue('gone').enter()")],
+        capture_output=True, text=True, timeout=120)
+    assert gone.returncode == 0, gone.stderr[-2000:]
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from orchestrator.cluster.job_queue import NAMESPACE
+
+    assert _internal_kv_get("gone", namespace=NAMESPACE) is not None  # its entry stays until someone reads the line
+    first, second = RayJobQueue("first"), RayJobQueue("second")
+    first.enter()
+    time.sleep(0.01)
+    second.enter()
+    second.enter()  # looking again keeps its place
+    assert [j for j, _ in waiting()] == ["first", "second"]  # the dead driver's entry is dropped on reading
+    assert first.ahead() == [] and second.ahead() == ["first"]
+    first.leave()
+    assert second.ahead() == [] and [j for j, _ in waiting()] == ["second"]
+    second.leave()
+    assert waiting() == []

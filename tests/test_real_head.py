@@ -265,20 +265,43 @@ def test_cli_against_a_real_head(head, tmp_path):
 
     long_logs_keep_status_small(head, str(token_file))
 
-    # stop: a long job, stopped while it trains; its workers and placement groups go away
-    r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--json", *auth,
-            home=user_home)
+    # stop, and the queue: a long job on every GPU (a plan given with --plan), stopped while it trains; a job
+    # submitted meanwhile finds nothing free and waits in the cluster's queue, named as queued with who holds the
+    # GPUs, then trains on them once the long job's workers and placement groups are gone
+    plan_file = tmp_path / "all-gpus.json"
+    plan_file.write_text(every_gpu_plan().model_dump_json())
+    r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--plan", str(plan_file),
+            "--json", *auth, home=user_home)
     long_id = json.loads(r.stdout)["job_id"]
     wait_progress(head, long_id, lambda p: True, token_file=str(token_file))
     r = cli(head, "status", long_id, "--address", head.url, "--json", *auth, home=user_home)
     st = json.loads(r.stdout)
     assert st["status"] == "RUNNING" and st["progress"] is not None
     outputs.append(r.stdout)
+    r = cli(head, "submit", str(job_file), "--address", head.url, "--json", *auth, home=user_home)
+    queued_id, t_submit = json.loads(r.stdout)["job_id"], time.monotonic()
+    phase = wait_phase(head, queued_id, lambda ph: ph.startswith("queued"), str(token_file))
+    took_queued = time.monotonic() - t_submit
+    assert "queued (1 in line): waiting for a free GPU; held by" in phase and long_id in phase, phase
+    listed = {j["job_id"]: j for j in json.loads(cli(head, "list", "--address", head.url, "--json", *auth,
+                                                     home=user_home).stdout)}
+    assert listed[queued_id]["status"] == "QUEUED" and listed[queued_id]["gpus"] == 0, listed
+    assert listed[long_id]["status"] == "RUNNING" and listed[long_id]["gpus"] == 4, listed
     r = cli(head, "stop", long_id, "--address", head.url, *auth, home=user_home)
     assert r.returncode == 0 and "stop requested" in r.stdout
     st = wait_status(head, long_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180,  # STOP_GRACE_S + load
                     home=user_home)
     assert st["status"] == "STOPPED"
+    t_stopped = time.monotonic()
+    wait_phase(head, queued_id, lambda ph: not ph.startswith("queued"), str(token_file))
+    took_start = time.monotonic() - t_stopped
+    st = wait_status(head, queued_id, ("SUCCEEDED", "FAILED"), *auth, home=user_home)
+    queued_logs = cli(head, "logs", queued_id, "--address", head.url, *auth, home=user_home).stdout
+    assert st["status"] == "SUCCEEDED" and st["progress"]["step"] == 3, queued_logs[-3000:]
+    assert [e["kind"] for e in st["events"] if e["kind"] in ("queued", "dequeued")] == ["queued", "dequeued"]
+    assert "could not place" not in queued_logs and "GetTimeoutError" not in queued_logs  # no placement wait
+    print(f"queued {took_queued:.1f} s after its submission; left the queue {took_start:.1f} s after the "
+          "holder stopped")
     outputs += [r.stdout, json.dumps(st)]
     for out in outputs:  # the token never shows in --json output, status or logs
         assert head.token not in out
@@ -290,6 +313,29 @@ def test_cli_against_a_real_head(head, tmp_path):
         pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format",
                               "json"], env=head.env, capture_output=True, text=True, timeout=60)
     assert pgs.returncode == 0 and '"CREATED"' not in pgs.stdout, pgs.stdout
+
+
+def every_gpu_plan():
+    """The tiny job on all four GPUs of the default head (two A100s, two T4s): four replicas, one a GPU. The
+    planner leaves the T4s idle for it; a plan given with --plan holds them too."""
+    from planner import Pipeline, Plan, Stage
+
+    gpus = [("head-a100", "A100-80GB", 0), ("head-a100", "A100-80GB", 1), ("t4-spot", "T4", 0), ("t4-spot", "T4", 1)]
+    return Plan(model_name="tiny", num_layers=4, global_batch=8, pipelines=[Pipeline(
+        num_samples=2, micro_batch_size=2, num_micro_batches=1, stages=[Stage(
+            layer_start=0, layer_end=4, gpu_type=t, node=n, devices=[f"{n}/{i}"])]) for n, t, i in gpus])
+
+
+def wait_phase(head: RealHead, job_id: str, ready, token_file: str, timeout: float = 120) -> str:
+    """The running job's phase, read as `hetspot status` reads it, once `ready(phase)`; its end first fails."""
+    from orchestrator.runtime.ray_jobs import RayJobs
+
+    jobs, deadline = RayJobs(head.url, token_file), time.monotonic() + timeout
+    while not ready((st := jobs.status(job_id))["phase"] or ""):
+        assert st["status"] in ("PENDING", "RUNNING"), st
+        assert time.monotonic() < deadline, f"job {job_id}: no such phase after {timeout:.0f} s: {st}"
+        time.sleep(0.5)
+    return st["phase"]
 
 
 def long_logs_keep_status_small(head: RealHead, token_file: str | None = None) -> None:

@@ -390,7 +390,8 @@ def list_jobs(
     token_file: str | None = _token_option(),
     as_json: bool = typer.Option(False, "--json", help="print the jobs as JSON"),
 ) -> None:
-    """hetspot jobs on a running cluster, oldest first, with the GPUs each holds."""
+    """hetspot jobs on a running cluster, oldest first, with the GPUs each holds; a running job's phase, and
+    QUEUED for one that waits in the cluster's queue for GPUs others hold (its place in line in the phase)."""
     from collections import Counter
 
     from rich.table import Table
@@ -404,14 +405,22 @@ def list_jobs(
         held.update(by_job)
     for r in rows:
         r["gpus"] = held.get(r["job_id"], 0)
+        r["phase"] = None
+        if r["status"] == "RUNNING":  # what its controller does now: its run record's or its log's last phase
+            try:
+                r["phase"] = jobs.status(r["job_id"]).get("phase")
+            except Exception as e:  # noqa: BLE001 - one job's status (it ended meanwhile) does not fail the list
+                r["phase"] = f"(not read: {type(e).__name__})"
+            if (r["phase"] or "").startswith("queued"):
+                r["status"] = "QUEUED"
     if as_json:
         _print_json(rows)
         return
     t = Table(title="hetspot jobs")
-    for col in ("job id", "name", "status", "GPUs held"):
+    for col in ("job id", "name", "status", "GPUs held", "phase"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["job_id"], r["name"], r["status"], str(r["gpus"]))
+        t.add_row(r["job_id"], r["name"], r["status"], str(r["gpus"]), r["phase"] or "")
     console.print(t)
 
 

@@ -6,6 +6,10 @@ States (one job):
        |                         |            |    v  spot notice for a node of the plan
        |                     RECOVERING <-----+  DRAINING: snapshot now, drop the node
        +--------------------------------------------+
+  QUEUED: no plan trains on the GPUs free to the job while other jobs hold GPUs of the cluster: the job waits in
+  its cluster's queue (`JobQueue`, first come first served), looks again every QUEUE_POLL_S and goes on to
+  planning when it is first in line and a plan fits; past `queue_timeout_s` it fails with exit code 2 naming the
+  holders. Without a queue it fails at once.
   WAITING (jobs with a `fleet:`): the fleet's demand stands on Ray's autoscaler (orchestrator/cluster/capacity.py)
   until every type's minimum is up; past `fleet.wait_s` the job fails with exit code 2 naming the missing types.
   The demand stands while the job runs (a preempted node is replaced; a scale check moves onto it) and is
@@ -36,6 +40,7 @@ from orchestrator.control.failure import Replan, failure_policy, loses_a_node
 from orchestrator.control.protocols import (
     Clock,
     InterruptionSource,
+    JobQueue,
     NodeSource,
     NoInterruptions,
     StatePlane,
@@ -57,6 +62,7 @@ class State(enum.Enum):
     """The controller's states, each one handler (`Controller._handlers`)."""
 
     WAITING = "waiting"  # a fleet's demand stands on the autoscaler until every type's minimum is up
+    QUEUED = "queued"  # no plan fits on the GPUs free to the job; others hold the rest: it waits its turn
     DISCOVERING = "discovering"  # asks the node source which GPU nodes exist now (less the doomed ones)
     PLANNING = "planning"  # the planner's plan for them (after a loss: the top candidates, weighed with migration)
     LAUNCHING = "launching"  # the plan's workers start; the state plane restores the newest step it holds
@@ -68,6 +74,7 @@ class State(enum.Enum):
 
 
 RECOVERY = (State.RECOVERING, State.DISCOVERING, State.PLANNING, State.LAUNCHING)  # a failure to the restore
+QUEUE_POLL_S = 2.0  # a queued job looks at the cluster's free GPUs and its place in line this often
 
 
 @dataclass
@@ -93,7 +100,8 @@ class Controller:
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
                  max_restarts: int = 100, max_stalled: int = 5, snapshot_every: int = 1, drain_margin_s: float = 1.0,
                  on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0,
-                 capacity=None, sleep: Callable[[float], None] | None = None, replan_tolerance: float = TOLERANCE):
+                 capacity=None, sleep: Callable[[float], None] | None = None, replan_tolerance: float = TOLERANCE,
+                 queue: JobQueue | None = None, queue_timeout_s: float = 3600.0):
         self.model, self.train, self.steps = model, train, steps
         self.replan_tolerance = replan_tolerance  # how much throughput a re-plan may give for fewer bytes moved
         self.nodes, self.make_group = nodes, make_group
@@ -114,6 +122,10 @@ class Controller:
         self.sleep = sleep or time.sleep
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
         self._held: dict[str, dict[str, int]] = {}  # GPUs other jobs hold, as last said in an event
+        self.queue, self.queue_timeout_s = queue, queue_timeout_s  # None: no queue (fail when nothing is free)
+        self._queued_at: float | None = None  # when the job entered the queue (None: not queued)
+        self._queued_why = ""  # what the queued job waits for, for its phase and its timeout's message
+        self._queued_on: tuple = ()  # the free GPUs no plan fitted on (planning again waits for a change)
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
         self._failure: tuple | None = None  # (the WorkerFailure being recovered from, when it was detected)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
@@ -157,6 +169,7 @@ class Controller:
         """Run one transition and return the new state."""
         handler = {
             State.WAITING: self._wait_for_capacity, State.DISCOVERING: self._discover, State.PLANNING: self._plan,
+            State.QUEUED: self._queued,
             State.LAUNCHING: self._launch,
             State.TRAINING: self._train, State.RECOVERING: self._recover, State.DRAINING: self._drain,
         }.get(self.state)
@@ -229,6 +242,8 @@ class Controller:
             if held:
                 self._event("held", f"GPUs held by other jobs, left out of the plan: {_holders(held)}", held=held)
         if not found.nodes:
+            if held and self.queue is not None:
+                return self._enqueue("a free GPU")
             return self._fail("no GPU of the cluster is free to this job" + (
                 f": {_holders(held)} hold them; submit it again when they end" if held else ""))
         self.cluster = found.without_nodes(self.doomed)
@@ -243,11 +258,14 @@ class Controller:
                                               self.steps - self.progress.committed - 1, self._launch_s,
                                               self.replan_tolerance)
         except PlanningError as e:
+            if self.nodes.held and self.queue is not None:  # the GPUs others hold may make one fit
+                return self._enqueue(f"more GPUs than the {self.running_cluster.num_gpus} free ({e})")
             return self._fail(f"no plan on the {self.running_cluster.num_gpus} GPUs left: {e}")
         log.info("planned %d pipelines, predicted %.0f tokens/s", len(self.plan.pipelines),
                  self.plan.estimate.tokens_per_s if self.plan.estimate else float("nan"))
         if choice and self.progress.events:
             self.progress.events[-1]["plan_choice"] = choice  # the re-plan's or drain's event
+        self._dequeue()
         self._mark("plan_s")
         for u in self.plan.unused:
             log.info("GPU %s left idle: %s", u.device, u.reason)
@@ -565,7 +583,62 @@ class Controller:
             self._draining["ended"] = why
             self._draining = None
 
+    # -- the queue ---------------------------------------------------------------
+    def _enqueue(self, wants: str) -> State:
+        """No plan fits on what is free while other jobs hold GPUs: wait in the cluster's queue (its place kept
+        when the job was already in it)."""
+        self._queued_why = wants
+        self._queued_on = _free(self.cluster) if wants != "a free GPU" else ()  # what no plan fitted: the queue
+        # plans again when what is free differs
+        if self._queued_at is None:
+            self._queued_at = self.clock.now()
+            self._line().enter()
+            ahead = self._line().ahead()
+            self._event("queued", f"waiting for {wants}: {_holders(self.nodes.held)} hold the rest",
+                        held=self.nodes.held, ahead=ahead, position=len(ahead) + 1)
+        return State.QUEUED
+
+    def _queued(self) -> State:
+        """One look, as the queue's first job, at what is free (then on to planning), else wait a poll."""
+        now = self.clock.now()
+        waited = now - (now if self._queued_at is None else self._queued_at)
+        held = self.nodes.held
+        if waited > self.queue_timeout_s:
+            return self._fail(f"queued for {waited:.0f} s waiting for {self._queued_why}, held by "
+                              f"{_holders(held) or 'other jobs'}: raise runtime.queue_timeout_s "
+                              f"({self.queue_timeout_s:.0f} s) to wait longer, or submit the job when they end",
+                              exit_code=2)
+        self._line().enter()  # its entry shown alive, its place kept
+        ahead = self._line().ahead()
+        if not ahead:
+            found = self.nodes.discover()
+            if found.nodes and _free(found.without_nodes(self.doomed)) != self._queued_on:
+                self.cluster = found.without_nodes(self.doomed)
+                self._known_nodes = {n.name for n in self.cluster.nodes}
+                return State.PLANNING
+            held = self.nodes.held
+        self._phase(f"queued ({len(ahead) + 1} in line{', after ' + ', '.join(ahead) if ahead else ''}): waiting "
+                    f"for {self._queued_why}; held by {_holders(held) or 'other jobs'}")  # (a new phase line only
+        # when the line or the holders change)
+        self.sleep(QUEUE_POLL_S)
+        return State.QUEUED
+
+    def _line(self) -> JobQueue:
+        return _present(self.queue, "queue", self.state)
+
+    def _dequeue(self) -> None:
+        """A plan fits: the job leaves the queue (its event says how long it waited)."""
+        if self._queued_at is None:
+            return
+        self._line().leave()
+        self._event("dequeued", f"planned on {self.running_cluster.num_gpus} free GPUs after "
+                    f"{self.clock.now() - self._queued_at:.1f} s in the queue")
+        self._queued_at = None
+
     def _fail(self, reason: str, exit_code: int = 1) -> State:
+        if self._queued_at is not None:
+            self._line().leave()
+            self._queued_at = None
         self._close_interruptions()
         self._withdraw()
         self.store.release()  # (none held where the claim itself failed)
@@ -574,6 +647,11 @@ class Controller:
         self._phase("failed")
         log.error("job failed: %s", reason)
         return State.FAILED
+
+
+def _free(cluster: ClusterSpec | None) -> tuple:
+    """A cluster's GPUs as (node, type, count) rows, to tell whether what is free changed."""
+    return tuple(sorted((n.name, n.gpu_type, n.num_gpus) for n in cluster.nodes)) if cluster is not None else ()
 
 
 def _holders(held: dict[str, dict[str, int]]) -> str:

@@ -25,6 +25,24 @@ class FakeNodes:
         return c
 
 
+class MemoryQueue:
+    """One job's place in a queue shared (the `line` list) by the fakes of several jobs in one process."""
+
+    def __init__(self, job: str, line: list[str]):
+        self.job, self.line = job, line
+
+    def enter(self) -> None:
+        if self.job not in self.line:
+            self.line.append(self.job)
+
+    def ahead(self) -> list[str]:
+        return self.line[:self.line.index(self.job)] if self.job in self.line else list(self.line)
+
+    def leave(self) -> None:
+        if self.job in self.line:
+            self.line.remove(self.job)
+
+
 class FakeWorkerGroup:
     """A worker group whose loss at step s is a pure function of the applied-step counter.
 

@@ -7,6 +7,8 @@
   The calls TieredState makes of a worker group and of the keepers are state/protocols.py's (`StateGroup`,
   `StateCalls`), typed with the records of workers/transfer.py.
 - `InterruptionSource`: spot notices and drains announced ahead of a node's loss.
+- `JobQueue`: the jobs of one cluster waiting for GPUs that others hold, first come first served (Ray:
+  cluster/job_queue.RayJobQueue).
 - `Clock`: time, so tests step through deadlines without sleeping.
 Pure: no Ray, no boto3, no torch.
 """
@@ -82,6 +84,12 @@ class InterruptionSource(Protocol):
 
 class Clock(Protocol):
     def now(self) -> float: ...
+
+
+class JobQueue(Protocol):
+    def enter(self) -> None: ...  # this job waits (again: its place is kept, its entry shown alive)
+    def ahead(self) -> list[str]: ...  # the waiting jobs that entered before this one, first first
+    def leave(self) -> None: ...  # this job waits no more (it planned, or it ended)
 
 
 class SystemClock:

@@ -33,12 +33,13 @@ log = logging.getLogger("hetspot.controller")
 
 def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | None = None, user_plan: bool = False,
                     replan_user_plan: bool = False, on_step=None, on_phase=None, capacity=None,
-                    checkpoint_run: str | None = None) -> Controller:
+                    checkpoint_run: str | None = None, queue=None) -> Controller:
     """A Controller over the connected Ray cluster: one TrainWorker per GPU.
 
     Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster); `capacity`
     (cluster/capacity.Capacity) makes it ask the autoscaler for the job's fleet first; `checkpoint_run`: the run
-    whose S3 steps the job goes on from (api.check_checkpoint; None: a new run).
+    whose S3 steps the job goes on from (api.check_checkpoint; None: a new run); `queue` (cluster/job_queue): where
+    it waits when other jobs hold the GPUs it needs (None: it fails then).
     """
     from orchestrator.cluster.node_sources import DeclaredNodes
 
@@ -51,8 +52,8 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
                       user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
                       on_phase=on_phase, scale_check_every=job.runtime.scale_check_every,
                       max_restarts=job.runtime.max_restarts, max_stalled=job.runtime.max_failures_without_progress,
-                      capacity=capacity,
-                      replan_tolerance=job.runtime.replan_tolerance)
+                      capacity=capacity, replan_tolerance=job.runtime.replan_tolerance,
+                      queue=queue, queue_timeout_s=job.runtime.queue_timeout_s)
 
 
 def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None = None):
@@ -109,9 +110,12 @@ class ControllerActor:
             from orchestrator.cluster.capacity import ray_capacity
 
             capacity = ray_capacity(self.job.model_copy(update={"fleet": demand}), time.monotonic, job_id)
+        from orchestrator.cluster.job_queue import RayJobQueue
+
         self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
                                           replan_user_plan=replan_user_plan, capacity=capacity,
-                                          checkpoint_run=checkpoint_run)
+                                          checkpoint_run=checkpoint_run,
+                                          queue=None if embedded else RayJobQueue(job_id))  # one job embedded
         chooser = getattr(capacity, "rechoose", None)
         if capacity is not None and chooser is not None:  # fleet.auto: say which fleet was chosen
             self.controller._event("fleet", f"chose the fleet: {chooser.history[0]}", fleet=dict(
