@@ -265,33 +265,40 @@ def test_cli_against_a_real_head(head, tmp_path):
 
     long_logs_keep_status_small(head, str(token_file))
 
-    # stop, and the queue: a long job on every GPU (a plan given with --plan), stopped while it trains; a job
-    # submitted meanwhile finds nothing free and waits in the cluster's queue, named as queued with who holds the
-    # GPUs, then trains on them once the long job's workers and placement groups are gone
-    plan_file = tmp_path / "all-gpus.json"
-    plan_file.write_text(every_gpu_plan().model_dump_json())
-    r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--plan", str(plan_file),
-            "--json", *auth, home=user_home)
-    long_id = json.loads(r.stdout)["job_id"]
-    wait_progress(head, long_id, lambda p: True, token_file=str(token_file))
-    r = cli(head, "status", long_id, "--address", head.url, "--json", *auth, home=user_home)
+    # two jobs, and the queue: a long job trains on the A100s (the planner leaves the T4s idle for the tiny model); a
+    # second long job plans on the T4s it finds free, naming the first as holder of the rest; a third finds nothing
+    # free and waits in the cluster's queue, shown as queued with who holds the GPUs, then trains once the first is
+    # stopped and its workers and placement groups are gone
+    long_ids = []
+    for _ in range(2):
+        r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--json", *auth,
+                home=user_home)
+        assert r.returncode == 0, r.stderr
+        long_ids.append(json.loads(r.stdout)["job_id"])
+        wait_progress(head, long_ids[-1], lambda p: True, token_file=str(token_file))
+    long_id, beside_id = long_ids
+    r = cli(head, "status", beside_id, "--address", head.url, "--json", *auth, home=user_home)
     st = json.loads(r.stdout)
     assert st["status"] == "RUNNING" and st["progress"] is not None
+    held = [e for e in st["events"] if e["kind"] == "held"]
+    assert held and held[0]["held"] == {"head-a100": {long_id: 2}}, st["events"]
     outputs.append(r.stdout)
     r = cli(head, "submit", str(job_file), "--address", head.url, "--json", *auth, home=user_home)
     queued_id, t_submit = json.loads(r.stdout)["job_id"], time.monotonic()
     phase = wait_phase(head, queued_id, lambda ph: ph.startswith("queued"), str(token_file))
     took_queued = time.monotonic() - t_submit
-    assert "queued (1 in line): waiting for a free GPU; held by" in phase and long_id in phase, phase
+    assert phase.startswith("queued (1 in line): waiting for a free GPU; held by") and long_id in phase and \
+        beside_id in phase, phase
     listed = {j["job_id"]: j for j in json.loads(cli(head, "list", "--address", head.url, "--json", *auth,
                                                      home=user_home).stdout)}
     assert listed[queued_id]["status"] == "QUEUED" and listed[queued_id]["gpus"] == 0, listed
-    assert listed[long_id]["status"] == "RUNNING" and listed[long_id]["gpus"] == 4, listed
+    assert all(listed[j]["status"] == "RUNNING" and listed[j]["gpus"] == 2 for j in long_ids), listed
     r = cli(head, "stop", long_id, "--address", head.url, *auth, home=user_home)
     assert r.returncode == 0 and "stop requested" in r.stdout
     st = wait_status(head, long_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180,  # STOP_GRACE_S + load
                     home=user_home)
     assert st["status"] == "STOPPED"
+    outputs += [r.stdout, json.dumps(st)]
     t_stopped = time.monotonic()
     wait_phase(head, queued_id, lambda ph: not ph.startswith("queued"), str(token_file))
     took_start = time.monotonic() - t_stopped
@@ -302,6 +309,9 @@ def test_cli_against_a_real_head(head, tmp_path):
     assert "could not place" not in queued_logs and "GetTimeoutError" not in queued_logs  # no placement wait
     print(f"queued {took_queued:.1f} s after its submission; left the queue {took_start:.1f} s after the "
           "holder stopped")
+    r = cli(head, "stop", beside_id, "--address", head.url, *auth, home=user_home)
+    st = wait_status(head, beside_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180, home=user_home)
+    assert st["status"] == "STOPPED"
     outputs += [r.stdout, json.dumps(st)]
     for out in outputs:  # the token never shows in --json output, status or logs
         assert head.token not in out
@@ -313,17 +323,6 @@ def test_cli_against_a_real_head(head, tmp_path):
         pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format",
                               "json"], env=head.env, capture_output=True, text=True, timeout=60)
     assert pgs.returncode == 0 and '"CREATED"' not in pgs.stdout, pgs.stdout
-
-
-def every_gpu_plan():
-    """The tiny job on all four GPUs of the default head (two A100s, two T4s): four replicas, one a GPU. The
-    planner leaves the T4s idle for it; a plan given with --plan holds them too."""
-    from planner import Pipeline, Plan, Stage
-
-    gpus = [("head-a100", "A100-80GB", 0), ("head-a100", "A100-80GB", 1), ("t4-spot", "T4", 0), ("t4-spot", "T4", 1)]
-    return Plan(model_name="tiny", num_layers=4, global_batch=8, pipelines=[Pipeline(
-        num_samples=2, micro_batch_size=2, num_micro_batches=1, stages=[Stage(
-            layer_start=0, layer_end=4, gpu_type=t, node=n, devices=[f"{n}/{i}"])]) for n, t, i in gpus])
 
 
 def wait_phase(head: RealHead, job_id: str, ready, token_file: str, timeout: float = 120) -> str:
