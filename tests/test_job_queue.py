@@ -108,3 +108,61 @@ def test_without_a_queue_a_job_with_nothing_free_fails_at_once():
     c, _ = job(nodes, None, clock)
     assert c.run() == State.FAILED and c.exit_code == 1
     assert "no GPU of the cluster is free to this job: l4-a: 2 GPUs (hetspot-first-1a2b3c4d)" in c.error, c.error
+
+
+def _one_l4_then_two():
+    """A small model on the one L4 GPU free to it; later another job frees the node's second GPU. The fake
+    clock's tick makes each step measure 1/1000 of its predicted speed, so a move onto both GPUs pays."""
+    from planner import evaluate
+    from planner.search import Planner
+    from planner.specs import tokens_per_step
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_len=16)
+    one = ClusterSpec(nodes=[NodeSpec(name="l4-a", gpu_type="L4", num_gpus=1)])
+    two = ClusterSpec(nodes=[NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2)])
+    predicted = evaluate(Planner(model, TRAIN).plan(one), one, model, TRAIN).tokens_per_s
+    return model, one, two, tokens_per_step(model, TRAIN.global_batch) * 1000 / predicted
+
+
+class Freed:
+    """The GPUs free to the job: `first` until `freed_at` discoveries, then `then` (another job released some)."""
+
+    def __init__(self, first, then, freed_at: int):
+        self.first, self.then, self.freed_at, self.calls = first, then, freed_at, 0
+        self.held: dict = {}
+
+    def discover(self):
+        self.calls += 1
+        return self.first if self.calls < self.freed_at else self.then
+
+
+def test_a_running_job_grows_into_gpus_another_job_frees_in_place():
+    """The job trains on the one L4 GPU free to it; another job ends and frees the node's second GPU. At a scale
+    check the job weighs the grown node as it weighs a joined one and moves onto both GPUs at a step boundary:
+    no step lost or repeated, the event says which GPUs were freed."""
+    from orchestrator.control.fakes import FakeWorkerGroup
+
+    model, one, two, tick = _one_l4_then_two()
+    log: list = []
+    c = Controller(model, TRAIN, 100_000, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, in_place=True),
+                   clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", []))
+    while not any(e["kind"].startswith("scale-up") and "first_step_s" in e for e in c.progress.events):
+        assert c.step() not in (State.DONE, State.FAILED), c.error
+    (up,) = [e for e in c.progress.events if e["kind"].startswith("scale-up")]
+    assert up["kind"] == "scale-up" and up["freed"] == {"l4-a": 1} and "GPUs freed (l4-a: +1)" in up["cause"], up
+    assert sorted(c.plan.devices()) == ["l4-a/0", "l4-a/1"] and c.progress.restarts == 0
+    assert sorted(c.progress.losses) == list(range(c.progress.committed + 1))  # every step once
+
+
+def test_freed_gpus_go_to_the_jobs_waiting_in_the_queue_first():
+    """The same freed GPU while another job waits in the cluster's queue: the running job does not weigh it (the
+    waiting job, polling, takes it), and trains on where it is."""
+    from orchestrator.control.fakes import FakeWorkerGroup
+
+    model, one, two, tick = _one_l4_then_two()
+    log: list = []
+    c = Controller(model, TRAIN, 12, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, in_place=True),
+                   clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", ["waiting"]))
+    assert c.run() == State.DONE, c.error
+    assert not [e for e in c.progress.events if e["kind"].startswith("scale-up")], c.progress.events
+    assert c.plan.devices() == ["l4-a/0"]

@@ -618,6 +618,63 @@ def test_scale_up_moves_onto_a_faster_joining_node_and_declines_a_late_one(clust
     assert_matches_reference(j, c.progress.losses)
 
 
+class OnlyNodes:
+    """Live discovery (GPUs free to this job; other jobs' placement groups left out) of the named nodes only: the
+    module's cluster also holds other tests' nodes."""
+
+    def __init__(self, names: set[str]):
+        from orchestrator.cluster.node_sources import LiveNodes
+
+        self.live, self.names = LiveNodes(profile=False), names
+
+    @property
+    def held(self) -> dict:
+        return {n: by for n, by in self.live.held.items() if n in self.names}
+
+    def discover(self) -> ClusterSpec:
+        c = self.live.discover()
+        return c.model_copy(update={"nodes": [n for n in c.nodes if n.name in self.names]})
+
+
+def test_a_job_grows_in_place_into_gpus_another_job_releases(cluster):
+    """Another hetspot job holds one of a node's two GPUs (its placement group, named by its job), so the job plans
+    on the other; the other job ends (its group goes). At a scale check the job sees the node's second GPU free,
+    weighs it as it weighs a joined node and moves onto both GPUs in place at a step boundary: the survivor keeps
+    its process, no step is lost or repeated, and the losses match the one-device run's."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from orchestrator.cluster.discovery import RayInventory
+    from orchestrator.cluster.holders import pg_name
+
+    (node,) = nodes(cluster, ("grow-l4", "L4", 2))
+    node_id = next(d.node_id for d in RayInventory().discover() if d.name == node.name)
+    other = placement_group([{"GPU": 1}], strategy="STRICT_PACK", bundle_label_selector=[{"ray.io/node-id": node_id}],
+                            name=pg_name("hetspot-other-1a2b3c4d"))
+    ray.get(other.ready(), timeout=60)
+    j = make_job([node], None, "")
+    j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"scale_check_every": 1})})
+    c = make_controller(j, 10**6, nodes=OnlyNodes({node.name}))  # a long job: the move pays for itself
+    run_until(c, 1)
+    assert len(c.plan.devices()) == 1 and c.nodes.held == {node.name: {"hetspot-other-1a2b3c4d": 1}}
+    first_pids = set(c.group.pids)
+    remove_placement_group(other)  # the other job ends
+    deadline = time.monotonic() + 120
+    while not any(e["kind"] == "scale-up" and "first_step_s" in e for e in c.progress.events):
+        assert time.monotonic() < deadline, c.progress.events
+        run_until(c, c.progress.committed + 1)
+    (up,) = [e for e in c.progress.events if e["kind"] == "scale-up"]
+    assert up["freed"] == {node.name: 1} and f"GPUs freed ({node.name}: +1)" in up["cause"], up
+    assert sorted(c.plan.devices()) == [f"{node.name}/0", f"{node.name}/1"] and c.progress.restarts == 0
+    assert first_pids <= set(c.group.pids)  # in place: the first rank's process trains on in the new plan
+    at = c.progress.committed  # (training went on while the new rank's process started: tens of steps here)
+    run_until(c, at + 2)
+    c.group.shutdown()
+    ref, _ = one_device_run(j, at + 3)  # the steps before, at and after the move
+    assert sorted(c.progress.losses) == list(range(at + 3))  # every step once: none lost, none repeated
+    for step, want in enumerate(ref):
+        assert abs(c.progress.losses[step] - want) <= 1e-5 * abs(want), (step, c.progress.losses[step], want)
+
+
 def test_a_movement_aware_replan_keeps_the_layers_where_they_are_where_the_fastest_plan_re_splits(cluster):
     """Two 2-stage pipelines (an A100 and three L4s; the first stage holds one layer). The A100
     goes: the fastest re-plan re-splits the surviving pipeline (layer 1 moves to the first stage); a 3-stage

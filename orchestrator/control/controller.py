@@ -130,6 +130,7 @@ class Controller:
         self._failure: tuple | None = None  # (the WorkerFailure being recovered from, when it was detected)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
+        self._known_gpus: dict[str, int] = {}  # and each node's GPUs free to the job then (others may free more)
         self._launch_s = 5.0  # the last launch's start-up (placing workers, process group), for migration costs
         self._draining: dict | None = None  # the drain event in progress
         self._staged: tuple | None = None  # a notice's next (plan, cluster, choice), its new workers warming
@@ -247,7 +248,7 @@ class Controller:
             return self._fail("no GPU of the cluster is free to this job" + (
                 f": {_holders(held)} hold them; submit it again when they end" if held else ""))
         self.cluster = found.without_nodes(self.doomed)
-        self._known_nodes = {n.name for n in self.cluster.nodes}
+        self._remember(self.cluster)
         log.info("discovered %d GPUs on %d nodes", self.cluster.num_gpus, len(self.cluster.nodes))
         return State.PLANNING
 
@@ -365,25 +366,43 @@ class Controller:
             self._join_dropped("a node it needs left before the switch")  # weighed afresh below
         if not weigh:
             return False
-        if self._staged is not None or (joined and self.progress.committed < self._plan_from + 1):
+        freed = self._freed(cluster)
+        what = "; ".join([f"nodes joined ({joined})"] * bool(joined) + [
+            "GPUs freed (" + ", ".join(f"{n}: +{k}" for n, k in sorted(freed.items())) + ")"] * bool(freed))
+        if self._staged is not None or (what and self.progress.committed < self._plan_from + 1):
             return False  # weighed once the running plan's speed is measured (2 steps): predictions alone mislead
-        self._known_nodes = known
+        self._remember(cluster)
         if joined:  # standing warm workers on GPUs the plan leaves idle (runtime.warm_workers)
             self.workers.warm_spares(cluster)
-        got = joined and consider_joined(self.planner, self.model, self.train, self.running_plan, cluster,
-                                         self.steps - self.progress.committed - 1, self._launch_s,
-                                         self._measured_tokens_per_s())
+        got = what and consider_joined(self.planner, self.model, self.train, self.running_plan, cluster,
+                                       self.steps - self.progress.committed - 1, self._launch_s,
+                                       self._measured_tokens_per_s())
         if not got:
             return False
         new, d, extra = got
-        log.info("nodes joined (%s): %s, %s", joined, "moving" if d.move else "staying", d.reason)
-        self._event("scale-up" if d.move else "scale-up-declined", f"nodes joined ({joined}): {d.reason}", **extra)
+        log.info("%s: %s, %s", what, "moving" if d.move else "staying", d.reason)
+        self._event("scale-up" if d.move else "scale-up-declined", f"{what}: {d.reason}", **extra,
+                    **({"freed": freed} if freed else {}))
         if not d.move:
             return False
         self._draining = self.progress.events[-1]  # the switch's timeline (switch, resumed, first step, stall)
         self._draining["new_workers"] = self.workers.prestage(new)  # ranks on GPUs no warm worker waits on
         self._join = (new, cluster)
         return self._join_ready()
+
+    def _remember(self, cluster: ClusterSpec) -> None:
+        """The nodes, and each one's GPUs free to the job, that the running plan was chosen among."""
+        self._known_nodes = {n.name for n in cluster.nodes}
+        self._known_gpus = {n.name: n.num_gpus for n in cluster.nodes}
+
+    def _freed(self, cluster: ClusterSpec) -> dict[str, int]:
+        """Known nodes with more GPUs free to the job than when the plan was chosen (another job ended or shrank),
+        and how many more. None while jobs wait in the cluster's queue: the GPUs are theirs first."""
+        more = {n.name: n.num_gpus - self._known_gpus[n.name] for n in cluster.nodes
+                if n.name in self._known_gpus and n.num_gpus > self._known_gpus[n.name]}
+        if more and self.queue is not None and self.queue.ahead():
+            return {}
+        return more
 
     def _join_ready(self) -> bool:
         """A join's move goes at the first step boundary its warm workers are ready at (training goes on meanwhile):
@@ -503,7 +522,7 @@ class Controller:
         if self._staged is None:
             return State.DISCOVERING
         (self.plan, self.cluster, choice), self._staged = self._staged, None
-        self._known_nodes = {n.name for n in self.cluster.nodes}
+        self._remember(self.cluster)
         if choice:
             self._drain_event["plan_choice"] = choice
         self._mark("plan_s")
@@ -614,7 +633,7 @@ class Controller:
             found = self.nodes.discover()
             if found.nodes and _free(found.without_nodes(self.doomed)) != self._queued_on:
                 self.cluster = found.without_nodes(self.doomed)
-                self._known_nodes = {n.name for n in self.cluster.nodes}
+                self._remember(self.cluster)
                 return State.PLANNING
             held = self.nodes.held
         self._phase(f"queued ({len(ahead) + 1} in line{', after ' + ', '.join(ahead) if ahead else ''}): waiting "
