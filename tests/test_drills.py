@@ -27,9 +27,19 @@ DRILLS = scenario_files(ROOT / "drills")
 IN_README = {"preempt"}
 
 
+# Scenarios `make test` runs alone after the parallel part (marker `exclusive`): notice-staged holds a drain to a
+# wall-clock deadline through a keeper on a node that joined mid-run. Beside the other worker's Ray heads in CI
+# its drain copy to that keeper twice did not land in time (once at the 60 s deadline, once at the state
+# plane's 60 s timeout with the deadline at 120 s) while it lands within 1.3-7.8 s alone or beside the planner's
+# and the autoscaler's modules here; what stalls it is open (docs/drills.md).
+ALONE = {"notice-staged"}
+
+
 def _param(p: Path):
     slow = yaml.safe_load(p.read_text()).get("slow", False) or p.stem in IN_README
-    return pytest.param(p, id=p.stem, marks=[pytest.mark.ray] + ([pytest.mark.slow] if slow else []))
+    marks = [pytest.mark.ray] + ([pytest.mark.slow] if slow else []) + (
+        [pytest.mark.exclusive] if p.stem in ALONE else [])
+    return pytest.param(p, id=p.stem, marks=marks)
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,11 @@ def test_a_job_that_queued_later_waits_behind_the_first_even_with_gpus_free():
     b.step()  # b looks, finds them, and plans
     assert b.state == State.PLANNING
     b.step()
-    assert line == ["c"] and b.state == State.LAUNCHING
+    assert line == ["b", "c"] and b.state == State.LAUNCHING  # its place kept until its workers hold the GPUs
+    c.step()
+    assert c.state == State.QUEUED
+    b.step()
+    assert line == ["c"] and b.state == State.TRAINING
     c.step()  # now first in line: it plans on what it finds free (here the fake gives it the same GPUs)
     assert c.state == State.PLANNING
 
@@ -91,8 +95,8 @@ def test_a_plan_that_needs_more_than_is_free_queues_while_others_hold_gpus():
     assert "waiting for more GPUs than the 2 free" in c.progress.phase, c.progress.phase
     assert c.progress.history.count("planning->queued") == 1, c.progress.history  # no re-plan on the same GPUs
     nodes.holder_running = False
-    c.step(), c.step()
-    assert c.state == State.LAUNCHING and line == [], (c.state, c.error)
+    c.step(), c.step(), c.step()
+    assert c.state == State.TRAINING and line == [], (c.state, c.error)
 
 
 def test_the_wait_is_bounded_by_queue_timeout_s_exit_2_naming_the_field_and_the_holders():

@@ -266,7 +266,6 @@ class Controller:
                  self.plan.estimate.tokens_per_s if self.plan.estimate else float("nan"))
         if choice and self.progress.events:
             self.progress.events[-1]["plan_choice"] = choice  # the re-plan's or drain's event
-        self._dequeue()
         self._mark("plan_s")
         for u in self.plan.unused:
             log.info("GPU %s left idle: %s", u.device, u.reason)
@@ -285,6 +284,7 @@ class Controller:
             t0 = self.clock.now()
             self.group.start()
             self._launch_s = self.clock.now() - t0
+            self._dequeue()  # its workers hold their GPUs: until now a running job's growth would race it for them
             self._phase("restoring state")
             restored = self.store.restore(self.group, self.doomed)
             step = restored.step if restored else -1
@@ -646,11 +646,12 @@ class Controller:
         return _present(self.queue, "queue", self.state)
 
     def _dequeue(self) -> None:
-        """A plan fits: the job leaves the queue (its event says how long it waited)."""
+        """The job's workers hold the GPUs of its plan: it leaves the queue (its event says how long it waited).
+        It keeps its place from planning until then, so that no running job grows into the GPUs it planned on."""
         if self._queued_at is None:
             return
         self._line().leave()
-        self._event("dequeued", f"planned on {self.running_cluster.num_gpus} free GPUs after "
+        self._event("dequeued", f"started on {len(self.running_plan.devices())} GPUs after "
                     f"{self.clock.now() - self._queued_at:.1f} s in the queue")
         self._queued_at = None
 
