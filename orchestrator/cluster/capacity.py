@@ -134,24 +134,9 @@ class DemandLedger:
 
     def entries(self) -> dict[str, dict]:
         """job id -> its entry, of jobs whose Ray job is alive (the dead ones' entries deleted)."""
-        import json
+        from orchestrator.cluster.job_entries import live_entries
 
-        import ray
-        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
-
-        dead = {j["JobID"] for j in ray._private.state.state.job_table() if j.get("IsDead")}
-        out = {}
-        for key in _internal_kv_list("", namespace=self.NAMESPACE):
-            raw = _internal_kv_get(key, namespace=self.NAMESPACE)
-            if raw is None:
-                continue
-            entry = json.loads(raw)
-            if entry.get("ray_job") in dead:
-                _internal_kv_del(key, namespace=self.NAMESPACE)
-                log.info("dropped the autoscaler demand of job %s: its driver is gone", key.decode())
-                continue
-            out[key.decode()] = entry
-        return out
+        return live_entries(self.NAMESPACE, "autoscaler demand")
 
     def _request_sum(self) -> None:
         from ray.autoscaler.sdk import request_resources

@@ -5,7 +5,7 @@ A job whose minimum (the smallest plan that trains) does not fit on the GPUs fre
 under its job id in the GCS's key-value store (namespace `hetspot-queue`), with the time it first entered and its
 Ray job; only the first job in line takes GPUs that come free, so a job that waits longer is never overtaken by
 one that came later. An entry whose Ray job is dead (a driver killed before its controller left the queue) is
-dropped by whoever reads it next, as the autoscaler demand's entries are (cluster/capacity.DemandLedger).
+dropped by whoever reads it next, as the autoscaler demand's entries are (cluster/job_entries.py).
 
 A job that can train on what is free does not look at the queue: the queue orders only jobs that cannot.
 """
@@ -13,10 +13,7 @@ A job that can train on what is free does not look at the queue: the queue order
 from __future__ import annotations
 
 import json
-import logging
 import time
-
-log = logging.getLogger("hetspot.queue")
 
 NAMESPACE = "hetspot-queue"
 
@@ -24,22 +21,10 @@ NAMESPACE = "hetspot-queue"
 def waiting() -> list[tuple[str, float]]:
     """(job id, UNIX time it entered) of every job waiting on the connected cluster, first first; the entries of
     jobs whose Ray job is dead are deleted."""
-    import ray
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
+    from orchestrator.cluster.job_entries import live_entries
 
-    dead = {j["JobID"] for j in ray._private.state.state.job_table() if j.get("IsDead")}
-    out = []
-    for key in _internal_kv_list("", namespace=NAMESPACE):
-        raw = _internal_kv_get(key, namespace=NAMESPACE)
-        if raw is None:  # left between the listing and the read
-            continue
-        entry = json.loads(raw)
-        if entry.get("ray_job") in dead:
-            _internal_kv_del(key, namespace=NAMESPACE)
-            log.info("dropped job %s from the queue: its driver is gone", key.decode())
-            continue
-        out.append((key.decode(), float(entry["since"])))
-    return sorted(out, key=lambda e: (e[1], e[0]))
+    line = [(job, float(e["since"])) for job, e in live_entries(NAMESPACE, "place in the queue").items()]
+    return sorted(line, key=lambda e: (e[1], e[0]))
 
 
 class RayJobQueue:
