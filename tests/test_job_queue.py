@@ -170,3 +170,25 @@ def test_freed_gpus_go_to_the_jobs_waiting_in_the_queue_first():
     assert c.run() == State.DONE, c.error
     assert not [e for e in c.progress.events if e["kind"].startswith("scale-up")], c.progress.events
     assert c.plan.devices() == ["l4-a/0"]
+
+
+@pytest.mark.parametrize("waiting", [[], ["waiting"]])
+def test_a_node_another_job_leaves_is_warmed_only_when_no_job_waits_for_it(waiting):
+    """Another job ends on a node of which the running job had no GPU free: to the running job that node reads as
+    joined. With no job waiting it gets warm workers at once (as a joined node does); while a job waits in the
+    queue it is left alone (no warm workers, no move), or the waiting job would plan on GPUs the warm workers take
+    a moment later and wait for a placement that cannot come."""
+    from orchestrator.control.fakes import FakeWorkerGroup
+
+    model, one, _, tick = _one_l4_then_two()
+    left = one.model_copy(update={"nodes": [*one.nodes, NodeSpec(name="a100-a", gpu_type="A100", num_gpus=2)]})
+    log: list = []
+    c = Controller(model, TRAIN, 12, Freed(one, left, 4), lambda p: FakeWorkerGroup(p, log, in_place=True),
+                   clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", waiting))
+    assert c.run() == State.DONE, c.error
+    warmed = [e for e in log if e[0] == "warm-joined"]
+    if waiting:
+        assert not warmed and not [e for e in c.progress.events if e["kind"].startswith(("scale-up", "warm"))]
+        assert c.plan.devices() == ["l4-a/0"]
+    else:
+        assert warmed == [("warm-joined", ["a100-a"])], log

@@ -247,7 +247,7 @@ class Controller:
                 return self._enqueue("a free GPU")
             return self._fail("no GPU of the cluster is free to this job" + (
                 f": {_holders(held)} hold them; submit it again when they end" if held else ""))
-        self.cluster = found.without_nodes(self.doomed)
+        self.cluster = self._not_queued_for(found.without_nodes(self.doomed))  # a re-plan keeps to what it had
         self._remember(self.cluster)
         log.info("discovered %d GPUs on %d nodes", self.cluster.num_gpus, len(self.cluster.nodes))
         return State.PLANNING
@@ -350,7 +350,7 @@ class Controller:
         process (a notice's pre-staged switch does the same). True: switch now."""
         if weigh and self.capacity is not None:  # substitutes for types that stay dry while the job runs
             self._substitutions(self.capacity.tick())
-        cluster = self.nodes.discover().without_nodes(self.doomed)
+        cluster = self._not_queued_for(self.nodes.discover().without_nodes(self.doomed))
         known, joined = joined_nodes(self._known_nodes, cluster)
         self._warmed &= known  # a node that left and comes back is warmed again
         fresh = (known - (self._known_nodes or known)) - self._warmed
@@ -397,12 +397,25 @@ class Controller:
 
     def _freed(self, cluster: ClusterSpec) -> dict[str, int]:
         """Known nodes with more GPUs free to the job than when the plan was chosen (another job ended or shrank),
-        and how many more. None while jobs wait in the cluster's queue: the GPUs are theirs first."""
-        more = {n.name: n.num_gpus - self._known_gpus[n.name] for n in cluster.nodes
+        and how many more."""
+        return {n.name: n.num_gpus - self._known_gpus[n.name] for n in cluster.nodes
                 if n.name in self._known_gpus and n.num_gpus > self._known_gpus[n.name]}
-        if more and self.queue is not None and self.queue.ahead():
-            return {}
-        return more
+
+    def _not_queued_for(self, cluster: ClusterSpec) -> ClusterSpec:
+        """`cluster` less the GPUs that came free to the job since its plan was chosen (a node that joined, or that
+        another job left or shrank on) while jobs wait in the cluster's queue: those are theirs first, so the job
+        neither warms workers on them nor grows into them. A node another job leaves is new to this job (it had
+        none of its GPUs free), so it reads as joined: without this a waiting job could plan on GPUs that warm
+        workers of a running job take a moment later."""
+        known = self._known_gpus
+        if self.queue is None or self._known_nodes is None:
+            return cluster
+        new = [n for n in cluster.nodes if n.name not in known or n.num_gpus > known[n.name]]
+        if not new or not self.queue.ahead():
+            return cluster
+        kept = [n.model_copy(update={"num_gpus": min(n.num_gpus, known[n.name])}) for n in cluster.nodes
+                if n.name in known]
+        return cluster.model_copy(update={"nodes": kept})
 
     def _join_ready(self) -> bool:
         """A join's move goes at the first step boundary its warm workers are ready at (training goes on meanwhile):
