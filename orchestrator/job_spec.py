@@ -165,8 +165,14 @@ class RuntimeSpec(_Section):
                               "spot job sees many; a deterministic error stops it at once whatever this is)")
     queue_timeout_s: float = Field(
         default=3600.0, gt=0, description="on a cluster other hetspot jobs share: how long the job waits in the "
-        "cluster's queue (state `queued`, first come first served) for GPUs they hold when no plan trains on what "
-        "is free to it; past this it fails with exit code 2 naming the holders")
+        "cluster's queue (state `queued`, by priority, then first come first served) for GPUs they hold when no "
+        "plan trains on what is free to it; past this it fails with exit code 2 naming the holders")
+    priority: int = Field(
+        default=0, ge=-1000, le=1000, description="on a cluster other hetspot jobs share: a waiting job of higher "
+        "priority goes first in the queue and asks running jobs of lower priority to give back the GPUs it needs; "
+        "each gives them back at a step boundary through the drain path (no step lost), or, where what it keeps "
+        "would train no plan, is suspended (its committed step kept, in S3 where the run has a bucket) and waits in "
+        "the queue to resume. Equal priorities never take GPUs from each other")
     max_failures_without_progress: int = Field(
         default=5, ge=1, description="the job stops at this many failures in a row that lost no node with no step "
         "committed between them (a restore or a collective failing the same way on every new plan): re-planning "

@@ -878,3 +878,59 @@ def test_a_real_gpu_node_is_never_slowed_whatever_the_job_file_says(cluster, cap
     warnings = [r.getMessage() for r in caplog.records if "emulate_speed is ignored" in r.getMessage()]
     assert warnings and "emu-real" in warnings[0] and "emu-fake" not in warnings[0], caplog.text
     c.group.shutdown()
+
+
+class QueueNodes(OnlyNodes):
+    def whole(self) -> ClusterSpec:
+        c = self.live.whole()
+        return c.model_copy(update={"nodes": [n for n in c.nodes if n.name in self.names]})
+
+
+def test_a_lower_priority_job_yields_a_node_in_place_then_is_suspended_to_s3_and_resumes(cluster, endpoint):
+    """A job of priority 0 trains on two nodes; a job of priority 5 (the test, through the cluster's queue in Ray's
+    key-value store) waits and asks for one node: the job gives it back at a step boundary through the drain path
+    and trains on the other, in place, and does not grow back into it while the asker waits. The asker then asks
+    for the other node: what would be left trains no plan, so the job keeps its committed step in S3 (its upload
+    forced, off the S3 cadence) and the keepers, gives every GPU back and waits in the queue behind the asker;
+    the asker leaves; the job plans again, restores that step and trains to the end. Every step once, and the
+    losses match the one-device run's."""
+    from orchestrator.cluster.job_queue import RayJobQueue, waiting
+
+    a, b = nodes(cluster, ("prio-a", "L4", 1), ("prio-b", "L4", 1))
+    j = make_job([a, b], endpoint, "prio", s3_every=50)
+    low = RayJobQueue("hetspot-low-1a2b3c4d", 0)
+    steps = 16
+    c = make_controller(j, steps, nodes=QueueNodes({a.name, b.name}), queue=low)
+    high = RayJobQueue("hetspot-high-1a2b3c4d", 5)
+    try:
+        run_until(c, 1)
+        assert sorted(c.plan.nodes()) == sorted([a.name, b.name])
+        high.enter()
+        high.ask(low.job_id, [b.name])
+        run_until(c, 4)
+        (y,) = [e for e in c.progress.events if e["kind"] == "yield"]
+        assert y["by"] == high.job_id and y["nodes"] == [b.name], c.progress.events
+        (d,) = [e for e in c.progress.events if e["kind"] == "drain"]
+        assert f"yield to {high.job_id}" in d["cause"] and d.get("first_step_s") is not None, d
+        assert set(c.plan.nodes()) == {a.name} and c.progress.restarts == 0
+        assert not [e for e in c.progress.events if e["kind"].startswith(("scale-up", "warm"))]  # b is the asker's
+        high.ask(low.job_id, [a.name])
+        while c.state is not State.QUEUED:
+            assert c.step() not in (State.DONE, State.FAILED), c.error
+        (s,) = [e for e in c.progress.events if e["kind"] == "suspend"]
+        assert s["kept"] == "S3 and the peer tier" and s["step"] == c.progress.committed, s
+        S3Checkpoints(j.checkpoint.uri, j.checkpoint.endpoint_url).load(s["step"])  # the step is in S3
+        assert [job for job, _ in waiting()] == [high.job_id, low.job_id]  # behind the asker
+        for _ in range(2):
+            assert c.step() is State.QUEUED  # the asker waits ahead of it: the job waits too
+        high.leave()
+        assert c.run() == State.DONE, c.error
+        assert [e["kind"] for e in c.progress.events].count("dequeued") == 1
+        resumed = [e for e in c.progress.events if e["kind"] == "restore" and e["at_step"] == s["step"]]
+        assert resumed, c.progress.events  # resumed from the step it kept
+        print(f"yield: drain stall {d.get('stall_s')} s; suspended at step {s['step']}, resumed from "
+              f"{resumed[-1].get('tier')}")
+        assert_matches_reference(j, c.progress.losses, steps=steps)
+    finally:
+        high.leave()
+        low.leave()

@@ -8,6 +8,10 @@ one that came later. An entry whose Ray job is dead (a driver killed before its 
 dropped by whoever reads it next, as the autoscaler demand's entries are (cluster/job_entries.py).
 
 A job that can train on what is free does not look at the queue: the queue orders only jobs that cannot.
+Priorities (`runtime.priority`): waiting jobs go by priority first, then first come. A running job keeps its
+entry (no `since`), so its priority is seen: the first job in line asks running jobs of lower priority for their
+GPUs on some nodes with a request under the running job's id (namespace `hetspot-yield`), which that job reads
+at its next step boundary.
 """
 
 from __future__ import annotations
@@ -15,42 +19,80 @@ from __future__ import annotations
 import json
 import time
 
+from orchestrator.control.protocols import YieldRequest
+
 NAMESPACE = "hetspot-queue"
+ASKS = "hetspot-yield"  # a waiting job's request to a running job of lower priority, under the running job's id
+
+
+def entries() -> dict[str, dict]:
+    """job id -> its entry (`since`: when it first waited, None once it runs; `priority`) of every live job."""
+    from orchestrator.cluster.job_entries import live_entries
+
+    return live_entries(NAMESPACE, "place in the queue")
 
 
 def waiting() -> list[tuple[str, float]]:
-    """(job id, UNIX time it entered) of every job waiting on the connected cluster, first first; the entries of
-    jobs whose Ray job is dead are deleted."""
-    from orchestrator.cluster.job_entries import live_entries
-
-    line = [(job, float(e["since"])) for job, e in live_entries(NAMESPACE, "place in the queue").items()]
-    return sorted(line, key=lambda e: (e[1], e[0]))
+    """(job id, UNIX time it entered) of every job waiting on the connected cluster, in the order they go: higher
+    priority first, then first come; the entries of jobs whose Ray job is dead are deleted."""
+    line = [(job, float(e["since"]), int(e.get("priority", 0))) for job, e in entries().items()
+            if e.get("since") is not None]
+    return [(job, since) for job, since, _ in sorted(line, key=lambda e: (-e[2], e[1], e[0]))]
 
 
 class RayJobQueue:
     """One job's place in its cluster's queue (control/protocols.JobQueue)."""
 
-    def __init__(self, job_id: str):
-        self.job_id = job_id
+    def __init__(self, job_id: str, priority: int = 0):
+        self.job_id, self.priority = job_id, priority
         self.since: float | None = None
+        self._entered = False
 
-    def enter(self) -> None:
+    def _put(self) -> None:
         import ray
         from ray.experimental.internal_kv import _internal_kv_put
 
+        entry = {"since": self.since, "priority": self.priority, "ray_job": ray.get_runtime_context().get_job_id()}
+        _internal_kv_put(self.job_id, json.dumps(entry), namespace=NAMESPACE)
+        self._entered = True
+
+    def enter(self) -> None:
         if self.since is None:
             self.since = time.time()
-        entry = {"since": self.since, "ray_job": ray.get_runtime_context().get_job_id()}
-        _internal_kv_put(self.job_id, json.dumps(entry), namespace=NAMESPACE)
+        self._put()
 
     def ahead(self) -> list[str]:
         line = waiting()
         mine = next((i for i, (job, _) in enumerate(line) if job == self.job_id), len(line))
         return [job for job, _ in line[:mine]]
 
+    def hold(self) -> None:
+        self.since = None
+        self._put()
+
     def leave(self) -> None:
         from ray.experimental.internal_kv import _internal_kv_del
 
-        if self.since is not None:
+        if self._entered:
             _internal_kv_del(self.job_id, namespace=NAMESPACE)
-            self.since = None
+            _internal_kv_del(self.job_id, namespace=ASKS)
+            self.since, self._entered = None, False
+
+    def priorities(self) -> dict[str, int]:
+        return {job: int(e.get("priority", 0)) for job, e in entries().items()}
+
+    def ask(self, job: str, nodes: list[str]) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        request = {"by": self.job_id, "priority": self.priority, "nodes": sorted(nodes)}
+        _internal_kv_put(job, json.dumps(request), namespace=ASKS)
+
+    def asked(self) -> YieldRequest | None:
+        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
+
+        raw = _internal_kv_get(self.job_id, namespace=ASKS)
+        if raw is None:
+            return None
+        _internal_kv_del(self.job_id, namespace=ASKS)
+        r = json.loads(raw)
+        return YieldRequest(r["by"], int(r["priority"]), list(r["nodes"]))

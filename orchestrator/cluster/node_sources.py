@@ -26,7 +26,11 @@ class DeclaredNodes:
 
     def discover(self) -> ClusterSpec:
         alive = {n.name for n in RayInventory().discover()}
-        return self.declared.model_copy(update={"nodes": [n for n in self.declared.nodes if n.name in alive]})
+        self._found = self.declared.model_copy(update={"nodes": [n for n in self.declared.nodes if n.name in alive]})
+        return self._found
+
+    def whole(self) -> ClusterSpec:  # one job: what it discovered is all there is
+        return getattr(self, "_found", self.declared)
 
 
 class LiveNodes:
@@ -42,7 +46,9 @@ class LiveNodes:
         from orchestrator.cluster.holders import ray_free_for_job
         from orchestrator.cluster.profiling import profile_cluster
 
-        nodes, self.held = ray_free_for_job(RayInventory().discover(), self.job)
+        everything = RayInventory().discover()
+        nodes, self.held = ray_free_for_job(everything, self.job)
+        self._everything = everything
         if not nodes:  # every GPU is another's: the controller says whose
             return ClusterSpec.model_construct(nodes=[], calibration={})
         # the profiling pass pins one GPU of a node of each type: a free one (a node left here has one free)
@@ -53,3 +59,11 @@ class LiveNodes:
             self.notes |= notes
             self.host_adamw |= rates
         return to_cluster_spec(nodes, self.calibration, self.host_adamw)
+
+    def whole(self) -> ClusterSpec:
+        """Every GPU node seen at the last discovery with all its GPUs, whoever holds them (a waiting job weighs
+        what lower-priority jobs could give back), calibrated as far as profiling got."""
+        everything = getattr(self, "_everything", [])
+        if not everything:
+            return ClusterSpec.model_construct(nodes=[], calibration={})
+        return to_cluster_spec(everything, self.calibration, self.host_adamw)

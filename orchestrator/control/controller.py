@@ -7,9 +7,11 @@ States (one job):
        |                     RECOVERING <-----+  DRAINING: snapshot now, drop the node
        +--------------------------------------------+
   QUEUED: no plan trains on the GPUs free to the job while other jobs hold GPUs of the cluster: the job waits in
-  its cluster's queue (`JobQueue`, first come first served), looks again every QUEUE_POLL_S and goes on to
-  planning when it is first in line and a plan fits; past `queue_timeout_s` it fails with exit code 2 naming the
-  holders. Without a queue it fails at once.
+  its cluster's queue (`JobQueue`, by priority, then first come first served), looks again every QUEUE_POLL_S and
+  goes on to planning when it is first in line and a plan fits; past `queue_timeout_s` it fails with exit code 2
+  naming the holders. Without a queue it fails at once. The first in line asks running jobs of lower priority
+  for GPUs (`_ask`); an asked job gives nodes back at a step boundary through DRAINING, or, where what it keeps
+  trains no plan, suspends (its committed step kept off the GPUs: StatePlane.suspend) and goes to QUEUED.
   WAITING (jobs with a `fleet:`): the fleet's demand stands on Ray's autoscaler (orchestrator/cluster/capacity.py)
   until every type's minimum is up; past `fleet.wait_s` the job fails with exit code 2 naming the missing types.
   The demand stands while the job runs (a preempted node is replaced; a scale check moves onto it) and is
@@ -43,6 +45,7 @@ from orchestrator.control.protocols import (
     JobQueue,
     NodeSource,
     NoInterruptions,
+    Notice,
     StatePlane,
     SystemClock,
     WorkerGroup,
@@ -75,6 +78,7 @@ class State(enum.Enum):
 
 RECOVERY = (State.RECOVERING, State.DISCOVERING, State.PLANNING, State.LAUNCHING)  # a failure to the restore
 QUEUE_POLL_S = 2.0  # a queued job looks at the cluster's free GPUs and its place in line this often
+YIELD_S = 120.0  # a job asked for GPUs by a higher-priority one gives them back through a drain with this deadline
 
 
 @dataclass
@@ -126,6 +130,9 @@ class Controller:
         self._queued_at: float | None = None  # when the job entered the queue (None: not queued)
         self._queued_why = ""  # what the queued job waits for, for its phase and its timeout's message
         self._queued_on: tuple = ()  # the free GPUs no plan fitted on (planning again waits for a change)
+        self._asked_on: dict | None = None  # the holders a queued job last asked lower-priority jobs about
+        self._yielded: set[str] = set()  # nodes given back to a higher-priority job: doomed until the drain is done
+        self._suspend_for: tuple | None = None  # (request, nodes, why): give every GPU back at this step boundary
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
         self._failure: tuple | None = None  # (the WorkerFailure being recovered from, when it was detected)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
@@ -312,9 +319,13 @@ class Controller:
             self._withdraw()
             self._end_drain("the job ended before the switch")
             self.store.release()
+            if self.queue is not None:
+                self.queue.leave()
             self._phase("done")
             return State.DONE
-        drain = self._heed(self.interruptions.poll())  # None: no notice for the plan's nodes
+        drain = self._heed(self.interruptions.poll() + self._asked())  # None: no notice for the plan's nodes
+        if self._suspend_for is not None:
+            return self._suspend()
         if drain or (drain is None and self._staged is not None and self._switch_now()):
             return State.DRAINING
         try:
@@ -326,6 +337,9 @@ class Controller:
             self.progress.step_time_s[s] = self.clock.now() - t0
             self.progress.committed, self.progress.losses[s] = s, loss
             self._commits += 1
+            if self._yielded and self._draining is None and self._staged is None:  # given back: the nodes may
+                self.doomed -= self._yielded  # come back to the job once the job that asked ends
+                self._yielded = set()
             self.progress.samples[s] = list(getattr(self.group, "last_samples", []))
             self._mark("first_step_s")
             if self.store.after_step(self.workers, s, self.doomed):
@@ -649,28 +663,125 @@ class Controller:
                 self._remember(self.cluster)
                 return State.PLANNING
             held = self.nodes.held
+            self._ask(found, held)
         self._phase(f"queued ({len(ahead) + 1} in line{', after ' + ', '.join(ahead) if ahead else ''}): waiting "
                     f"for {self._queued_why}; held by {_holders(held) or 'other jobs'}")  # (a new phase line only
         # when the line or the holders change)
         self.sleep(QUEUE_POLL_S)
         return State.QUEUED
 
+    def _ask(self, free: ClusterSpec, held: dict[str, dict[str, int]]) -> None:
+        """The first job in line asks running jobs of lower priority for GPUs (once for each set of holders): the
+        fewest nodes' worth, lowest priority first and then the most GPUs, that together with what is free make a
+        plan fit. Each asked job gives them back at its next step boundary (`_asked`)."""
+        line = self._line()
+        if held == self._asked_on:
+            return
+        self._asked_on = held
+        prio = line.priorities()
+        lower = sorted((prio[job], -n, node, job) for node, by in held.items() for job, n in by.items()
+                       if job in prio and prio[job] < line.priority and node not in self.doomed)
+        if not lower:
+            return
+        whole = self.nodes.whole()
+        specs = {n.name: n for n in whole.nodes}
+        gpus = {n.name: n.num_gpus for n in free.without_nodes(self.doomed).nodes}
+        asks: dict[str, list[str]] = {}
+        for _, minus, node, job in lower:
+            if node not in specs:
+                continue
+            gpus[node] = gpus.get(node, 0) - minus
+            asks.setdefault(job, []).append(node)
+            grown = whole.model_copy(update={"nodes": [
+                specs[n].model_copy(update={"num_gpus": min(k, specs[n].num_gpus)})
+                for n, k in sorted(gpus.items()) if k > 0 and n in specs]})
+            try:
+                self.planner.plan(grown)
+                break
+            except PlanningError:
+                continue
+        else:
+            log.info("no GPUs of lower-priority jobs make a plan fit: waiting")
+            return
+        for job, nodes in sorted(asks.items()):
+            line.ask(job, nodes)
+        self._event("asked", f"priority {line.priority}: asked " + "; ".join(
+            f"{job} for its GPUs on {', '.join(nodes)}" for job, nodes in sorted(asks.items())), asked=asks)
+
+    def _asked(self) -> list[Notice]:
+        """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary).
+        When a plan trains on what is left, they go back through the drain path, as under a spot notice with
+        YIELD_S to go (no step lost; survivors stay in place); else the job suspends (`_suspend`). A request
+        from a job whose priority is not higher is declined."""
+        if self.queue is None:
+            return []
+        req = self.queue.asked()
+        if req is None:
+            return []
+        nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed)
+        if req.priority <= self.queue.priority or not nodes:
+            why = f"its priority is not above this job's ({self.queue.priority})" if nodes else \
+                "none of them are the plan's"
+            self._event("yield-declined", f"{req.by} (priority {req.priority}) asked for the GPUs on "
+                        f"{', '.join(req.nodes)}: {why}", by=req.by, nodes=req.nodes)
+            return []
+        rest = self.running_cluster.without_nodes(self.doomed | set(nodes))
+        try:
+            if not rest.nodes:
+                raise PlanningError("no GPU would be left")
+            self.planner.plan(rest)
+        except PlanningError as e:
+            self._suspend_for = (req, nodes, str(e))
+            return []
+        self._yielded |= set(nodes)
+        self._event("yield", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)}: giving "
+                    "them back at a step boundary, training on the rest", by=req.by, nodes=nodes)
+        now = self.clock.now()
+        return [Notice(n, now + YIELD_S, f"yield to {req.by}") for n in nodes]
+
+    def _suspend(self) -> State:
+        """Asked for GPUs without which no plan trains: the committed step is kept where no GPU is needed (S3 where
+        the run has a bucket), every worker goes, and the job waits in the queue to resume from that step."""
+        req, nodes, why = _present(self._suspend_for, "suspension is asked for", self.state)
+        self._suspend_for = None
+        step = self.progress.committed
+        self._phase(f"suspending: {req.by} (priority {req.priority}) takes the GPUs on {', '.join(nodes)}")
+        try:
+            where = self.store.suspend(self.workers, step) if step >= 0 else "nothing to keep"
+        except WorkerFailure as e:  # a worker went while its state was kept: recovery, as after any loss
+            return self._decide(e)
+        except CheckpointError as e:  # nowhere to keep the step: training on is better than losing it
+            self._event("suspend-declined", f"could not keep step {step} to give the GPUs back: {e}", by=req.by)
+            return State.TRAINING
+        self.workers.shutdown()
+        self.group = None
+        self._end_drain("the job was suspended")
+        self._event("suspend", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)} and "
+                    f"what would be left trains no plan ({why}): step {step} kept in {where}; waiting to resume",
+                    by=req.by, nodes=nodes, step=step, kept=where)
+        state = self._enqueue(f"GPUs to resume on ({req.by} took them)")
+        self._queued_on = ()  # any GPUs free to it once it is first in line: plan again
+        return state
+
     def _line(self) -> JobQueue:
         return _present(self.queue, "queue", self.state)
 
     def _dequeue(self) -> None:
-        """The job's workers hold the GPUs of its plan: it leaves the queue (its event says how long it waited).
-        It keeps its place from planning until then, so that no running job grows into the GPUs it planned on."""
+        """The job's workers hold the GPUs of its plan: it leaves the queue (its event says how long it waited), its
+        priority still shown to the jobs that wait. It keeps its place from planning until then, so that no running
+        job grows into the GPUs it planned on."""
+        if self.queue is None:
+            return
+        self.queue.hold()
         if self._queued_at is None:
             return
-        self._line().leave()
         self._event("dequeued", f"started on {len(self.running_plan.devices())} GPUs after "
                     f"{self.clock.now() - self._queued_at:.1f} s in the queue")
         self._queued_at = None
 
     def _fail(self, reason: str, exit_code: int = 1) -> State:
-        if self._queued_at is not None:
-            self._line().leave()
+        if self.queue is not None:
+            self.queue.leave()
             self._queued_at = None
         self._close_interruptions()
         self._withdraw()

@@ -5,7 +5,7 @@ Unit tests and examples step the controller with them: no Ray, no clock waits.
 
 from __future__ import annotations
 
-from orchestrator.control.protocols import Notice
+from orchestrator.control.protocols import Notice, YieldRequest
 from orchestrator.errors import WorkerFailure
 from planner import ClusterSpec
 
@@ -24,23 +24,48 @@ class FakeNodes:
         self.calls += 1
         return c
 
+    def whole(self) -> ClusterSpec:  # one job: every GPU discovered is free to it
+        return self.clusters[min(max(self.calls - 1, 0), len(self.clusters) - 1)]
+
 
 class MemoryQueue:
-    """One job's place in a queue shared (the `line` list) by the fakes of several jobs in one process."""
+    """One job's place in a queue shared by the fakes of several jobs in one process: `line`, the waiting jobs in
+    the order they came; `board`, every job's priority ("priority") and the requests to give GPUs back ("asks")."""
 
-    def __init__(self, job: str, line: list[str]):
-        self.job, self.line = job, line
+    def __init__(self, job: str, line: list[str], priority: int = 0, board: dict | None = None):
+        self.job, self.line, self.priority = job, line, priority
+        self.board = board if board is not None else {}
+        self.board.setdefault("priority", {})
+        self.board.setdefault("asks", {})
 
     def enter(self) -> None:
+        self.board["priority"][self.job] = self.priority
         if self.job not in self.line:
             self.line.append(self.job)
 
     def ahead(self) -> list[str]:
-        return self.line[:self.line.index(self.job)] if self.job in self.line else list(self.line)
+        prio = self.board["priority"]
+        order = sorted(self.line, key=lambda j: (-prio.get(j, 0), self.line.index(j)))
+        return order[:order.index(self.job)] if self.job in order else order
 
-    def leave(self) -> None:
+    def hold(self) -> None:
+        self.board["priority"][self.job] = self.priority
         if self.job in self.line:
             self.line.remove(self.job)
+
+    def leave(self) -> None:
+        self.board["priority"].pop(self.job, None)
+        if self.job in self.line:
+            self.line.remove(self.job)
+
+    def priorities(self) -> dict[str, int]:
+        return dict(self.board["priority"])
+
+    def ask(self, job: str, nodes: list[str]) -> None:
+        self.board["asks"][job] = YieldRequest(self.job, self.priority, sorted(nodes))
+
+    def asked(self) -> YieldRequest | None:
+        return self.board["asks"].pop(self.job, None)
 
 
 class FakeWorkerGroup:

@@ -7,8 +7,8 @@
   The calls TieredState makes of a worker group and of the keepers are state/protocols.py's (`StateGroup`,
   `StateCalls`), typed with the records of workers/transfer.py.
 - `InterruptionSource`: spot notices and drains announced ahead of a node's loss.
-- `JobQueue`: the jobs of one cluster waiting for GPUs that others hold, first come first served (Ray:
-  cluster/job_queue.RayJobQueue).
+- `JobQueue`: the jobs of one cluster waiting for GPUs that others hold, by priority and then first come first
+  served, and the requests of waiting jobs to running ones of lower priority (Ray: cluster/job_queue.RayJobQueue).
 - `Clock`: time, so tests step through deadlines without sleeping.
 Pure: no Ray, no boto3, no torch.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from planner import ClusterSpec
 
@@ -27,6 +27,7 @@ class NodeSource(Protocol):
     held: dict[str, dict[str, int]]  # after discover: node -> {holder (another job): GPUs not free to this job}
 
     def discover(self) -> ClusterSpec: ...  # the GPUs free to this job (no node at all where none is)
+    def whole(self) -> ClusterSpec: ...  # after discover: every node with all its GPUs, whoever holds them
 
 
 class WorkerGroup(Protocol):
@@ -65,6 +66,8 @@ class StatePlane(Protocol):
     # keep committed step `step`
     def restore(self, group: WorkerGroup, avoid: set[str]) -> RestoreResult | None: ...
     # None: a fresh start; no source on the `avoid` nodes
+    def suspend(self, group: WorkerGroup, step: int) -> str: ...  # `step` kept where no GPU is needed, for a
+    # later restore (S3 where there is a bucket, waited for); says where
     def flush(self) -> None: ...  # uploads in flight complete
     def upload_lag(self, committed: int) -> dict | None: ...  # where the S3 tier stands; None: there is none
 
@@ -86,10 +89,24 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
 
+class YieldRequest(NamedTuple):
+    """A waiting job of higher priority asks a running one to give back its GPUs on some nodes."""
+
+    by: str  # the asking job
+    priority: int  # its priority
+    nodes: list[str]  # the nodes whose GPUs it asks this job for
+
+
 class JobQueue(Protocol):
+    priority: int  # this job's (runtime.priority)
+
     def enter(self) -> None: ...  # this job waits (again: its place is kept, its entry shown alive)
-    def ahead(self) -> list[str]: ...  # the waiting jobs that entered before this one, first first
-    def leave(self) -> None: ...  # this job waits no more (it planned, or it ended)
+    def ahead(self) -> list[str]: ...  # the waiting jobs before this one: higher priority first, then first come
+    def hold(self) -> None: ...  # this job's workers hold GPUs: it waits no more, its priority stays shown
+    def leave(self) -> None: ...  # this job ended: no entry left
+    def priorities(self) -> dict[str, int]: ...  # every waiting or running job's priority
+    def ask(self, job: str, nodes: list[str]) -> None: ...  # ask `job` to give back its GPUs on `nodes`
+    def asked(self) -> YieldRequest | None: ...  # the newest request to this job, read once
 
 
 class SystemClock:

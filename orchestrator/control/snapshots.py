@@ -67,6 +67,12 @@ class MemorySnapshots:
         group.import_state(state, optimizer_steps)
         return MemoryRestore(step)
 
+    def suspend(self, group, step: int) -> str:
+        """The committed step kept in this process, whatever the group does next."""
+        if self._latest is None or self._latest[0] != step:
+            self._save(group, step)
+        return "memory"
+
     def flush(self) -> None:
         """Nothing is in flight."""
 

@@ -115,7 +115,8 @@ class ControllerActor:
         self.controller = make_controller(self.job, steps, nodes=nodes, first_plan=first, user_plan=user_plan,
                                           replan_user_plan=replan_user_plan, capacity=capacity,
                                           checkpoint_run=checkpoint_run,
-                                          queue=None if embedded else RayJobQueue(job_id))  # one job embedded
+                                          queue=None if embedded  # one job embedded
+                                          else RayJobQueue(job_id, self.job.runtime.priority))
         chooser = getattr(capacity, "rechoose", None)
         if capacity is not None and chooser is not None:  # fleet.auto: say which fleet was chosen
             self.controller._event("fleet", f"chose the fleet: {chooser.history[0]}", fleet=dict(

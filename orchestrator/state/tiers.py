@@ -185,7 +185,22 @@ class TieredState:
         """Every keeper started for a drain runs (never blocks)."""
         return self.keeper_set.all_started()
 
-    def snapshot(self, group, step: int, avoid: Set[str] = frozenset(), wait: bool = False) -> None:
+    def suspend(self, group, step: int) -> str:
+        """Before the job gives every GPU back (a higher-priority job takes them): committed step `step` copied to
+        the keepers (they run on no GPU) and, where the run has a bucket, uploaded to S3 and waited for. The
+        resume reads the peer copies first where they remain, else S3. Says where the step is kept."""
+        self.snapshot(group, step, wait=True, upload=self.s3 is not None)
+        if self.uploader is None:
+            return "the peer tier (no S3 bucket)"
+        self.flush()
+        lag = self.upload_lag(step) or {}
+        if lag.get("newest_step") != step:
+            log.warning("suspending: step %d is not in S3 (%s); the peer copies hold it", step, lag)
+            return "the peer tier (its upload did not complete)"
+        return "S3 and the peer tier"
+
+    def snapshot(self, group, step: int, avoid: Set[str] = frozenset(), wait: bool = False,
+                 upload: bool | None = None) -> None:
         try:
             keepers = self._targets(group, frozenset(avoid))
         except self.calls.lost as e:  # a keeper's node went while
@@ -197,7 +212,8 @@ class TieredState:
         if keepers is None:
             log.warning("no node outside %s to keep a snapshot of step %d on", sorted(avoid), step)
             return
-        upload = self.s3 is not None and (step + 1) % self.s3_every == 0
+        if upload is None:  # the S3 tier's cadence
+            upload = self.s3 is not None and (step + 1) % self.s3_every == 0
         refs = group.snapshot(step, keepers, pin=upload)
         self._check_receipts(step, refs)
         if wait:
