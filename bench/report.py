@@ -72,6 +72,7 @@ BLOCKS = [
     Block("control-plane", "python bench/control_plane.py --sizes 1024 4096 --trials 3"),
     Block("simulate-goodput", "python bench/simulate.py"),
     Block("simulate-sensitivity", "python bench/simulate.py --sensitivity"),
+    Block("simulate-jobs", "python bench/simulate.py --jobs"),
     Block("data-s3", "python bench/data_s3.py --trials 3 --steps 8"),
     Block("data-prepare", "python bench/data_prepare.py --repeats 3"),
     Block("status", "python bench/status.py --repeats 3"),

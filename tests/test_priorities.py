@@ -100,6 +100,19 @@ def run_until(jobs, done, limit=2000):
     raise AssertionError([(c.state, c.progress.phase, c.error) for c in jobs])
 
 
+def pair(first: tuple, second: tuple, head_start: int, *nodes: NodeSpec):
+    """Two jobs, each (name, priority, steps), on one fleet (one 2-GPU L4 node unless `nodes`): the first trains
+    `head_start` steps alone, then both step in turn until the second is done. Each job with its log."""
+    fleet = Fleet(*(nodes or (NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2),)))
+    board: dict = {}
+    line: list = []
+    a = job(fleet, *first[:2], board, line, steps=first[2])
+    run_until([a[0]], lambda: a[0].progress.committed >= head_start)
+    b = job(fleet, *second[:2], board, line, steps=second[2])
+    run_until([a[0], b[0]], lambda: b[0].state is State.DONE)
+    return a, b
+
+
 def assert_every_step_once(c: Controller) -> None:
     assert c.state is State.DONE, c.error
     assert c.progress.losses == {s: 10.0 - s for s in range(c.steps)}, c.progress.losses
@@ -114,14 +127,9 @@ def test_a_higher_priority_job_takes_a_node_from_a_lower_one_which_trains_on_in_
     """Low trains on two nodes; high, submitted later, finds nothing free and asks low for one node; low gives it
     back at a step boundary through a drain and trains on the other; high trains on the node given. Neither job
     loses or repeats a step."""
-    fleet = Fleet(NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2), NodeSpec(name="l4-b", gpu_type="L4", num_gpus=2))
-    board: dict = {}
-    line: list = []
-    low, _ = job(fleet, "low", 0, board, line, steps=40)
-    run_until([low], lambda: low.progress.committed >= 3)
-    assert sorted(low.plan.nodes()) == ["l4-a", "l4-b"]
-    high, _ = job(fleet, "high", 5, board, line, steps=6)
-    run_until([low, high], lambda: high.state is State.DONE)
+    (low, _), (high, _) = pair(("low", 0, 40), ("high", 5, 6), 3, NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2),
+                               NodeSpec(name="l4-b", gpu_type="L4", num_gpus=2))
+    assert "queued" not in kinds(low)
     asked = [e for e in high.progress.events if e["kind"] == "asked"]
     assert asked and asked[0]["asked"] == {"low": ["l4-a"]}, high.progress.events
     assert "queued" in kinds(high) and "dequeued" in kinds(high)
@@ -130,7 +138,7 @@ def test_a_higher_priority_job_takes_a_node_from_a_lower_one_which_trains_on_in_
     assert y["by"] == "high" and y["nodes"] == ["l4-a"]
     (d,) = [e for e in low.progress.events if e["kind"] == "drain"]
     assert "yield to high" in d["cause"] and d["first_step_s"] is not None, d
-    assert set(low.plan.nodes()) == {"l4-b"} and low.progress.restarts == 0
+    assert set(low.plan.nodes()) == {"l4-b"} and low.progress.restarts == 0  # (and l4-a before: its yield)
     run_until([low], lambda: low.state is State.DONE)
     assert_every_step_once(low)
     assert_every_step_once(high)
@@ -141,13 +149,7 @@ def test_a_job_asked_for_all_it_needs_is_suspended_and_resumes_from_its_step():
     """Low trains on the one node; high asks for it. What low would keep trains no plan, so low keeps its
     committed step, gives every GPU back and waits in the queue; high trains and ends; low resumes from the step
     it kept, every step once."""
-    fleet = Fleet(NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2))
-    board: dict = {}
-    line: list = []
-    low, low_log = job(fleet, "low", 0, board, line, steps=12)
-    run_until([low], lambda: low.progress.committed >= 4)
-    high, _ = job(fleet, "high", 5, board, line, steps=5)
-    run_until([low, high], lambda: high.state is State.DONE)
+    (low, low_log), (high, _) = pair(("low", 0, 12), ("high", 5, 5), head_start=4)
     (s,) = [e for e in low.progress.events if e["kind"] == "suspend"]
     assert s["by"] == "high" and s["kept"] == "memory" and s["step"] >= 4, s
     assert low.state is State.QUEUED or low.progress.committed > s["step"]
@@ -160,13 +162,7 @@ def test_a_job_asked_for_all_it_needs_is_suspended_and_resumes_from_its_step():
 
 def test_equal_priorities_never_take_gpus_from_each_other():
     """Two jobs of one priority: the second waits in the queue until the first ends, asking nothing."""
-    fleet = Fleet(NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2))
-    board: dict = {}
-    line: list = []
-    first, _ = job(fleet, "first", 3, board, line, steps=8)
-    run_until([first], lambda: first.progress.committed >= 1)
-    second, _ = job(fleet, "second", 3, board, line, steps=4)
-    run_until([first, second], lambda: second.state is State.DONE)
+    (first, _), (second, _) = pair(("first", 3, 8), ("second", 3, 4), head_start=1)
     assert "asked" not in kinds(second) and not {"yield", "suspend"} & set(kinds(first))
     assert_every_step_once(first)
     assert_every_step_once(second)

@@ -98,10 +98,14 @@ def simulate(
     ckpt_every_min: float = typer.Option(30.0, "--ckpt-every-min", help="s3-only's checkpoint interval"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     plot: Path = typer.Option(None, "--plot", help="write a PNG: tokens/s and tokens trained over the trace"),
+    jobs: Path = typer.Option(None, "--jobs", help="a jobs file (examples/jobs/): several jobs arriving on the "
+                              "fleet, their models and work from the file; first come first served against the "
+                              "weighted-throughput share"),
 ) -> None:
     """Replay a spot trace against the planner and cost model at fleet scale (no Ray): hetspot's recovery
     against a free re-plan oracle (and one that pays joined nodes' start-up), S3-only checkpoint-restart and a
-    symmetric plan."""
+    symmetric plan. With --jobs: several jobs on one fleet, first come first served against the fleet's share
+    chosen for weighted throughput."""
     from orchestrator.drills.fleet import Assumptions, FleetSim
     from orchestrator.drills.report import _pyplot, simulate_plot, simulate_tables
     from orchestrator.drills.trace import load_fleet, load_trace
@@ -124,12 +128,22 @@ def simulate(
     for name, v in (("detect_s", detect_s), ("startup_s", startup_s), ("reform_s", reform_s)):
         if v is not None:
             setattr(a, name, v)
-    spec = ModelSpec.preset(model)
-    result = FleetSim(tr, fleet, spec, TrainSpec(global_batch=global_batch), a).run()
     by_type: dict[str, int] = {}
     for n in fleet.nodes:
         by_type[n.gpu_type] = by_type.get(n.gpu_type, 0) + n.num_gpus
-    result |= {"trace": str(trace), "model": spec.name, "global_batch": global_batch,
-               "fleet": {"file": str(cluster), "gpus": fleet.num_gpus, "nodes": len(fleet.nodes),
-                         "mix": ", ".join(f"{c}x {g}" for g, c in by_type.items())}}
+    fleet_info = {"file": str(cluster), "gpus": fleet.num_gpus, "nodes": len(fleet.nodes),
+                  "mix": ", ".join(f"{c}x {g}" for g, c in by_type.items())}
+    if jobs is not None:
+        from orchestrator.drills.jobs_sim import JobsSim, load_jobs
+        from orchestrator.drills.report import jobs_tables
+
+        if plot is not None:
+            raise ConfigError("--plot: not drawn with --jobs; leave it out")
+        out = JobsSim(tr, fleet, load_jobs(jobs), a).run() | {"trace": str(trace), "jobs_file": str(jobs),
+                                                               "fleet": fleet_info}
+        _emit(out, as_json, None, jobs_tables, None)
+        return
+    spec = ModelSpec.preset(model)
+    result = FleetSim(tr, fleet, spec, TrainSpec(global_batch=global_batch), a).run()
+    result |= {"trace": str(trace), "model": spec.name, "global_batch": global_batch, "fleet": fleet_info}
     _emit(result, as_json, plot, simulate_tables, simulate_plot)

@@ -172,6 +172,37 @@ def simulate_tables(r: dict, console: Console) -> None:
     console.print(f"simulated in {r['sim_s']:.1f} s")
 
 
+def jobs_tables(r: dict, console: Console) -> None:
+    console.print(f"[bold]simulate --jobs[/] {r['jobs_file']}: {len(r['policies']['fcfs']['jobs'])} jobs on "
+                  f"{r['fleet']['gpus']} GPUs ({r['fleet']['mix']}), trace {r['trace']}: {r['events']} events over "
+                  f"{r['hours']:.2f} h")
+    t = Table(title="The fleet's share: first come first served against the weighted-throughput share")
+    for col in ("policy", "weighted goodput", "vs fcfs", "goodput", "finished", "weighted JCT min", "moves"):
+        t.add_column(col, overflow="fold", no_wrap=col == "policy")
+    base = r["policies"]["fcfs"]["weighted_goodput"] or 1.0
+    for name, p in r["policies"].items():
+        jct = "-" if p["weighted_jct_min"] is None else num(p["weighted_jct_min"], ".1f")
+        t.add_row(name, num(p["weighted_goodput"], ".3f"), num(p["weighted_goodput"] / base, ".2f") + "x",
+                  num(p["goodput"], ".3f"), str(p["finished"]), jct, str(p["moves"]))
+    console.print(t)
+    j = Table(title="Each job: share of its work done (completion, minutes waited with no GPU)")
+    j.add_column("job", no_wrap=True)
+    j.add_column("prio")
+    for name in r["policies"]:
+        j.add_column(name, overflow="fold")
+    for job, row in r["policies"]["fcfs"]["jobs"].items():
+        cells = []
+        for p in r["policies"].values():
+            x = p["jobs"][job]
+            end = f"done at {x['finished_min']:.0f} min" if x["finished_min"] is not None else f"{x['done']:.0%}"
+            cells.append(f"{end}, waited {x['waited_min']:.0f}")
+        j.add_row(job, str(row["priority"]), *cells)
+    console.print(j)
+    console.print("assumptions: " + "; ".join(f"{k} {v}" for k, v in r["assumptions"].items()) +
+                  f"; hysteresis {r['hysteresis']:.0%}", highlight=False)
+    console.print(f"simulated in {r['sim_s']:.1f} s ({r['plans']} plans)")
+
+
 def simulate_plot(r: dict, path: str | Path) -> None:
     plt = _pyplot()
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
