@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.drills.recovery_model import Assumptions
-from orchestrator.drills.trace import Trace, fleet_slots
+from orchestrator.drills.trace import Trace, fleet_slots, read_yaml
 from orchestrator.errors import ConfigError
 from planner import ClusterSpec, PlanningError, evaluate
 from planner.search import Planner
@@ -62,16 +62,7 @@ class SimJob:
 def load_jobs(path: str | Path) -> list[SimJob]:
     """A jobs file: `jobs:` a list of {name, arrive_min, model (a preset), global_batch, tokens (billions),
     priority}; each field's error names it (ConfigError: exit 2)."""
-    import yaml
-
-    p = Path(path)
-    if p.is_dir() or not p.is_file():
-        raise ConfigError(f"jobs file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; see "
-                          "examples/jobs/")
-    try:
-        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-        raise ConfigError(f"{p}: not a readable YAML jobs file ({type(e).__name__}); see examples/jobs/") from None
+    p, data = read_yaml(path, "jobs file", "examples/jobs/")
     if not isinstance(data, dict) or not isinstance(data.get("jobs"), list) or not data["jobs"]:
         raise ConfigError(f"{p}: field 'jobs': a list of jobs such as {{name: a, arrive_min: 0, model: 7b, "
                           "global_batch: 256, tokens: 2.0, priority: 0}}")

@@ -220,24 +220,29 @@ def trace_scenario(trace: Trace, k: int = 6, time_scale: float = 20.0, job: dict
     return Scenario(name=f"trace {Path(trace.source).name}", job=j, faults=faults), events
 
 
+def read_yaml(path, what: str, see: str):
+    """(the path, its YAML) for a file the user named; a missing, unreadable or non-YAML file is a ConfigError
+    naming it and `see` (exit 2)."""
+    import yaml
+
+    p = Path(path)
+    if p.is_dir() or not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; see {see}")
+    try:
+        return p, yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+        raise ConfigError(f"{p}: not a readable YAML {what} ({type(e).__name__}); see {see}") from None
+
+
 def load_fleet(path) -> ClusterSpec:
     """A fleet file: `nodes:` as in a job's cluster, or `fleet:` groups of identical nodes
     ({gpu_type, nodes: count, num_gpus, inter_node_bw_gb_s, market, price_per_hour}) named <type>-<i>."""
-    from pathlib import Path
 
-    import yaml
     from pydantic import ValidationError
 
     from orchestrator.job_spec import format_validation
 
-    p = Path(path)
-    if p.is_dir() or not p.is_file():
-        raise ConfigError(f"fleet file {str(p)!r} {'is a directory' if p.is_dir() else 'does not exist'}; see "
-                          "examples/fleets/")
-    try:
-        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-        raise ConfigError(f"{p}: not a readable YAML fleet file ({type(e).__name__}); see examples/fleets/") from None
+    p, data = read_yaml(path, "fleet file", "examples/fleets/")
     if not isinstance(data, dict) or not ({"nodes", "fleet"} & set(data)):
         raise ConfigError(f"{p}: a fleet file has nodes: (a job's cluster) or fleet: (groups with a count)")
     if "fleet" in data:
