@@ -35,7 +35,7 @@ JOB = """
 name: head-test
 model: {preset: tiny}
 train: {global_batch: 8, lr: 0.003, precision: fp32}
-runtime: {log_every: 1}
+runtime: {log_every: 1, dtype: float64}
 steps: 4
 """
 
@@ -309,10 +309,12 @@ def test_cli_against_a_real_head(head, tmp_path):
     assert "could not place" not in queued_logs and "GetTimeoutError" not in queued_logs  # no placement wait
     print(f"queued {took_queued:.1f} s after its submission; left the queue {took_start:.1f} s after the "
           "holder stopped")
-    r = cli(head, "stop", beside_id, "--address", head.url, *auth, home=user_home)
-    st = wait_status(head, beside_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180, home=user_home)
-    assert st["status"] == "STOPPED"
-    outputs += [r.stdout, json.dumps(st)]
+    outputs += priorities(head, job_file, tmp_path, user_home, token_file, beside_id)
+    if wait_status(head, beside_id, ("RUNNING", "STOPPED"), *auth, home=user_home)["status"] == "RUNNING":
+        r = cli(head, "stop", beside_id, "--address", head.url, *auth, home=user_home)
+        st = wait_status(head, beside_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180, home=user_home)
+        assert st["status"] == "STOPPED"
+        outputs += [r.stdout, json.dumps(st)]
     for out in outputs:  # the token never shows in --json output, status or logs
         assert head.token not in out
     pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format", "json"],
@@ -323,6 +325,73 @@ def test_cli_against_a_real_head(head, tmp_path):
         pgs = subprocess.run([RAY, "list", "placement-groups", "--address", f"127.0.0.1:{head.gcs}", "--format",
                               "json"], env=head.env, capture_output=True, text=True, timeout=60)
     assert pgs.returncode == 0 and '"CREATED"' not in pgs.stdout, pgs.stdout
+
+
+def priorities(head: RealHead, job_file: Path, tmp_path: Path, user_home: Path, token_file: Path,
+               beside_id: str) -> list[str]:
+    """With the second long job running (`beside_id`): another long job of priority 0 takes the GPUs left free; a
+    short job of priority 5 finds nothing free, waits first in line and asks a job of priority 0 holding the most
+    GPUs on one node for that node. What that job would keep trains no plan (each runs on one node), so it is
+    suspended (its committed step kept), gives its GPUs back and waits in the queue; the short job trains and
+    ends; the suspended job resumes from its step. Both jobs' losses match their one-device runs, every step
+    once. Every long job is stopped but `beside_id` when it was not the one asked. The status texts, for the
+    token check."""
+    from orchestrator.job_spec import load_job
+    from orchestrator.runtime.progress_lines import PROGRESS
+    from tests.oracle import one_device_run
+
+    auth = ["--token-file", str(token_file)]
+    r = cli(head, "submit", str(job_file), "--address", head.url, "--steps", "100000", "--json", *auth,
+            home=user_home)
+    low_id = json.loads(r.stdout)["job_id"]
+    wait_progress(head, low_id, lambda p: p["step"] >= 1, token_file=str(token_file))
+    urgent = tmp_path / "urgent.yaml"
+    urgent.write_text(JOB.replace("runtime: {log_every: 1,", "runtime: {log_every: 1, priority: 5,"))
+    r = cli(head, "submit", str(urgent), "--address", head.url, "--json", *auth, home=user_home)
+    assert r.returncode == 0, r.stderr
+    high_id = json.loads(r.stdout)["job_id"]
+    high = wait_status(head, high_id, ("SUCCEEDED", "FAILED"), *auth, home=user_home)
+    assert high["status"] == "SUCCEEDED", high
+    kinds = [e["kind"] for e in high["events"]]
+    assert kinds.index("queued") < kinds.index("asked") < kinds.index("dequeued"), kinds
+    # the lowest-priority job with the most GPUs on one node: either long job (the one on the T4s may have grown
+    # onto the A100s when the queued job ended, and the new one then planned on the T4s)
+    ((asked_id, nodes),) = next(e for e in high["events"] if e["kind"] == "asked")["asked"].items()
+    assert asked_id in (low_id, beside_id) and len(nodes) == 1, high["events"]
+    from orchestrator.runtime.ray_jobs import RayJobs
+
+    jobs, deadline = RayJobs(head.url, str(token_file)), time.monotonic() + 120
+    while not any(e["kind"] == "dequeued" for e in jobs.status(asked_id)["events"]):  # resumed
+        if time.monotonic() > deadline:
+            st = jobs.status(asked_id)
+            raise AssertionError(f"{asked_id} did not resume: {st['status']} {st['phase']} {st['events']}")
+        time.sleep(0.5)
+    st = jobs.status(asked_id)
+    (s,) = [e for e in st["events"] if e["kind"] == "suspend"]
+    assert s["by"] == high_id and s["nodes"] == nodes and s["kept"].startswith("the peer tier"), s
+    wait_progress(head, asked_id, lambda p: p["step"] >= s["step"] + 3, token_file=str(token_file))
+    assert cli(head, "stop", asked_id, "--address", head.url, *auth, home=user_home).returncode == 0
+    low = wait_status(head, asked_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180, home=user_home)
+    restored = [e for e in low["events"] if e["kind"] == "restore"]
+    assert restored and restored[-1]["step"] == s["step"], low["events"]  # resumed from the step it kept
+    if asked_id != low_id:
+        assert cli(head, "stop", low_id, "--address", head.url, *auth, home=user_home).returncode == 0
+        assert wait_status(head, low_id, ("STOPPED", "FAILED", "SUCCEEDED"), *auth, timeout=180,
+                           home=user_home)["status"] == "STOPPED"
+    out = [json.dumps(high), json.dumps(low)]
+    for job_id, spec in ((high_id, urgent), (asked_id, job_file)):
+        logs = cli(head, "logs", job_id, "--address", head.url, *auth, home=user_home).stdout
+        rows = [json.JSONDecoder().raw_decode(line.split(PROGRESS, 1)[1])[0]  # (a line may run on: Ray's log
+                for line in logs.splitlines() if PROGRESS in line]  # monitor joins lines written at once)
+        losses = {row["step"]: row["loss"] for row in rows}
+        assert [row["step"] for row in rows] == list(range(len(rows))) and len(rows) >= 4, (job_id, rows[-3:])
+        ref, _ = one_device_run(load_job(spec), len(losses))
+        for step, want in enumerate(ref):
+            assert abs(losses[step] - want) <= 1e-6 * abs(want), (job_id, step, losses[step], want)
+        out.append(logs)
+    print(f"priorities: {asked_id} suspended at step {s['step']} for {high_id}, resumed and stopped at step "
+          f"{len(rows) - 1}")
+    return out
 
 
 def wait_phase(head: RealHead, job_id: str, ready, token_file: str, timeout: float = 120) -> str:

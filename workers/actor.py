@@ -110,7 +110,7 @@ class TrainWorker:
         self.log_every = config.log_every
         self.faults = FaultInjector()
         self.state_lock = threading.Lock()
-        self.puts: dict = {}  # step -> (host clone of the shards, pin) waiting to go to the keeper
+        self.puts: dict = {}  # step -> [(host clone of the shards, pin, keeper)] waiting to go, in the order taken
         self.keeper: Any = None  # this node's KeeperStore handle
         self.puts_ready = threading.Condition()
         self.kept = Kept()  # committed state kept for the next plan (in place)
@@ -255,8 +255,11 @@ class TrainWorker:
         if self.running.committed_step != step_index:
             raise RuntimeError(f"{self.running.where}: snapshot of step {step_index}, but step "
                                f"{self.running.committed_step} is the committed one")
-        with self.puts_ready:
-            self.puts[step_index] = (state.to_numpy(state.export_shards(self.running)), pin)
+        with self.puts_ready:  # one entry per call, each to the keeper set when it was taken: a drain's copy of a
+            # step whose regular copy has not gone yet is a second entry, not the first one replaced (its receipt
+            # then found nothing to send and waited out its timeout, and the drain with it)
+            self.puts.setdefault(step_index, []).append((state.to_numpy(state.export_shards(self.running)), pin,
+                                                         self.keeper))
             self.puts_ready.notify_all()
 
     @ray.method(concurrency_group="snapshot")
@@ -265,12 +268,14 @@ class TrainWorker:
         Each wait (for the copy, for the keeper) lasts up to `timeout_s` (default runtime.timeouts.control_s)."""
         timeout_s = self.config.control_timeout_s if timeout_s is None else timeout_s
         with self.puts_ready:
-            if not self.puts_ready.wait_for(lambda: step_index in self.puts, timeout=timeout_s):
+            if not self.puts_ready.wait_for(lambda: bool(self.puts.get(step_index)), timeout=timeout_s):
                 return None
-            shards, pin = self.puts.pop(step_index)
-        if self.keeper is None:
+            shards, pin, keeper = self.puts[step_index].pop(0)  # the oldest copy of the step: receipts come in
+            if not self.puts[step_index]:  # the order their snapshots were taken
+                del self.puts[step_index]
+        if keeper is None:
             raise RuntimeError(f"{self.running.where}: a snapshot of step {step_index} but no keeper (set_keeper)")
-        receipt: Receipt = ray.get(self.keeper.put.remote(Tier.PEER, step_index, self.running.rank, shards, pin),
+        receipt: Receipt = ray.get(keeper.put.remote(Tier.PEER, step_index, self.running.rank, shards, pin),
                                    timeout=timeout_s)
         return receipt
 

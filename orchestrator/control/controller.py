@@ -243,6 +243,8 @@ class Controller:
 
     def _discover(self) -> State:
         self._phase("discovering GPUs")
+        if self.queue is not None:  # in line from now until its workers hold their GPUs, so that no running job
+            self.queue.enter()  # grows or warms workers into the free GPUs it is about to plan on
         found = self.nodes.discover()
         held = self.nodes.held
         if held != self._held:  # GPUs another job holds: named once, and again when that changes
@@ -725,7 +727,10 @@ class Controller:
             self._event("yield-declined", f"{req.by} (priority {req.priority}) asked for the GPUs on "
                         f"{', '.join(req.nodes)}: {why}", by=req.by, nodes=req.nodes)
             return []
-        rest = self.running_cluster.without_nodes(self.doomed | set(nodes))
+        keep = set(self.running_plan.nodes()) - self.doomed - set(nodes)  # what it holds, less what is asked (the
+        # nodes its plan was chosen among but does not use may be another job's by now)
+        rest = self.running_cluster.model_copy(update={"nodes": [n for n in self.running_cluster.nodes
+                                                                 if n.name in keep]})
         try:
             if not rest.nodes:
                 raise PlanningError("no GPU would be left")
