@@ -187,15 +187,6 @@ class PipelineModel:
             v.done, v.full = cut, cut < top
         return v
 
-    def _stage_vector(self, i: int, hi: int, b: int, m: int):
-        """Stage i's cheapest choice and its per-step cost for 1..hi layers (inf past hi), and fwd + bwd time."""
-        v = self._grow(i, b, m)
-        c_val = v.val
-        if v.done > hi:  # asked for fewer layers than computed: the same vector, cut at hi
-            c_val = c_val.copy()
-            c_val[hi + 1:] = np.inf
-        return v.choices, c_val, v.t
-
     def split(self, b: int, m: int) -> tuple[StageChoice, ...] | None:
         """Best contiguous layer split for micro-batches of b, m per step (None if nothing fits)."""
         p = len(self.slots)
@@ -249,10 +240,9 @@ class PipelineModel:
         root_key = ("dp-root", b, m, len(self.slots), lo, w)
         st = cache.get(root_key)
         if st is None:
-            prim = np.full(num_layers + 2, np.inf)  # a column past the last layer: the longer range's last band
-            prim[0] = 0.0
-            st = cache[root_key] = _DPState(prim, np.zeros(num_layers + 2), None, None, None)
-        off, n_clip = _band(w)
+            prim = np.full(num_layers + num_layers + 2, np.inf)  # a column past the last layer: the longer
+            prim[num_layers] = 0.0  # range's last band; columns from num_layers on (_band_step's layout)
+            st = cache[root_key] = _DPState(prim, np.zeros(num_layers + num_layers + 2), None, None, None)
         states = []
         for i in range(depth):
             x = lo + i
@@ -260,15 +250,7 @@ class PipelineModel:
             nxt = cache.get(key)
             if nxt is None:
                 v = self._grow(x, b, m)
-                cand_p = np.maximum(st.prim[i:i + w, None], v.val[n_clip])
-                cand_s = st.sec[i:i + w, None] + v.t[n_clip]
-                best_p = np.minimum.reduce(cand_p, axis=0)
-                tie = cand_p <= best_p[None, :] * (1 + 1e-12)
-                start = np.where(tie, cand_s, np.inf).argmin(axis=0)
-                prim = np.full(num_layers + 2, np.inf)
-                prim[i + 1:i + 1 + w] = best_p
-                sec = np.zeros(num_layers + 2)
-                sec[i + 1:i + 1 + w] = cand_s[start, off]
+                prim, sec, start = _band_step(st.prim, st.sec, num_layers, i, w, v.val, v.t, min(w, v.done), False)
                 nxt = _DPState(prim, sec, start + i, v.choices, st)
                 kept = cache.get("dp-bytes", 0)
                 if kept < DP_STATE_BYTES:  # past it, states are computed as they are needed and not kept
@@ -280,14 +262,14 @@ class PipelineModel:
     def _read_dp(self, st: _DPState, b: int, m: int, lo: int, hi: int) -> tuple[tuple, tuple[StageChoice, ...]] | None:
         """Range [lo, hi)'s split from the state after its last stage: as `_dp` returns it."""
         num_layers = self.model.num_layers
-        if not np.isfinite(st.prim[num_layers]):
+        if not np.isfinite(st.prim[num_layers + num_layers]):
             return None
         empty = self._empty_stages(b, m, lo, hi)
         if empty is None:
             return None
         edges, edge_val = [e for e, _ in empty], [v for _, v in empty]
-        worst = max([float(st.prim[num_layers]), *edge_val])
-        total = float(st.sec[num_layers]) + sum(e.times.fwd_s + e.times.bwd_s for e in edges)
+        worst = max([float(st.prim[num_layers + num_layers]), *edge_val])
+        total = float(st.sec[num_layers + num_layers]) + sum(e.times.fwd_s + e.times.bwd_s for e in edges)
         out, j = [], num_layers
         for i in range(hi - lo - 1, -1, -1):
             a = int(st.back[j - i - 1])
@@ -320,40 +302,29 @@ class PipelineModel:
         # Stage i can only start at layers i..i+w-1 and end at i+1..i+w (every stage takes at least one layer),
         # so each DP step is a w x w band, w = L - p + 1: narrow for deep pipelines.
         w = num_layers - p + 1
-        off, n_clip = _band(w)
-        prim = np.full(num_layers + 1, big)
-        prim[0] = 0.0
-        sec = np.zeros(num_layers + 1)
-        backs, choices_by_stage = [], []
+        prim = np.full(num_layers + num_layers + 1, big)  # columns from num_layers on (_band_step's layout)
+        prim[num_layers] = 0.0
+        sec = np.zeros(num_layers + num_layers + 1)
+        backs: list[np.ndarray] = []
+        choices_by_stage: list[_Choices] = []
         for i in range(p):
             most = num_layers - (p - 1 - i) - i  # most layers stage i can take
             if self.homogeneous and not self.exact:
                 most = min(most, 2 * math.ceil(num_layers / p) + 1)  # a balanced split never goes past 2x
-            choices, c_val, c_t = self._stage_vector(lo + i, most, b, m)
-            # An impossible (start, end) reads layer count 0, whose cost is inf: no mask needed. Its sum of times
-            # is finite but never chosen (a tie needs a finite cost, or a column no split reaches).
-            cand_p = np.maximum(prim[i:i + w, None], c_val[n_clip])
-            cand_s = sec[i:i + w, None] + c_t[n_clip]
-            if i == p - 1:  # the last stage must end at the last layer
-                cand_p[:, :w - 1] = big
-            best_p = cand_p.min(axis=0)
-            tie = cand_p <= best_p[None, :] * (1 + 1e-12)
-            start = np.where(tie, cand_s, big).argmin(axis=0)
-            prim = np.full(num_layers + 1, big)
-            prim[i + 1:i + 1 + w] = best_p
-            sec = np.zeros(num_layers + 1)
-            sec[i + 1:i + 1 + w] = cand_s[start, off]
+            v = self._grow(lo + i, b, m)
+            prim, sec, start = _band_step(prim, sec, num_layers, i, w, v.val, v.t, min(w, most, v.done), i == p - 1)
             backs.append(start + i)
-            choices_by_stage.append(choices)
-        if not np.isfinite(prim[num_layers]):
+            assert v.choices is not None, "a grown vector has its choices"
+            choices_by_stage.append(v.choices)
+        if not np.isfinite(prim[num_layers + num_layers]):
             return None
         out, j = [], num_layers
         for i in range(p - 1, -1, -1):
             a = int(backs[i][j - i - 1])
             out.append(choices_by_stage[i][j - a])
             j = a
-        worst = max([float(prim[num_layers]), *edge_val])
-        total = float(sec[num_layers]) + sum(e.times.fwd_s + e.times.bwd_s for e in edges)
+        worst = max([float(prim[num_layers + num_layers]), *edge_val])
+        total = float(sec[num_layers + num_layers]) + sum(e.times.fwd_s + e.times.bwd_s for e in edges)
         return (worst, total), tuple(edges[:lo]) + tuple(reversed(out)) + tuple(edges[lo:])
 
     # -- time for n samples --------------------------------------------------
@@ -609,13 +580,35 @@ class PipelineModel:
 EDGE_RATIO = 0.5
 
 
-@functools.cache
-def _band(w: int) -> tuple[np.ndarray, np.ndarray]:
-    """The DP's band of width w: offsets 0..w-1, and [start i+a, end i+1+j] -> layers in the stage (0 where
-    the end is not after the start)."""
-    off = np.arange(w)
-    n_mat = off[None, :] + 1 - off[:, None]
-    return off, np.where(n_mat >= 1, n_mat, 0)
+def _band_step(prim: np.ndarray, sec: np.ndarray, pad: int, i: int, w: int, val: np.ndarray, t: np.ndarray,
+               most: int, last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step of the layer-split DP: stage i (the i-th of the range) ending at layer i+1+j for j in 0..w-1,
+    from a start i+a (a in 0..w-1) after the stages before it, taking j+1-a layers, at most `most` (past it,
+    or past where nothing fits, `val` is inf). `prim` (best max stage cost) and `sec` (its sum of times) hold
+    layer c at index pad + c, after `pad` >= most - 1 columns of inf (prim) and 0 (sec) that a window reaching
+    before layer 0 reads. Returns the arrays after the stage, in the same layout: per end the best prim, and
+    the least sec among the starts that tie on it within 1e-12 (the earliest start among equals); and per end
+    its start a. Only the `most` starts within reach of each end are looked at: a (w, most) window, not the
+    (w, w) band of every start and end, which for a stage of a few layers in a deep model is mostly out of
+    reach. An end no start reaches gets prim inf (its sec and start are read by no split). `last`: the stage
+    must end at the last layer (only j = w-1 counts)."""
+    most = max(most, 1)
+    at = (pad + i + 1 - most) * prim.itemsize
+    # Row j, column r: the start a = j + 1 - most + r, so the stage takes most - r layers (r ascending is a
+    # ascending, as the earliest-start tie rule reads them). Strided views of the rows: numpy's
+    # sliding_window_view builds the same view at 30x the cost.
+    cand_p = np.maximum(np.ndarray((w, most), prim.dtype, prim, at, (prim.itemsize, prim.itemsize)), val[most:0:-1])
+    cand_s = np.ndarray((w, most), sec.dtype, sec, at, (sec.itemsize, sec.itemsize)) + t[most:0:-1]
+    if last:
+        cand_p[:w - 1] = np.inf
+    best_p = cand_p.min(axis=1)
+    tie = cand_p <= best_p[:, None] * (1 + 1e-12)
+    r = np.where(tie, cand_s, np.inf).argmin(axis=1)
+    rows = np.arange(w)
+    new_p, new_s = np.full(len(prim), np.inf), np.zeros(len(sec))
+    new_p[pad + i + 1:pad + i + 1 + w] = best_p
+    new_s[pad + i + 1:pad + i + 1 + w] = cand_s[rows, r]
+    return new_p, new_s, np.maximum(rows + 1 - most + r, 0)
 
 
 def edge_ranges(num_stages: int, edges: bool) -> list[tuple[int, int]]:

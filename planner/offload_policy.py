@@ -84,11 +84,11 @@ def cheapest(
 
 
 def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first: bool, last: bool, b: int,
-                      inflight: int, num_layers: int) -> tuple:
+                      inflight: int, num_layers: int) -> _ByLayers:
     """`fitting_policies` without links for every stage of 1..num_layers layers at once: per mode of _MODES,
-    None where it fits no count, else (fits, recomputed layers, fwd, bwd, memory) by layer count; and the counts
-    whose fewest recomputed layers this closed form does not settle (the caller asks the scalar path); and the
-    parameters per device and the resident optimizer's time by layer count, for `cheapest_by_layers`. The
+    whether it fits and its (recomputed layers, fwd, bwd, memory) by layer count; the counts whose fewest
+    recomputed layers this closed form does not settle (the caller asks the scalar path); and the optimizer's
+    time terms by layer count, for `cheapest_by_layers` (see _ByLayers). The
     formulas are cost.stage_memory's, cost.host_bytes's and cost.stage_times's in the same order of operations,
     so each figure equals the scalar one to the bit (tests/test_cost_model.py compares them)."""
     n = np.arange(1, num_layers + 1)
@@ -118,8 +118,9 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
     host_ok = ~(p_shape * (train.optimizer_bytes_per_param + train.grad_bytes + masters) > slot.host_cap_bytes)
     p_pb, p_grad, p_opt = p_dev * pb, p_dev * train.grad_bytes, p_dev * train.optimizer_bytes_per_param
     prefetched = (np.minimum(n, 2) * layer_p + edge_p) * pb  # prefetch_depth 1
-    out, unsettled = [], np.zeros(num_layers, dtype=bool)
-    for opt, params in _MODES:
+    unsettled = np.zeros(num_layers, dtype=bool)
+    got = _ByLayers(num_layers)
+    for mi, (opt, params) in enumerate(_MODES):
         static = (prefetched if params else p_pb) + (off_grads if opt else p_grad) + (0.0 if opt else p_opt)
         mem = static + acts0
         fits = mem <= cap
@@ -145,52 +146,71 @@ def fitting_by_layers(slot: cost.Slot, model: ModelSpec, train: TrainSpec, first
         if params:
             h2d = p_shape * train.grad_bytes / slot.host_link  # cost.stage_times's: fp32 masters, cast on the device
             fwd, bwd = np.maximum(fwd, h2d), np.maximum(bwd, h2d)
-        out.append((fits, r, fwd, bwd, mem) if fits.any() else None)
-    resident = p_shape * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw  # cost.optimizer_s, kept
-    first_p = cost.embed_params_dev(model, tp) if first else layer_p  # cost.first_layer_share's numerator
-    return out, unsettled, p_shape, resident, first_p
+        if fits.any():
+            got.fits[mi], got.rec[mi], got.fwd[mi], got.bwd[mi], got.mem[mi] = fits, r, fwd, bwd, mem
+            got.modes[mi] = True
+        if opt:
+            d2h, h2d, cpu = cost.offload_lanes(slot, train, params, p_shape)
+            first_p = cost.embed_params_dev(model, tp) if first else layer_p  # cost.first_layer_share's numerator
+            got.d2h[mi - 1], got.lanes[mi - 1] = d2h, np.maximum(h2d, cpu)
+            got.tail[mi - 1] = (d2h + cpu + h2d) * (first_p / p_shape)  # cost.first_layer_share
+    got.unsettled = unsettled
+    got.resident = p_shape * 2 * (2 * pb + train.optimizer_bytes_per_param) / slot.mem_bw  # cost.optimizer_s, kept
+    return got
 
 
-def cheapest_by_layers(fitting: tuple, slot: cost.Slot, model: ModelSpec, train: TrainSpec,
+class _ByLayers:
+    """`fitting_by_layers`'s result, as (modes, counts) arrays for `cheapest_by_layers`: per mode of _MODES
+    (`modes`: whether it fits any count; where it fits none, its row's `fits` are all False) and layer count,
+    whether it fits, its fewest recomputed layers, fwd, bwd and memory; the counts the closed form leaves to
+    the scalar path (`unsettled`); and what the stage cost needs that depends neither on the links nor on the
+    micro-batch count: the resident optimizer's time, and per offloaded mode (the rows of _MODES after the
+    first) the optimizer lanes' d2h, max(h2d, cpu) and tail (cost.offload_lanes, cost.first_layer_share)."""
+
+    __slots__ = ("modes", "unsettled", "fits", "rec", "fwd", "bwd", "mem", "resident", "d2h", "lanes", "tail")
+
+    def __init__(self, num_layers: int):
+        k, n = len(_MODES), num_layers
+        assert [opt for opt, _ in _MODES] == [False] + [True] * (k - 1), "the resident mode comes first"
+        self.modes = [False] * k
+        self.fits, self.rec = np.zeros((k, n), dtype=bool), np.zeros((k, n), dtype=np.int64)
+        self.fwd, self.bwd, self.mem = np.zeros((k, n)), np.zeros((k, n)), np.zeros((k, n))
+        self.d2h, self.lanes, self.tail = np.zeros((k - 1, n)), np.zeros((k - 1, n)), np.zeros((k - 1, n))
+        self.unsettled, self.resident = np.zeros(n, dtype=bool), np.zeros(n)
+
+
+def cheapest_by_layers(fitting: _ByLayers, slot: cost.Slot, model: ModelSpec, train: TrainSpec,
                        b: int, num_mb: int, p2p_next_bw: float | None, p2p_prev_bw: float | None):
     """`cheapest` over `fitting_by_layers`'s policies with a position's links (cost.with_links) for every layer
     count at once, to the bit as the scalar path. Returns per count (mode index into _MODES, -1 where nothing
-    fits, -2 where the scalar path must settle it), recomputed layers, fwd, bwd, memory and stage cost."""
-    modes, unsettled, p_shape, resident, first_p = fitting
-    n = np.arange(1, len(unsettled) + 1)
-    act_bytes = model.seq_len * b * model.hidden_size * train.param_bytes
-    best: list[np.ndarray] | None = None
-    for mi, got in enumerate(modes):
-        if got is None:
-            continue
-        fits, r, fwd, bwd, mem = got
-        if p2p_next_bw:
-            fwd = fwd + act_bytes / p2p_next_bw
-        if p2p_prev_bw:
-            bwd = bwd + act_bytes / p2p_prev_bw
-        busy = num_mb * (fwd + bwd)
-        opt, params = _MODES[mi]
-        if not opt:
-            value = busy + resident
-        else:
-            fwd_busy = num_mb * fwd
-            d2h, h2d, cpu = cost.offload_lanes(slot, train, params, p_shape)
-            tail = (d2h + cpu + h2d) * (first_p / p_shape)  # cost.first_layer_share
-            value = busy + (np.maximum(np.maximum(0.0, d2h - (busy - fwd_busy)), np.maximum(h2d, cpu) - fwd_busy)
-                            + tail)
-        if best is None:
-            mode = np.where(fits, mi, -1)
-            best = [mode, r, fwd, bwd, mem, np.where(fits, value, np.inf)]
-            continue
-        mode, r0, f0, b0, m0, v0 = best
-        take = fits & ((mode < 0) | (value < v0 * (1 - 1e-12)))
-        best = [np.where(take, mi, mode), np.where(take, r, r0), np.where(take, fwd, f0), np.where(take, bwd, b0),
-                np.where(take, mem, m0), np.where(take, value, v0)]
-    if best is None:
-        k = len(n)
+    fits, -2 where the scalar path must settle it), recomputed layers, fwd, bwd, memory and stage cost. Every
+    mode is costed in one pass over (modes, counts) arrays; the modes are then compared in _MODES's order, a
+    later one taken only where it is cheaper by more than 1e-12 (as `cheapest` does)."""
+    k = len(fitting.unsettled)
+    if not any(fitting.modes):
         return np.full(k, -1), np.zeros(k, dtype=np.int64), np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
-    best[0] = np.where(unsettled, -2, best[0])
-    return tuple(best)
+    act_bytes = model.seq_len * b * model.hidden_size * train.param_bytes
+    fwd, bwd = fitting.fwd, fitting.bwd
+    if p2p_next_bw:
+        fwd = fwd + act_bytes / p2p_next_bw
+    if p2p_prev_bw:
+        bwd = bwd + act_bytes / p2p_prev_bw
+    busy = num_mb * (fwd + bwd)
+    value = np.empty_like(busy)
+    value[0] = busy[0] + fitting.resident
+    fwd_busy = num_mb * fwd[1:]
+    off = busy[1:]
+    value[1:] = off + (np.maximum(np.maximum(0.0, fitting.d2h - (off - fwd_busy)), fitting.lanes - fwd_busy)
+                       + fitting.tail)
+    fits = fitting.fits
+    mode = np.where(fits[0], 0, -1)
+    v0 = np.where(fits[0], value[0], np.inf)
+    for mi in range(1, len(_MODES)):
+        take = fits[mi] & ((mode < 0) | (value[mi] < v0 * (1 - 1e-12)))
+        mode = np.where(take, mi, mode)
+        v0 = np.where(take, value[mi], v0)
+    at = (np.maximum(mode, 0), np.arange(k))  # where nothing fits the figures are unread: mode 0's
+    return (np.where(fitting.unsettled, -2, mode), fitting.rec[at], fwd[at], bwd[at], fitting.mem[at], v0)
 
 
 def _cost_of(kn: cost.Knobs, t: cost.StageTimes, slot: cost.Slot, model: ModelSpec, train: TrainSpec,
