@@ -179,3 +179,47 @@ def test_a_request_from_a_job_of_no_higher_priority_is_declined():
     (e,) = [e for e in c.progress.events if e["kind"] == "yield-declined"]
     assert "not above" in e["cause"] and "suspend" not in kinds(c)
     assert_every_step_once(c)
+
+
+def test_gpus_a_lower_job_holds_only_with_warm_workers_are_given_back_by_ending_them():
+    """Low trains on l4-z and holds l4-a's GPUs with warm workers only (a join's, or standing ones). High asks for
+    l4-a (it holds no plan's rank): low ends those warm workers at its next step boundary, with no drain and no
+    re-plan, and high trains there. Before, low declined ("none of them are the plan's") and high waited."""
+    fleet = Fleet(NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2), NodeSpec(name="l4-z", gpu_type="L4", num_gpus=2))
+    board: dict = {}
+    line: list = []
+    groups: list[Placed] = []
+
+    class Warm(Placed):  # workers on its plan's GPUs, and warm ones on l4-a once it trains
+        def end_warm(self, nodes) -> int:
+            mine = [k for k, who in self.fleet.owner.items() if who == self.job and k[0] in nodes
+                    and f"{k[0]}/{k[1]}" not in self.plan.devices()]
+            for k in mine:
+                del self.fleet.owner[k]
+            super().end_warm(nodes)
+            return len(mine)
+
+    log: list = []
+    clock = FakeClock()
+
+    def make(plan):
+        groups.append(Warm(fleet, "low", plan, log))
+        return groups[-1]
+
+    low = Controller(MODEL, TRAIN, 30, JobNodes(fleet, "low"), make, clock=clock, sleep=clock.advance,
+                     queue=MemoryQueue("low", line, 0, board))
+    fleet.take("other", ["l4-a/0", "l4-a/1"])  # l4-a is another job's while low plans: low trains on l4-z
+    run_until([low], lambda: low.progress.committed >= 1)
+    assert set(low.plan.nodes()) == {"l4-z"}
+    fleet.give_back("other")
+    fleet.take("low", ["l4-a/0", "l4-a/1"])  # low's warm workers take l4-a's GPUs
+    high, _ = job(fleet, "high", 5, board, line, steps=4)
+    run_until([low, high], lambda: high.state is State.DONE)
+    assert high.plan.nodes() == ["l4-a"]
+    (w,) = [e for e in low.progress.events if e["kind"] == "yield-warm"]
+    assert w["by"] == "high" and w["nodes"] == ["l4-a"] and w["warm"] == 2, w
+    assert not {"yield", "yield-declined", "drain", "suspend"} & set(kinds(low)), low.progress.events
+    assert ("end-warm", ["l4-a"]) in log
+    run_until([low], lambda: low.state is State.DONE)
+    assert_every_step_once(low)
+    assert_every_step_once(high)

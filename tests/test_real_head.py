@@ -350,6 +350,9 @@ def priorities(head: RealHead, job_file: Path, tmp_path: Path, user_home: Path, 
     r = cli(head, "submit", str(urgent), "--address", head.url, "--json", *auth, home=user_home)
     assert r.returncode == 0, r.stderr
     high_id = json.loads(r.stdout)["job_id"]
+    listed = {row["job_id"]: row for row in json.loads(cli(head, "list", "--address", head.url, "--json", *auth,
+                                                           home=user_home).stdout)}
+    assert listed[high_id]["priority"] == 5 and listed[low_id]["priority"] == 0, listed
     high = wait_status(head, high_id, ("SUCCEEDED", "FAILED"), *auth, home=user_home)
     assert high["status"] == "SUCCEEDED", high
     kinds = [e["kind"] for e in high["events"]]

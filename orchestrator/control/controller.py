@@ -49,6 +49,7 @@ from orchestrator.control.protocols import (
     StatePlane,
     SystemClock,
     WorkerGroup,
+    YieldRequest,
 )
 from orchestrator.control.replan import TOLERANCE, choose_replan, consider_joined, joined_nodes
 from orchestrator.control.snapshots import MemorySnapshots
@@ -721,6 +722,8 @@ class Controller:
         if req is None:
             return []
         nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed)
+        if req.priority > self.queue.priority and self._give_warm(req, set(req.nodes) - set(nodes)) and not nodes:
+            return []
         if req.priority <= self.queue.priority or not nodes:
             why = f"its priority is not above this job's ({self.queue.priority})" if nodes else \
                 "none of them are the plan's"
@@ -743,6 +746,23 @@ class Controller:
                     "them back at a step boundary, training on the rest", by=req.by, nodes=nodes)
         now = self.clock.now()
         return [Notice(n, now + YIELD_S, f"yield to {req.by}") for n in nodes]
+
+    def _give_warm(self, req: YieldRequest, spare: set[str]) -> int:
+        """Asked nodes the plan does not use whose GPUs this job holds with warm workers (a join's, or standing
+        ones): those end, and a join's move still waiting for them gives way; a pre-staged switch's stay (it goes
+        at its notice's deadline). How many ended."""
+        staged = set(self._staged[0].nodes()) if self._staged is not None else set()
+        spare = spare - staged - self.doomed
+        if not spare:
+            return 0
+        if self._join is not None and spare & set(self._join[0].nodes()):
+            self._join_dropped(f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(sorted(spare))}")
+        ended = self.workers.end_warm(spare)
+        if ended:
+            self._event("yield-warm", f"{req.by} (priority {req.priority}) asked for the GPUs on "
+                        f"{', '.join(sorted(spare))}: {ended} warm worker(s) there ended, their GPUs given back",
+                        by=req.by, nodes=sorted(spare), warm=ended)
+        return ended
 
     def _suspend(self) -> State:
         """Asked for GPUs without which no plan trains: the committed step is kept where no GPU is needed (S3 where

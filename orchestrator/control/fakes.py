@@ -125,6 +125,10 @@ class FakeWorkerGroup:
     def warm_spares(self, cluster) -> int:
         return 0
 
+    def end_warm(self, nodes) -> int:
+        self.log.append(("end-warm", sorted(nodes)))
+        return 0
+
     def shutdown(self) -> None:
         self.log.append(("shutdown",))
 

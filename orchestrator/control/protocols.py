@@ -44,6 +44,7 @@ class WorkerGroup(Protocol):
     def staged_ready(self) -> bool: ...  # every warm worker has started
     def warm_joined(self, cluster: ClusterSpec, nodes: Set[str]) -> int: ...  # warm workers on joined nodes' GPUs
     def warm_spares(self, cluster: ClusterSpec) -> int: ...  # standing warm workers on idle GPUs; how many started
+    def end_warm(self, nodes: Set[str]) -> int: ...  # the warm workers on `nodes` end (GPUs given back); how many
 
 
 class RestoreResult(Protocol):

@@ -193,7 +193,8 @@ class RayJobs:
     def _metadata(job: JobSpec, job_id: str, steps: int | None) -> dict[str, str]:
         """Ray job metadata: the job's name and steps, and where its run record is when another machine can read
         it (S3: `hetspot status` reads it there instead of the job's whole log)."""
-        meta = {"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps)}
+        meta = {"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps),
+                "hetspot_priority": str(job.runtime.priority)}
         if job.checkpoint is not None:
             from orchestrator.runtime.run_record import record_location
 
@@ -294,7 +295,7 @@ class RayJobs:
                 continue
             rows.append({"job_id": info.submission_id, "name": info.metadata["hetspot_job"],
                          "status": str(getattr(info.status, "value", info.status)), "start_time": info.start_time,
-                         "end_time": info.end_time})
+                         "end_time": info.end_time, "priority": int(info.metadata.get("hetspot_priority") or 0)})
         return sorted(rows, key=lambda r: r["start_time"] or 0)
 
     # -- nodes ----------------------------------------------------------------

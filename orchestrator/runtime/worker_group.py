@@ -562,6 +562,14 @@ class RayWorkerGroup:
         return self._warm(Counter({n.name: n.num_gpus for n in cluster.nodes}),
                           self.run.job.runtime.warm_workers - len(self.pool.warm))
 
+    def end_warm(self, nodes: Set[str]) -> int:
+        """End this job's warm workers on `nodes` (another job of higher priority asked for their GPUs); how many."""
+        if self.pool is None:
+            return 0
+        ended = sum(k.node in nodes for k in self.pool.warm)
+        self.pool.end_warm(set(nodes))
+        return ended
+
     def _warm(self, want: Counter, most: int) -> int:
         """Start up to `most` warm workers so that each node has `want[node]` processes of this job."""
         from orchestrator.cluster.discovery import RayInventory
