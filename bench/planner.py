@@ -6,6 +6,7 @@
     python bench/planner.py --quick --no-warm  # all but it, one run each (docs/benchmarks.md)
     python bench/planner.py --warm-only --collector-on  # the same with the garbage collector left on
     python bench/planner.py --baseline-sweep  # where the planner loses to a baseline on small clusters
+    python bench/planner.py --cold 16384 --repeats 3 [--planner-from DIR]  # the cold first plan (another tree's)
 
 All throughputs come from the same cost model (planner.evaluate). Times are
 medians of repeated runs on this machine.
@@ -20,8 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-# This file is named like the package it measures; import the package, not itself.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+# This file is named like the package it measures; import the package, not itself (or, with --planner-from DIR,
+# another tree's: another commit's planner timed by this bench, as in `git worktree add /tmp/old REV`).
+_FROM = sys.argv[sys.argv.index("--planner-from") + 1] if "--planner-from" in sys.argv[:-1] else None
+sys.path[0] = _FROM or str(Path(__file__).resolve().parents[1])
 
 import planner.search as search  # noqa: E402
 from planner import ClusterSpec, ModelSpec, NodeSpec, PlanningError, TrainSpec  # noqa: E402
@@ -165,6 +168,22 @@ def warm_replans(sizes: tuple[int, ...], repeats: int) -> None:
           "warm re-plan and a longer search (every start descended).\n")
 
 
+def cold_plans(gpus: int, repeats: int) -> None:
+    """CPU seconds of the first (cold) plan of the warm re-plan table's cluster at `gpus` GPUs, each in a fresh
+    planner (caches empty), and the plan's tokens/s."""
+    types = ["H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A10G", "L4"]
+    cluster = _round_robin(types, gpus // 8)
+    times, got = [], 0.0
+    for _ in range(repeats):
+        planner = Planner(ModelSpec.preset("175b"), TrainSpec(global_batch=2048))
+        t0 = time.process_time()
+        got = planner.plan(cluster).estimate.tokens_per_s
+        times.append(time.process_time() - t0)
+    print(f"cold plan, 175B on {gpus:,} GPUs ({len(types)} types, nodes of 8), planner from "
+          f"{Path(sys.path[0]).resolve()}: CPU s {', '.join(f'{t:.2f}' for t in times)} (median "
+          f"{statistics.median(times):.2f}); {got:,.0f} tokens/s")
+
+
 def spread_loss(cluster: ClusterSpec, count: int) -> set[str]:
     """`count` nodes evenly over the cluster's node list, the k-th of GPU type k mod (number of types): every type
     loses nodes (a fixed stride over a round-robin list hits only the types its stride meets)."""
@@ -219,7 +238,15 @@ def main() -> None:
                     "the planner loses to a baseline")
     ap.add_argument("--collector-on", action="store_true", help="leave Python's garbage collector on during "
                     "searches (planner.search.collector_paused), to measure what pausing it saves")
+    ap.add_argument("--cold", type=int, metavar="GPUS", help="only the cold first plan at GPUS GPUs (the warm "
+                    "re-plan table's cluster), --repeats times, each in a fresh planner")
+    ap.add_argument("--repeats", type=int, default=1, help="with --cold: how many plans")
+    ap.add_argument("--planner-from", metavar="DIR", help="time the planner package of another tree (a worktree of "
+                    "another commit) with this bench")
     args = ap.parse_args()
+    if args.cold:
+        cold_plans(args.cold, args.repeats)
+        return
     if args.collector_on:
         search.collector_paused = contextlib.nullcontext
     if args.baseline_sweep:
