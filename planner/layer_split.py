@@ -593,22 +593,47 @@ def _band_step(prim: np.ndarray, sec: np.ndarray, pad: int, i: int, w: int, val:
     reach. An end no start reaches gets prim inf (its sec and start are read by no split). `last`: the stage
     must end at the last layer (only j = w-1 counts)."""
     most = max(most, 1)
-    at = (pad + i + 1 - most) * prim.itemsize
+    at = (pad + i + 1 - most) * 8
     # Row j, column r: the start a = j + 1 - most + r, so the stage takes most - r layers (r ascending is a
     # ascending, as the earliest-start tie rule reads them). Strided views of the rows: numpy's
     # sliding_window_view builds the same view at 30x the cost.
-    cand_p = np.maximum(np.ndarray((w, most), prim.dtype, prim, at, (prim.itemsize, prim.itemsize)), val[most:0:-1])
-    cand_s = np.ndarray((w, most), sec.dtype, sec, at, (sec.itemsize, sec.itemsize)) + t[most:0:-1]
-    if last:
-        cand_p[:w - 1] = np.inf
+    rows, base = _band_rows(w, most)
+    new_p, new_s = _filled(len(prim), np.inf), np.zeros(len(sec))
+    if last:  # only the end at the last layer counts
+        cand_p = np.maximum(prim[pad + i + w - most:pad + i + w], val[most:0:-1])
+        cand_s = sec[pad + i + w - most:pad + i + w] + t[most:0:-1]
+        best = cand_p.min()
+        r = int(np.where(cand_p <= best * (1 + 1e-12), cand_s, np.inf).argmin())
+        new_p[pad + i + w], new_s[pad + i + w] = best, cand_s[r]
+        start = np.zeros(w, dtype=np.int64)  # the ends before the last are reached by no split
+        start[w - 1] = base[w - 1] + r
+        return new_p, new_s, start
+    cand_p = np.maximum(np.ndarray((w, most), np.float64, prim, at, (8, 8)), val[most:0:-1])
+    cand_s = np.ndarray((w, most), np.float64, sec, at, (8, 8)) + t[most:0:-1]
     best_p = cand_p.min(axis=1)
-    tie = cand_p <= best_p[:, None] * (1 + 1e-12)
-    r = np.where(tie, cand_s, np.inf).argmin(axis=1)
-    rows = np.arange(w)
-    new_p, new_s = np.full(len(prim), np.inf), np.zeros(len(sec))
+    r = np.where(cand_p <= best_p[:, None] * (1 + 1e-12), cand_s, np.inf).argmin(axis=1)
     new_p[pad + i + 1:pad + i + 1 + w] = best_p
     new_s[pad + i + 1:pad + i + 1 + w] = cand_s[rows, r]
-    return new_p, new_s, np.maximum(rows + 1 - most + r, 0)
+    return new_p, new_s, base + r  # (a start before the range's first only where no start reaches: never read)
+
+
+@functools.cache
+def _band_rows(w: int, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_band_step`'s row numbers 0..w-1, and each row's first start (j + 1 - most)."""
+    rows = np.arange(w)
+    return rows, rows + 1 - most
+
+
+_FILLED: dict[tuple[int, float], np.ndarray] = {}
+
+
+def _filled(n: int, value: float) -> np.ndarray:
+    """A new array of n copies of `value` (a copy of a kept one: np.full's Python wrapper costs more, and the DP
+    asks for millions)."""
+    got = _FILLED.get((n, value))
+    if got is None:
+        got = _FILLED[(n, value)] = np.full(n, value)
+    return got.copy()
 
 
 def edge_ranges(num_stages: int, edges: bool) -> list[tuple[int, int]]:
