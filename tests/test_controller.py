@@ -369,6 +369,52 @@ def test_a_second_writer_of_a_run_fails_the_job_with_exit_2_before_any_worker_st
     assert c.exit_code == 2 and "one run has one writer" in c.error and c.progress.losses == {} and groups == []
 
 
+def test_a_job_whose_writer_lock_another_job_took_stops_at_the_next_step_boundary_with_exit_2():
+    """Another job took the run over mid-run (its writer lock: a renewal or a manifest's check found it taken):
+    whatever this job trains now could be kept nowhere, so it stops at the next step boundary with exit 2 and the
+    lock's reason, its workers ended; it does not train on."""
+    from orchestrator.control.snapshots import MemorySnapshots
+
+    class TakenOver(MemorySnapshots):
+        steps_seen = 0
+
+        def after_step(self, group, step, avoid=frozenset()):
+            self.steps_seen = step + 1
+            return super().after_step(group, step, avoid)
+
+        def writer_lost(self):
+            return ("run r1's writer lock at s3://b/job/.hetspot-writers/run-r1.json was taken by another writer: "
+                    "this job writes no more steps of the run") if self.steps_seen >= 3 else None
+
+    c, log, groups = make(FakeNodes(BIG), steps=10, store=TakenOver(1))
+    assert c.run() == State.FAILED
+    assert c.exit_code == 2 and "taken by another writer" in c.error and "stopped after step 2" in c.error, c.error
+    assert sorted(c.progress.losses) == [0, 1, 2] and log[-1] == ("shutdown",), log
+
+
+def test_an_evaluation_a_failure_interrupted_is_redone_on_the_restored_step(monkeypatch):
+    """A node lost while the validation loss of committed step 2 is evaluated: after the recovery restores step 2,
+    its evaluation is redone on those weights before step 3 trains (it was lost before), and the losses are the
+    uninterrupted run's."""
+    from orchestrator.errors import WorkerFailure
+
+    real, failed = FakeGroup.evaluate, []
+
+    def evaluate(self, batches):
+        if not failed and self.applied == 3:
+            failed.append(self.applied)
+            raise WorkerFailure("rank 1 (pipeline 0, stage 0, A100-80GB on a)", "node lost", "node lost")
+        return real(self, batches)
+
+    monkeypatch.setattr(FakeGroup, "evaluate", evaluate)
+    c, log, groups = make(FakeNodes(BIG, SMALL), steps=7, train=TrainSpec(global_batch=8, eval_every=3),
+                          snapshot_every=1)
+    assert c.run() == State.DONE and c.progress.restarts == 1 and failed == [3] and len(groups) == 2
+    assert sorted(c.progress.val_losses) == [2, 5, 6], c.progress.val_losses
+    assert c.progress.val_losses[2] == 20.0 - 3  # the committed weights of step 2, restored
+    assert c.progress.losses == {s: 10.0 - s for s in range(7)}
+
+
 def test_the_validation_loss_is_evaluated_between_steps_every_eval_every_and_after_the_last():
     c, log, _ = make(FakeNodes(BIG), steps=7, train=TrainSpec(global_batch=8, eval_every=3))
     assert c.run() == State.DONE

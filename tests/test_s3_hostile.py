@@ -922,6 +922,7 @@ def test_a_second_writer_of_a_run_is_refused_naming_the_first_and_takes_over_onc
     first.after_step(group, 2)
     first.flush()
     assert first.uploads[-1].status == "failed" and "another writer" in first.uploads[-1].error
+    assert "another writer" in (first.writer_lost() or "") and second.writer_lost() is None  # the controller stops
     assert 2 not in s3a.complete_steps()
     second.release()
     t0 = time.monotonic()

@@ -313,8 +313,21 @@ class Controller:
         self._plan_from = self.progress.committed + 2  # the first step on this plan warms up: not measured
         return State.TRAINING
 
+    def _eval_step(self, s: int) -> bool:
+        """Step s is one the validation loss is evaluated after (every `eval_every`, and the job's last)."""
+        every = self.train.eval_every
+        return bool(every) and s >= 0 and ((s + 1) % every == 0 or s + 1 == self.steps)
+
+    def _eval_due(self, s: int) -> bool:
+        return self._eval_step(s) and s not in self.progress.val_losses
+
     def _train(self) -> State:
         s = self.progress.committed + 1
+        if self._eval_due(s - 1):  # an evaluation a failure interrupted: redone on that step's restored weights
+            try:
+                self.progress.val_losses[s - 1] = self.workers.evaluate(self.train.eval_batches)
+            except WorkerFailure as e:
+                return self._decide(e)
         if s >= self.steps:
             self.store.flush()  # the last checkpoint upload completes (from the workers' copies) before the end
             self.workers.shutdown()
@@ -326,6 +339,12 @@ class Controller:
                 self.queue.leave()
             self._phase("done")
             return State.DONE
+        lost = self.store.writer_lost()
+        if lost is not None:  # another job writes the run now: no step this job trains could be kept
+            self.workers.shutdown()
+            self.group = None
+            return self._fail(f"{lost}; the job stopped after step {self.progress.committed} (the run goes on in "
+                              "the job that took it over)", exit_code=2)
         drain = self._heed(self.interruptions.poll() + self._asked())  # None: no notice for the plan's nodes
         if self._suspend_for is not None:
             return self._suspend()
@@ -347,8 +366,7 @@ class Controller:
             self._mark("first_step_s")
             if self.store.after_step(self.workers, s, self.doomed):
                 self.progress.snapshot_step = s
-            every = self.train.eval_every
-            if every and ((s + 1) % every == 0 or s + 1 == self.steps):  # between steps: after the commit
+            if self._eval_step(s):  # between steps: after the commit
                 self.progress.val_losses[s] = self.workers.evaluate(self.train.eval_batches)
             if s == self._plan_from - 1:  # the plan's first step: idle kept processes are gone, their GPUs free
                 self.workers.warm_spares(self.cluster or self.nodes.discover().without_nodes(self.doomed))

@@ -59,6 +59,7 @@ class RestoreResult(Protocol):
 class StatePlane(Protocol):
     def claim(self) -> None: ...  # this job as its run's one writer (WriterConflict: another job is)
     def release(self) -> None: ...  # at the job's end
+    def writer_lost(self) -> str | None: ...  # why the run's writer lock is no longer this job's (None: it is)
     def after_step(self, group: WorkerGroup, step: int, avoid: set[str]) -> bool: ...  # True: a snapshot was taken
     def drain(self, group: WorkerGroup, step: int, avoid: set[str]) -> None: ...  # state off the `avoid` nodes, now
     def prepare_drain(self, group: WorkerGroup, avoid: set[str]) -> None: ...  # start what that drain copies to

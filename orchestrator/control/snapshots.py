@@ -43,6 +43,9 @@ class MemorySnapshots:
     def claim(self) -> None:  # nothing shared to write: no writer lock
         pass
 
+    def writer_lost(self) -> str | None:
+        return None
+
     def release(self) -> None:
         pass
 

@@ -143,6 +143,11 @@ class TieredState:
         if self.uploader is not None:
             self.uploader.writer = self.writer
 
+    def writer_lost(self) -> str | None:
+        """Why the run's writer lock is no longer this job's (another job took the run over: its renewal or a
+        manifest's check found it so), or None."""
+        return self.writer.lost if self.writer is not None else None
+
     def release(self) -> None:
         """At the job's end (done or failed): the lock goes, so the run's next job need not wait for it to lapse."""
         if self.writer is not None:
