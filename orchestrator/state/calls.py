@@ -9,13 +9,25 @@ salvage, restore planning and refusal of a corrupt S3 step) runs in unit tests w
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol
+
+
+class StateCalls(Protocol):
+    """How the state plane reaches keepers (Ray: calls.RayCalls; in one process: calls.LocalCalls)."""
+
+    lost: tuple  # exception types meaning a keeper or its node is gone
+
+    def start_keeper(self, node: str, node_id: str) -> Any: ...  # a handle: handle.method.remote(...) -> answer
+    def get(self, answers: Any, timeout: float | None = None) -> Any: ...
+    def wait(self, answers: list, num_returns: int, timeout: float | None) -> tuple[list, list]: ...
+    def alive_nodes(self) -> dict[str, str]: ...  # node name -> its Ray node id
 
 
 class RayCalls:
     """Keepers are Ray actors pinned to their node; answers are Ray object refs."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         import ray
 
         self._ray = ray
@@ -24,18 +36,18 @@ class RayCalls:
         self.lost = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                      ray.exceptions.ActorUnschedulableError)
 
-    def start_keeper(self, node: str, node_id: str):
+    def start_keeper(self, node: str, node_id: str) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from orchestrator.state.keeper import Keeper
 
         return Keeper.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(node)
 
-    def get(self, refs, timeout: float | None = None):
+    def get(self, refs: Any, timeout: float | None = None) -> Any:
         self._connected()
         return self._ray.get(refs, timeout=timeout)
 
-    def wait(self, refs: list, num_returns: int, timeout: float | None):
+    def wait(self, refs: list, num_returns: int, timeout: float | None) -> tuple[list, list]:
         self._connected()
         return self._ray.wait(refs, num_returns=num_returns, timeout=timeout)
 
@@ -58,13 +70,13 @@ class NodeGone(Exception):
 class Answer:
     """A call already answered: its value, or the exception it raised."""
 
-    def __init__(self, fn, *args, **kw):
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         try:
             self.value, self.error = fn(*args, **kw), None
         except Exception as e:  # noqa: BLE001 - raised again by `result`, as ray.get would
             self.value, self.error = None, e
 
-    def result(self):
+    def result(self) -> Any:
         if self.error is not None:
             raise self.error
         return self.value
@@ -76,13 +88,13 @@ class LocalHandle:
     def __init__(self, obj: Any, node: str, calls: LocalCalls):
         self._obj, self._node, self._calls = obj, node, calls
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         fn = getattr(self._obj, name)
         calls, node = self._calls, self._node
 
         class _Method:
             @staticmethod
-            def remote(*args, **kw) -> Answer:
+            def remote(*args: Any, **kw: Any) -> Answer:
                 if node in calls.dead:
                     return Answer(_raise, NodeGone(f"node {node} is gone"))
                 return Answer(fn, *args, **kw)
@@ -90,7 +102,7 @@ class LocalHandle:
         return _Method
 
 
-def _raise(e: Exception):
+def _raise(e: Exception) -> NoReturn:
     raise e
 
 
@@ -112,10 +124,10 @@ class LocalCalls:
     def handle(self, obj: Any, node: str) -> LocalHandle:
         return LocalHandle(obj, node, self)
 
-    def get(self, refs, timeout: float | None = None):
+    def get(self, refs: Any, timeout: float | None = None) -> Any:
         return [r.result() for r in refs] if isinstance(refs, list) else refs.result()
 
-    def wait(self, refs: list, num_returns: int, timeout: float | None):
+    def wait(self, refs: list, num_returns: int, timeout: float | None) -> tuple[list, list]:
         return list(refs), []
 
     def alive_nodes(self) -> dict[str, str]:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from orchestrator.state.restore_plan import TIERS, keeper_holdings
+from orchestrator.state.calls import StateCalls
+from orchestrator.state.restore_plan import TIERS, Holding, keeper_holdings
 from orchestrator.state.s3_store import S3Checkpoints
-from workers.transfer import payload_bytes
+from workers.transfer import Tier, payload_bytes
 
 log = logging.getLogger("hetspot.checkpoints")
 RPC_TIMEOUT_S = 60.0  # a keeper's start, a salvage's hand-over, a drain snapshot: seconds to wait for keepers
@@ -21,13 +22,13 @@ class Received:
     def __init__(self) -> None:
         self.bytes = 0
 
-    def add(self, obj):
+    def add(self, obj: Any) -> Any:
         self.bytes += payload_bytes(obj)
         return obj
 
 
 class KeeperSet:
-    def __init__(self, calls, s3: S3Checkpoints | None, received: Received):
+    def __init__(self, calls: StateCalls, s3: S3Checkpoints | None, received: Received):
         self.calls = calls  # how keepers are reached: Ray, or in one process (calls.LocalCalls)
         self.s3, self.received = s3, received
         self.keepers: dict[str, Any] = {}  # node -> its keeper's handle
@@ -75,7 +76,7 @@ class KeeperSet:
                             "credentials that may write the bucket (AWS: an instance profile)", node,
                             self.s3.uri if self.s3 else "the bucket", err)
 
-    def call_all(self, method: str, *args, timeout_s: float = 10.0) -> dict[str, Any]:
+    def call_all(self, method: str, *args: Any, timeout_s: float = 10.0) -> dict[str, Any]:
         """Call every keeper; those that do not answer (their node is gone) are forgotten."""
         refs = {node: getattr(k, method).remote(*args) for node, k in list(self.keepers.items())}
         ready, _ = self.calls.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
@@ -95,6 +96,7 @@ class KeeperSet:
         for k in list(self.keepers.values()):
             k.unpin.remote(step)
 
-    def holdings(self, tiers=TIERS, step: int | None = None):
+    def holdings(self, tiers: tuple[Tier, ...] = TIERS, step: int | None = None,
+                 ) -> tuple[list[Holding], dict[int, float], dict[str, list[int]]]:
         """The keepers' holdings, as the restore planner's Holdings; optimizer steps by step, unit shapes."""
         return keeper_holdings(self.call_all("inventory"), tiers, step)

@@ -2,7 +2,9 @@
 records of workers/transfer.py. Each has a Ray implementation and an in-process fake:
 
 - `StateGroup`: runtime/worker_group.RayWorkerGroup; state/fakes.LocalGroup (both recovery paths).
-- `StateCalls`: state/calls.RayCalls; state/calls.LocalCalls (keepers as plain `KeeperStore` objects).
+- `StateCalls` (defined in calls.py beside them: keepers.py takes one, and this module imports recovery.py,
+  which imports keepers.py): state/calls.RayCalls; state/calls.LocalCalls (keepers as plain `KeeperStore`
+  objects).
 - `Source`: what a worker pulls pieces from: a keeper (state/keeper.KeeperStore), or a kept worker process
   (workers/actor.TrainWorker; state/fakes.LocalProcess). Reached through a handle: `handle.get_many.remote(...)`.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Set
 from typing import Any, Protocol
 
+from orchestrator.state.calls import StateCalls  # noqa: F401 - kept beside its implementations (calls.py)
 from orchestrator.state.recovery import Recovery
 from workers.transfer import (
     CheckpointLocation,
@@ -54,14 +57,3 @@ class StateGroup(Protocol):
     def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]: ...
     def held(self) -> list[ProcessHolding]: ...
     def drop_retained(self) -> None: ...  # the kept copies are no longer needed
-
-
-class StateCalls(Protocol):
-    """How the state plane reaches keepers (Ray: calls.RayCalls; in one process: calls.LocalCalls)."""
-
-    lost: tuple  # exception types meaning a keeper or its node is gone
-
-    def start_keeper(self, node: str, node_id: str) -> Any: ...  # a handle: handle.method.remote(...) -> answer
-    def get(self, answers, timeout: float | None = None) -> Any: ...
-    def wait(self, answers: list, num_returns: int, timeout: float | None) -> tuple[list, list]: ...
-    def alive_nodes(self) -> dict[str, str]: ...  # node name -> its Ray node id

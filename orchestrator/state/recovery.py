@@ -17,14 +17,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Set
-from typing import Any
+from typing import Any, Protocol
 
 from orchestrator.state.keepers import KeeperSet, Received
 from orchestrator.state.restore_plan import Holding, process_holdings
 from planner import layout
-from workers.transfer import Tier
+from workers.transfer import KeptState, ProcessHolding, Receipt, Tier
 
 log = logging.getLogger("hetspot.checkpoints")
+
+
+class KeepingGroup(Protocol):
+    """What the strategies ask of a worker group (state/protocols.StateGroup's part of it; that protocol names
+    this module's `Recovery`, so it is not imported here)."""
+
+    plan: Any
+    holds_state: bool
+
+    def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]: ...
+    def held(self) -> list[ProcessHolding]: ...
+    def drop_retained(self) -> None: ...
+    def hand_over(self, keepers: list, timeout_s: float | None = None) -> list[Receipt | None]: ...
 
 
 class InPlace:
@@ -33,17 +46,18 @@ class InPlace:
     def __init__(self, pool: Any):
         self.pool = pool
 
-    def keep(self, group, keepers: KeeperSet, received: Received, avoid: Set[str], step: int | None) -> None:
+    def keep(self, group: KeepingGroup, keepers: KeeperSet, received: Received, avoid: Set[str],
+             step: int | None) -> None:
         # even a group that failed before its restore: its processes still keep the step
         got = received.add(group.retain(step, avoid))
         kept = [g for g in got if g is not None]
         log.info("%d of %d workers keep their committed state (step %s) in their own processes", len(kept),
                  len(got), sorted({g.step for g in kept}))
 
-    def holdings(self, group) -> tuple[list[Holding], dict[int, float]]:
+    def holdings(self, group: KeepingGroup) -> tuple[list[Holding], dict[int, float]]:
         return process_holdings(group.held())
 
-    def committed(self, group) -> None:
+    def committed(self, group: KeepingGroup) -> None:
         group.drop_retained()
 
 
@@ -51,7 +65,8 @@ class Restart:
     name = "restart"
     pool = None
 
-    def keep(self, group, keepers: KeeperSet, received: Received, avoid: Set[str], step: int | None) -> None:
+    def keep(self, group: KeepingGroup, keepers: KeeperSet, received: Received, avoid: Set[str],
+             step: int | None) -> None:
         if not group.holds_state:
             return  # a group that failed before its state was restored holds nothing worth keeping
         ids = keepers.alive_nodes()
@@ -64,10 +79,10 @@ class Restart:
         log.info("%d of %d workers handed their committed state (step %s) to their node's keeper", len(kept),
                  len(ranks), sorted({g.step for g in kept}))
 
-    def holdings(self, group) -> tuple[list[Holding], dict[int, float]]:
+    def holdings(self, group: KeepingGroup) -> tuple[list[Holding], dict[int, float]]:
         return [], {}
 
-    def committed(self, group) -> None:
+    def committed(self, group: KeepingGroup) -> None:
         return None
 
 

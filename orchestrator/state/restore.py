@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Set
+from collections.abc import Callable, Iterator, Set
 
 from orchestrator.errors import FailureKind, Refusal, ResumeError, WorkerFailure
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
-from orchestrator.state.restore_plan import TIERS, Need, plan_restore, s3_holdings
+from orchestrator.state.protocols import StateGroup
+from orchestrator.state.restore_plan import TIERS, Holding, Need, RestorePlan, plan_restore, s3_holdings
 from orchestrator.state.s3_store import Identity, S3Checkpoints, s3_code
 from orchestrator.state.uploader import Uploader
 from planner import layout
@@ -45,7 +46,7 @@ RETRY_S = (1.0, 4.0, 15.0)  # a resume's pauses before it asks S3 again for what
 
 
 @contextlib.contextmanager
-def _nothing():
+def _nothing() -> Iterator[None]:
     yield None
 
 
@@ -53,7 +54,7 @@ class Restorer:
     def __init__(self, keepers: KeeperSet, uploader: Uploader | None, s3: S3Checkpoints | None,
                  identity: Identity, keep: int, received: Received, restore_from: str = "nearest",
                  overlap: bool = True, resuming: bool = False, retry_s: tuple[float, ...] = RETRY_S,
-                 sleep=time.sleep):
+                 sleep: Callable[[float], None] = time.sleep):
         self.keepers, self.uploader, self.s3, self.identity, self.keep = keepers, uploader, s3, identity, keep
         self.received, self.restore_from, self.overlap = received, restore_from, overlap
         self.resuming = resuming and s3 is not None  # until its first restore: a step of the run, or stop
@@ -66,7 +67,7 @@ class Restorer:
         if self.uploader is not None:
             self.uploader.went_to(step)
 
-    def salvage(self, group, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
+    def salvage(self, group: StateGroup, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
         """Survivors (off the `avoid` nodes) keep committed step `step` (None: the step each holds): in their own
         processes when the group recovers in place (nothing moves; a rank that cannot prove it holds that step
         is replaced), else handed to their own node's keeper (tier "live")."""
@@ -75,7 +76,7 @@ class Restorer:
             self.sourcing = False
         group.recovery.keep(group, self.keepers, self.received, avoid, step)  # state/recovery.py
 
-    def _s3_holdings(self):
+    def _s3_holdings(self) -> tuple[list[Holding], dict[int, float]]:
         """The complete S3 steps' pieces as Holdings; optimizer steps by step."""
         if self.s3 is None:
             return [], {}
@@ -97,12 +98,12 @@ class Restorer:
         for st in refused:
             if st.refusal is not Refusal.FOREIGN:
                 self._refused[st.step] = st.reason
-                if st.refusal.replaceable:
+                if st.refusal is not None and st.refusal.replaceable and self.uploader is not None:
                     self.uploader.bad_steps.add(st.step)  # its redo replaces it in S3
         self.received.add(manifests)
         return s3_holdings(manifests)
 
-    def restore(self, group, avoid: Set[str] = frozenset()) -> RestoreReport | None:
+    def restore(self, group: StateGroup, avoid: Set[str] = frozenset()) -> RestoreReport | None:
         """Restore the newest step every unit is available at, from the cheapest sources, none on the `avoid` nodes
         (doomed by a notice: they may go during the restore); None: nothing held."""
         t0 = time.perf_counter()
@@ -147,7 +148,8 @@ class Restorer:
             from_s3 = any(t.source.tier == Tier.S3 for t in rp.transfers)
             lease = self.s3.lease(rp.step, LEASE_S) if from_s3 and self.s3 is not None else _nothing()
             with lease:  # an S3 step read from is not pruned under it
-                results = group.load(per_rank, rp.step, opt[rp.step], self.s3 and self.s3.location, self.overlap)
+                results = group.load(per_rank, rp.step, opt[rp.step], self.s3.location if self.s3 is not None else None,
+                                     self.overlap)
             self.received.add(results)
             errors = [r.refused for r in results if r.refused is not None]
             if not errors:
@@ -191,7 +193,7 @@ class Restorer:
                 f"credentials and the bucket policy (s3:ListBucket, s3:GetObject) and submit again with --resume, or "
                 f"give checkpoint.uri a new prefix to start a new run")
 
-    def _fetches(self, rp, num_ranks: int) -> list[list[Fetch]]:
+    def _fetches(self, rp: RestorePlan, num_ranks: int) -> list[list[Fetch]]:
         """Each rank's transfers of restore plan `rp`, as requests to their sources: a kept process's memory (read
         in place when it is the rank's own), a shard a keeper holds, or an S3 piece that the keeper of the rank's
         node reads (once per node)."""

@@ -263,9 +263,12 @@ def peer_placement(ranks: list[tuple[str, int, int]], candidates: list[str], nby
     return out
 
 
-def keeper_holdings(inventory: dict[str, list[HeldRow]], tiers=TIERS, step: int | None = None):
+def keeper_holdings(inventory: dict[str, list[HeldRow]], tiers: tuple[Tier, ...] = TIERS, step: int | None = None,
+                    ) -> tuple[list[Holding], dict[int, float], dict[str, list[int]]]:
     """(Holdings, optimizer steps by step, unit shapes) from {node: the keeper's inventory rows}."""
-    holdings, opt, shapes = [], {}, {}
+    holdings: list[Holding] = []
+    opt: dict[int, float] = {}
+    shapes: dict[str, list[int]] = {}
     for node, rows in inventory.items():
         for row in rows:
             if row.tier not in tiers or (step is not None and row.step != step):
@@ -277,7 +280,7 @@ def keeper_holdings(inventory: dict[str, list[HeldRow]], tiers=TIERS, step: int 
     return holdings, opt, shapes
 
 
-def process_holdings(held: list[ProcessHolding]):
+def process_holdings(held: list[ProcessHolding]) -> tuple[list[Holding], dict[int, float]]:
     """(Holdings, optimizer steps by step) from the state kept in worker processes (in-place recovery). A
     process's own rank reads it in place (the restore planner's cost class 0)."""
     holdings, opt = [], {}
@@ -289,9 +292,10 @@ def process_holdings(held: list[ProcessHolding]):
     return holdings, opt
 
 
-def s3_holdings(manifests: list[dict]):
+def s3_holdings(manifests: list[dict]) -> tuple[list[Holding], dict[int, float]]:
     """(Holdings, optimizer steps by step) from complete S3 steps' manifests."""
-    holdings, opt = [], {}
+    holdings: list[Holding] = []
+    opt: dict[int, float] = {}
     for m in manifests:
         opt[m["step"]] = float(m["optimizer_steps"])
         for unit, u in m["units"].items():
