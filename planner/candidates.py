@@ -18,7 +18,7 @@ _POOL = "<pool>"
 DEGREE_SLACK = 1.25  # a TP degree this much slower than the best is not refined, nor searched in a re-plan
 
 
-def exhaustive_sets(groups: list[Group], max_stages: int):
+def exhaustive_sets(groups: list[Group], max_stages: int) -> Iterator[PSet]:
     """Every multiset of pipelines, each a multiset of GPU kinds (groups of one kind are interchangeable)."""
     kinds = sorted({g.kind for g in groups}, key=str)
     pools = [[g for g in groups if g.kind == k] for k in kinds]  # by the kind's index (a Slot hashes slowly)
@@ -26,7 +26,7 @@ def exhaustive_sets(groups: list[Group], max_stages: int):
     vectors = [v for v in itertools.product(*[range(c + 1) for c in counts]) if 0 < sum(v) <= max_stages]
     vectors.sort(reverse=True)
 
-    def rec(start: int, left: list[int], chosen: list[tuple[int, ...]]):
+    def rec(start: int, left: list[int], chosen: list[tuple[int, ...]]) -> Iterator[list[tuple[int, ...]]]:
         if chosen:
             yield list(chosen)
         for idx in range(start, len(vectors)):

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from planner.catalog import gpu_info
 from planner.plan_types import OffloadPolicy, Plan
-from planner.specs import ClusterSpec, ModelSpec, TrainSpec
+from planner.specs import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 GIB = float(1 << 30)
 RECOVERY_S = 60.0  # a preemption's cost beyond the redone work: detection, new workers, restore (a GPU fleet's order)
@@ -109,7 +109,7 @@ def make_slot(cluster: ClusterSpec, train: TrainSpec, node_name: str, tp: int) -
     return got
 
 
-def _make_slot(cluster: ClusterSpec, train: TrainSpec, node, tp: int) -> Slot:
+def _make_slot(cluster: ClusterSpec, train: TrainSpec, node: NodeSpec, tp: int) -> Slot:
     info = gpu_info(node.gpu_type)
     peak = peak_flops(node.gpu_type)
     return Slot(
@@ -337,7 +337,7 @@ def host_bytes(model: ModelSpec, train: TrainSpec, shape: StageShape, tp: int, p
     return p * (train.optimizer_bytes_per_param + train.grad_bytes + masters)
 
 
-def offload_lanes(slot: Slot, train: TrainSpec, offload_params: bool, p):
+def offload_lanes(slot: Slot, train: TrainSpec, offload_params: bool, p: Any) -> tuple[Any, Any, Any]:
     """Seconds per step of an offloaded optimizer's three lanes for `p` parameters per device (a float, or a
     numpy array of them), as workers/offload.py and workers/copy_lane.py move them: d2h, every gradient once in
     the masters' dtype (packed and cast on the device); h2d, a resident layer's new weights back in the masters'
@@ -355,7 +355,7 @@ def offload_lanes(slot: Slot, train: TrainSpec, offload_params: bool, p):
 HOST_ADAMW_BESIDE_COPIES = 0.85
 
 
-def first_layer_share(model: ModelSpec, shape: StageShape, tp: int, p):
+def first_layer_share(model: ModelSpec, shape: StageShape, tp: int, p: Any) -> Any:
     """The share of a stage's parameters in its first layer, whose update (and copy back) its forward waits for
     before it starts: the embedding's on a first stage (several blocks' worth with a large vocabulary)."""
     first: float

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from planner import cost
 from planner.contract import tp_problem
 from planner.plan_types import UnusedDevice
-from planner.specs import ClusterSpec, ModelSpec, TrainSpec
+from planner.specs import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def host_never_binds(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -
     return True
 
 
-def host_slot(slot: cost.Slot, node, first_gpu: int, host: str) -> cost.Slot:
+def host_slot(slot: cost.Slot, node: NodeSpec, first_gpu: int, host: str) -> cost.Slot:
     """A group's slot under a host split (HOST_SPLITS): `first_gpu` is where the group starts on its node."""
     if host == "even" or node.num_gpus <= slot.tp:
         return slot

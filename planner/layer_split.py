@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -70,7 +71,7 @@ class _Choices:
 
     __slots__ = ("mode", "rec", "where", "made")
 
-    def __init__(self, mode, rec, where: tuple):
+    def __init__(self, mode: np.ndarray, rec: np.ndarray, where: tuple):
         self.mode, self.rec = mode.astype(np.int8), rec.astype(np.int32)  # index x: x + 1 layers
         self.where = where  # (slot, model, train, first, last, b, inflight, next link, previous link)
         self.made: dict[int, StageChoice] = {}
@@ -96,7 +97,8 @@ class _DPState:
 
     __slots__ = ("prim", "sec", "back", "choices", "parent")
 
-    def __init__(self, prim, sec, back, choices, parent):
+    def __init__(self, prim: np.ndarray, sec: np.ndarray, back: np.ndarray | None, choices: _Choices | None,
+                 parent: _DPState | None):
         self.prim, self.sec, self.back, self.choices, self.parent = prim, sec, back, choices, parent
 
 
@@ -138,7 +140,7 @@ class PipelineModel:
     def _shape(self, i: int, n: int) -> cost.StageShape:
         return _shape(n, i == 0, i == len(self.slots) - 1)
 
-    def _candidates(self, i: int, n: int, b: int, k: int):
+    def _candidates(self, i: int, n: int, b: int, k: int) -> list[tuple[cost.Knobs, cost.StageTimes]]:
         first, last = i == 0, i == len(self.slots) - 1
         key = (self._hw[i], n, first, last, k, self.p2p[i], b)
         got = self._stage_cache.get(key)
@@ -251,10 +253,11 @@ class PipelineModel:
             if nxt is None:
                 v = self._grow(x, b, m)
                 prim, sec, start = _band_step(st.prim, st.sec, num_layers, i, w, v.val, v.t, min(w, v.done), False)
-                nxt = _DPState(prim, sec, start + i, v.choices, st)
+                back = start + i
+                nxt = _DPState(prim, sec, back, v.choices, st)
                 kept = cache.get("dp-bytes", 0)
                 if kept < DP_STATE_BYTES:  # past it, states are computed as they are needed and not kept
-                    cache[key], cache["dp-bytes"] = nxt, kept + prim.nbytes + sec.nbytes + nxt.back.nbytes + 400
+                    cache[key], cache["dp-bytes"] = nxt, kept + prim.nbytes + sec.nbytes + back.nbytes + 400
             states.append(nxt)
             st = nxt
         return states
@@ -272,6 +275,7 @@ class PipelineModel:
         total = float(st.sec[num_layers + num_layers]) + sum(e.times.fwd_s + e.times.bwd_s for e in edges)
         out, j = [], num_layers
         for i in range(hi - lo - 1, -1, -1):
+            assert st.back is not None and st.choices is not None and st.parent is not None, "a stage's state"
             a = int(st.back[j - i - 1])
             out.append(st.choices[j - a])
             j = a
@@ -439,10 +443,11 @@ class PipelineModel:
                     tl = t
                 else:  # the last micro-batch's times depend on its size, not on b or m: shared across them
                     tkey = ("last", self._hw[i], nl, shape.first, shape.last, k, self.p2p[i], last_b, kn)
-                    tl = self._stage_cache.get(tkey)
-                    if tl is None:
-                        tl = self._stage_cache[tkey] = cost.stage_times(slot, self.model, self.train, shape, last_b,
-                                                                        k, kn, *self.p2p[i])
+                    got = self._stage_cache.get(tkey)
+                    if got is None:
+                        got = self._stage_cache[tkey] = cost.stage_times(slot, self.model, self.train, shape, last_b,
+                                                                         k, kn, *self.p2p[i])
+                    tl = got
                 full, last = t.fwd_s + t.bwd_s, tl.fwd_s + tl.bwd_s
                 busy = (m - 1) * full + last
                 fwd = (m - 1) * t.fwd_s + tl.fwd_s
@@ -520,7 +525,7 @@ class PipelineModel:
                                                 b, k, ch.policy, *self.p2p[i])
         return self._times[key]
 
-    def _stage_consts(self, stages) -> list[tuple]:
+    def _stage_consts(self, stages: tuple[StageChoice, ...]) -> list[tuple]:
         """Per stage, what `_time` needs that does not depend on n: (optimizer offloaded?, resident optimizer
         time or (d2h, h2d, cpu, tail), gradient bytes to sync). cost.optimizer_s and cost.sync_s, unrolled
         for the search's hot loop (tests/test_cost_model.py checks they agree)."""
@@ -543,7 +548,8 @@ class PipelineModel:
             got = self._consts[id(stages)] = out  # stages live in self._splits as long as this model
         return got
 
-    def _time(self, stages, n: int, b: int, m: int, num_replicas: int, sync_bw: float) -> float:
+    def _time(self, stages: tuple[StageChoice, ...], n: int, b: int, m: int, num_replicas: int,
+              sync_bw: float) -> float:
         """The step of n samples in micro-batches of b (m of them) over these stages, with `num_replicas`
         replicas syncing gradients at `sync_bw`. What does not depend on the replicas is worked out once per
         (stages, n, b, m): a search asks again for every replica count its pipeline sets try."""
@@ -558,7 +564,8 @@ class PipelineModel:
             extra = max(extra, max(0.0, sync_bytes * per_byte - bwd) + opt)
         return t_pipe + extra
 
-    def _pipe_parts(self, stages, n: int, b: int, m: int) -> tuple[float, list[tuple[float, float, float]]]:
+    def _pipe_parts(self, stages: tuple[StageChoice, ...], n: int, b: int, m: int,
+                    ) -> tuple[float, list[tuple[float, float, float]]]:
         """1F1B's closed form for these stages, and per stage (gradient bytes to sync, its last backward, its
         exposed optimizer time)."""
         last_b = n - (m - 1) * b
@@ -718,7 +725,7 @@ def allocate_samples(pipes: list[PipelineModel], global_batch: int, exact: bool,
     return _rebalance(fin, counts)
 
 
-def _rebalance(fin, counts: list[int]) -> list[int]:
+def _rebalance(fin: Callable[[int, int], float], counts: list[int]) -> list[int]:
     """Move single samples off the slowest pipeline while that lowers the slowest finish."""
     k = len(counts)
     cur = [fin(i, counts[i]) for i in range(k)]
@@ -746,7 +753,7 @@ def _rebalance(fin, counts: list[int]) -> list[int]:
     return counts
 
 
-def _allocate_exact(fin, k: int, global_batch: int) -> list[int] | None:
+def _allocate_exact(fin: Callable[[int, int], float], k: int, global_batch: int) -> list[int] | None:
     dp: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
     for r in range(k):
         left_after = k - r - 1

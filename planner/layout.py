@@ -10,6 +10,7 @@ and the head are pseudo-layers -1 and L, owned by first and last stages.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from planner.plan_types import Plan
@@ -71,7 +72,7 @@ def extended_range(plan: Plan, pipeline: int, stage: int) -> tuple[int, int]:
     return start, end
 
 
-def stage_layers(plan: Plan):
+def stage_layers(plan: Plan) -> Iterator[tuple[str, range]]:
     """(node, range of extended layers) per stage of `plan`, in plan order."""
     for r, pipe in enumerate(plan.pipelines):
         for i, st in enumerate(pipe.stages):

@@ -18,13 +18,13 @@ MAX_MIXED = 400  # pipeline templates scored per plan at most (in order of their
 MIXED_ORDERS = 6  # stage orders tried per replicated template
 
 
-def compositions(total: int, parts: int):
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
     for cuts in itertools.combinations(range(1, total), parts - 1):
         bounds = (0, *cuts, total)
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
-def profiles(order: list[Group], num_layers: int, edges: bool = False):
+def profiles(order: list[Group], num_layers: int, edges: bool = False) -> Iterator[tuple[int, ...]]:
     """Every way to give the layers TP degrees that a pipeline in this stage order can hold: the degrees run
     in the order's sequence (adjacent equal degrees merged), each run at least as many layers as it has
     stages. `edges`: the first or the last stage may hold no layer (the embedding or the head alone), so the
@@ -81,7 +81,7 @@ class MixedTemplates:
         out: list[tuple[float, float, tuple[GroupKey, ...]]] = []
         gpus = self.search.cluster.num_gpus
 
-        def rec(start: int, left: dict, chosen: list):
+        def rec(start: int, left: dict, chosen: list) -> None:
             if len({t for _, t in chosen}) >= 2:
                 cap = sum(t * self.slots[(nm, t)].flops_per_gpu for nm, t in chosen)
                 most = min(self.batch, gpus // sum(t for _, t in chosen))  # copies that could fit

@@ -25,7 +25,8 @@ from planner.specs import ClusterSpec, ModelSpec, TrainSpec
 _MODES = ((False, False), (True, False), (True, True))
 
 
-def _min_recompute(slot, model, train, shape, b, k, opt, params) -> int | None:
+def _min_recompute(slot: cost.Slot, model: ModelSpec, train: TrainSpec, shape: cost.StageShape, b: int, k: int,
+                   opt: bool, params: bool) -> int | None:
     """Fewest recomputed layers for which the stage fits; None if none does."""
     n = shape.num_layers
     mem0 = cost.stage_memory(slot, model, train, shape, b, k, cost.Knobs(0, opt, params))
@@ -180,7 +181,8 @@ class _ByLayers:
 
 
 def cheapest_by_layers(fitting: _ByLayers, slot: cost.Slot, model: ModelSpec, train: TrainSpec,
-                       b: int, num_mb: int, p2p_next_bw: float | None, p2p_prev_bw: float | None):
+                       b: int, num_mb: int, p2p_next_bw: float | None, p2p_prev_bw: float | None,
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """`cheapest` over `fitting_by_layers`'s policies with a position's links (cost.with_links) for every layer
     count at once, to the bit as the scalar path. Returns per count (mode index into _MODES, -1 where nothing
     fits, -2 where the scalar path must settle it), recomputed layers, fwd, bwd, memory and stage cost. Every
@@ -267,7 +269,7 @@ def share_node_host(plan: Plan, cluster: ClusterSpec, model: ModelSpec, train: T
     for node, stages in sorted(where.items()):
         cap = cluster.node(node).host_mem * cost.GIB
 
-        def used(kns, stages=stages):
+        def used(kns: list[cost.Knobs], stages: list = stages) -> float:
             return sum(len(st.devices) * cost.host_bytes(model, train, sp.shape, st.tp, kn)
                        for (_, st, sp, _, _), kn in zip(stages, kns, strict=True))
 

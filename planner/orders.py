@@ -4,6 +4,8 @@ point-to-point links and, on small clusters, which nodes share each layer's grad
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from planner.groups import Group, by_kind
 
@@ -47,12 +49,12 @@ def node_orders(pset: list[list[Group]], most_nodes: int = 4) -> list[list[list[
     return out
 
 
-def distinct_orders(groups: list, limit: int, key=by_kind):
+def distinct_orders(groups: list, limit: int, key: Callable[[Any], Hashable] = by_kind) -> list[list]:
     """Orders of `groups` that differ in some position's `key` (a group's kind by default), in the given
     order first, at most `limit`."""
     out: list[list] = []
 
-    def rec(prefix: list[Group], rest: list[Group]):
+    def rec(prefix: list[Group], rest: list[Group]) -> None:
         if len(out) >= limit:
             return
         if not rest:

@@ -26,6 +26,7 @@ Pure: no torch.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -189,6 +190,6 @@ def check(programs: dict[int, list[Item]]) -> Finding | None:
     return None
 
 
-def check_plan(plan: Plan, order=program) -> Finding | None:
+def check_plan(plan: Plan, order: Callable[[Plan, int], list[Item]] = program) -> Finding | None:
     """`check` over every rank of `plan`, with each rank's batches from `order` (`program` or `legacy_program`)."""
     return check({r.rank: order(plan, r.rank) for r in ranks(plan)})

@@ -216,7 +216,7 @@ class SetCost:
         return max(done(pm.finish(n, len(pset), bw)).time_s for pm, n in zip(pms, alloc, strict=True))
 
 
-def group_nodes(groups: list[Group], f) -> list[str]:
+def group_nodes(groups: list[Group], f: Finish) -> list[str]:
     """The node that holds this replica's copy of each gradient-sync group under the split `f` (in
     `link_vector`'s order: embedding, layer 0, ..., layer L-1, LM head)."""
     out = [groups[0].node]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from planner import cost
 from planner.assembly import build_plan, kept_pipelines
@@ -68,7 +68,7 @@ from planner.offload_policy import share_node_host
 from planner.orders import MAX_ORDERS, distinct_orders, node_aligned, node_orders, shape_key
 from planner.plan_types import Plan, UnusedDevice
 from planner.scoring import SetCost
-from planner.specs import ClusterSpec, ModelSpec, TrainSpec
+from planner.specs import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 # A candidate for `evaluate`: (surrogate step time, TP degree (inf: mixed degrees), order found, pipelines, exact
 # mode, unused devices, the degree's groups, every layer's TP degree where mixed)
@@ -439,7 +439,7 @@ class CollectionPause:
 
 
 @contextlib.contextmanager
-def collector_paused():
+def collector_paused() -> Iterator[None]:
     """The collector off for the duration of a search. The search allocates hundreds of thousands of short-lived
     objects beside its cost caches, so the collector runs its oldest generation mid-search and walks every cached
     object: at 16,384 GPUs a warm re-plan took 1.22 s of CPU with it and 0.85 s without (medians of 5,
@@ -461,7 +461,7 @@ MONOTONE_NODES, MONOTONE_GPUS = 6, 32  # up to here a plan is never slower than 
 LEAST_HOST_GPUS = 16  # up to here a refusal for host memory names the least RAM the search plans with
 
 
-def _host_short(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec):
+def _host_short(cluster: ClusterSpec, model: ModelSpec, train: TrainSpec) -> tuple[NodeSpec, float] | None:
     """(node, GiB) of the node whose host memory falls shortest of its share of the model's state offloaded
     over every GPU, or None where every node holds its share."""
     per_param = cost.host_bytes(model, train, cost.StageShape(1, False, False), 1, cost.Knobs(0, True, True)) / \

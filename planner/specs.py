@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from functools import cached_property
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,7 +23,7 @@ class StrictModel(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _numbers_are_not_booleans(cls, v, info):
+    def _numbers_are_not_booleans(cls, v: Any, info: Any) -> Any:
         """YAML's true/false is not a count or a size (pydantic would read true as 1)."""
         if isinstance(v, bool):
             ann = cls.model_fields[info.field_name].annotation
@@ -128,7 +128,7 @@ class ClusterSpec(StrictModel):
         """Each node's NIC bandwidth (GB/s), by name (cached, like `node`)."""
         return self._by_name("_nics", lambda n: n.inter_node_bw_gb_s)
 
-    def _by_name(self, slot: str, value) -> dict:
+    def _by_name(self, slot: str, value: Any) -> dict:
         """{node name: value(node)}, built once per node list (a frozen model: cached in its __dict__, with the
         list it was built from, since `model_copy` carries the cache into a copy with other nodes)."""
         got = self.__dict__.get(slot)
@@ -235,7 +235,8 @@ class ModelSpec(StrictModel):
         return PRESETS[key]
 
 
-def _p(name, layers, hidden, heads, vocab, seq, ffn=None, **llama) -> ModelSpec:
+def _p(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int, ffn: int | None = None,
+       **llama: Any) -> ModelSpec:
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
         ffn_size=ffn, vocab_size=vocab, seq_len=seq, **({"arch": "llama"} | llama if llama else {}),
