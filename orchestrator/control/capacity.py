@@ -151,7 +151,7 @@ class Capacity:
         return self.started_s is not None and self.now() - self.started_s >= self.fleet.wait_s
 
 
-def fleet_demand(fleet, up: dict[str, int], stand_ins: dict[str, str],
+def fleet_demand(fleet: Any, up: dict[str, int], stand_ins: dict[str, str],
                  dry: dict[str, int] | None = None) -> dict[str, int]:
     """Nodes to ask for per type: its max_nodes, or for a dry type the most of it that came up (`dry`), plus
     for each substituted type the nodes it lacks as its stand-in."""
@@ -163,7 +163,7 @@ def fleet_demand(fleet, up: dict[str, int], stand_ins: dict[str, str],
     return demand
 
 
-def missing_minimums(fleet, up: dict[str, int], stand_ins: dict[str, str]) -> dict[str, int]:
+def missing_minimums(fleet: Any, up: dict[str, int], stand_ins: dict[str, str]) -> dict[str, int]:
     """Per type short of min_nodes: the nodes it lacks, after its stand-in's surplus over its own minimum."""
     mins = {t.gpu_type: t.min_nodes for t in fleet.types}
     surplus = {k: max(0, up.get(k, 0) - mins[k]) for k in mins}
@@ -180,11 +180,11 @@ def missing_minimums(fleet, up: dict[str, int], stand_ins: dict[str, str]) -> di
     return missing
 
 
-def progress_line(fleet, up: dict[str, int], demand: dict[str, int]) -> str:
+def progress_line(fleet: Any, up: dict[str, int], demand: dict[str, int]) -> str:
     return ", ".join(f"{up.get(t, 0)}/{n} {t} node{'s' if n != 1 else ''}" for t, n in demand.items() if n)
 
 
-def timeout_message(fleet, view: CapacityView) -> str:
+def timeout_message(fleet: Any, view: CapacityView) -> str:
     """The failure after `wait_s`: which types are missing, and what to check."""
     lacks = ", ".join(f"{t} ({view.up.get(t, 0)} up, min_nodes {t_min})" for t, t_min in
                       ((t.gpu_type, t.min_nodes) for t in fleet.types) if t in view.missing)

@@ -35,8 +35,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from orchestrator.control.capacity import Capacity, CapacityView
 from orchestrator.control.drain import drain_copy_s, notice_decision
 from orchestrator.control.failure import Replan, failure_policy, loses_a_node
 from orchestrator.control.protocols import (
@@ -105,8 +106,9 @@ class Controller:
                  first_plan: Plan | None = None, user_plan: bool = False, replan_user_plan: bool = False,
                  max_restarts: int = 100, max_stalled: int = 5, snapshot_every: int = 1, drain_margin_s: float = 1.0,
                  on_phase: Callable[[str], None] | None = None, scale_check_every: int = 0,
-                 capacity=None, sleep: Callable[[float], None] | None = None, replan_tolerance: float = TOLERANCE,
-                 queue: JobQueue | None = None, queue_timeout_s: float = 3600.0):
+                 capacity: Capacity | None = None, sleep: Callable[[float], None] | None = None,
+                 replan_tolerance: float = TOLERANCE, queue: JobQueue | None = None, queue_timeout_s: float = 3600.0,
+                 ) -> None:
         self.model, self.train, self.steps = model, train, steps
         self.replan_tolerance = replan_tolerance  # how much throughput a re-plan may give for fewer bytes moved
         self.nodes, self.make_group = nodes, make_group
@@ -218,28 +220,29 @@ class Controller:
 
     def _wait_for_capacity(self) -> State:
         """One look at the fleet against its minimums; the demand is (re)stated when it changed."""
-        view = self.capacity.tick()
-        self._substitutions(view)
+        capacity = _present(self.capacity, "fleet's capacity is watched", self.state)
+        view = capacity.tick()
+        self._substitutions(capacity, view)
         if view.ready:
             log.info("capacity: %s", view.line)
             return State.DISCOVERING
-        if self.capacity.timed_out():
+        if capacity.timed_out():
             from orchestrator.control.capacity import timeout_message
 
-            return self._fail(timeout_message(self.capacity.fleet, view), exit_code=2)
+            return self._fail(timeout_message(capacity.fleet, view), exit_code=2)
         self._phase(f"waiting for capacity: {view.line}")
-        self.sleep(self.capacity.fleet.poll_s)
+        self.sleep(capacity.fleet.poll_s)
         return State.WAITING
 
-    def _substitutions(self, view) -> None:
+    def _substitutions(self, capacity: Capacity, view: CapacityView) -> None:
         if view.rechosen is not None:
             self._event("rechoose", f"{view.rechosen} stayed short of its nodes for "
-                        f"{self.capacity.fleet.substitute_after_s:.0f} s: chose the fleet again among what is left: "
+                        f"{capacity.fleet.substitute_after_s:.0f} s: chose the fleet again among what is left: "
                         + ", ".join(f"{n}x {t}" for t, n in view.demand.items() if n),
                         dry=view.rechosen, fleet=dict(view.demand))
         for dry, sub, n in view.substituted:
             self._event("substitute", f"{dry} stayed short of its max_nodes for "
-                        f"{self.capacity.fleet.substitute_after_s:.0f} s: asking for {n} {sub} node(s) instead",
+                        f"{capacity.fleet.substitute_after_s:.0f} s: asking for {n} {sub} node(s) instead",
                         dry=dry, substitute=sub, nodes=n)
 
     def _discover(self) -> State:
@@ -384,7 +387,7 @@ class Controller:
         migration included, and only once those workers are ready, so the switch is one re-form and starts no
         process (a notice's pre-staged switch does the same). True: switch now."""
         if weigh and self.capacity is not None:  # substitutes for types that stay dry while the job runs
-            self._substitutions(self.capacity.tick())
+            self._substitutions(self.capacity, self.capacity.tick())
         cluster = self._not_queued_for(self.nodes.discover().without_nodes(self.doomed))
         known, joined = joined_nodes(self._known_nodes, cluster)
         self._warmed &= known  # a node that left and comes back is warmed again
@@ -625,7 +628,7 @@ class Controller:
         except Exception as e:  # the other tiers still hold the state; a failed salvage costs bytes, not the job
             log.warning("salvaging survivors' state failed: %s", e)
 
-    def _event(self, kind: str, cause: str, **extra) -> None:
+    def _event(self, kind: str, cause: str, **extra: Any) -> None:
         self.progress.events.append({"kind": kind, "cause": cause, "at_step": self.progress.committed,
                                      "t_s": round(self.clock.now() - self.started_at, 3)} | extra)
 

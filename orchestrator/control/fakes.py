@@ -5,9 +5,12 @@ Unit tests and examples step the controller with them: no Ray, no clock waits.
 
 from __future__ import annotations
 
+from collections.abc import Set
+from typing import Any
+
 from orchestrator.control.protocols import Notice, YieldRequest
 from orchestrator.errors import WorkerFailure
-from planner import ClusterSpec
+from planner import ClusterSpec, Plan
 
 
 class FakeNodes:
@@ -75,7 +78,7 @@ class FakeWorkerGroup:
     `fail_start`: `start` raises. `log` records starts, imports and shutdowns.
     """
 
-    def __init__(self, plan, log: list, fail_at: list[int] | None = None, fail_start: bool = False,
+    def __init__(self, plan: Plan, log: list, fail_at: list[int] | None = None, fail_start: bool = False,
                  fail_kind: str = "node lost", in_place: bool = False, ready_after: int = 0):
         self.plan, self.log, self.fail_at, self.fail_start = plan, log, fail_at, fail_start
         self.fail_kind = fail_kind
@@ -100,17 +103,17 @@ class FakeWorkerGroup:
         """A validation loss that is a pure function of the applied steps, as the training loss is."""
         return 20.0 - self.applied
 
-    def export_state(self):
+    def export_state(self) -> tuple[dict, float]:
         return {"applied": self.applied}, float(self.applied)
 
-    def import_state(self, state, steps) -> None:
+    def import_state(self, state: Any, steps: float) -> None:
         self.applied = state["applied"]
         self.log.append(("import", state["applied"]))
 
     def release(self) -> None:
         self.shutdown()
 
-    def prestage(self, plan) -> int:  # its warm workers are ready after `ready_after` looks
+    def prestage(self, plan: Plan) -> int:  # its warm workers are ready after `ready_after` looks
         self.log.append(("prestage", len(plan.devices())))
         return self.ready_after
 
@@ -118,14 +121,14 @@ class FakeWorkerGroup:
         self.ready_after -= 1
         return self.ready_after < 0
 
-    def warm_joined(self, cluster, nodes) -> int:  # ready after `ready_after` looks, as a prestage's
+    def warm_joined(self, cluster: ClusterSpec, nodes: Set[str]) -> int:  # ready after `ready_after` looks
         self.log.append(("warm-joined", sorted(nodes)))
         return sum(n.num_gpus for n in cluster.nodes if n.name in nodes)
 
-    def warm_spares(self, cluster) -> int:
+    def warm_spares(self, cluster: ClusterSpec) -> int:
         return 0
 
-    def end_warm(self, nodes) -> int:
+    def end_warm(self, nodes: Set[str]) -> int:
         self.log.append(("end-warm", sorted(nodes)))
         return 0
 

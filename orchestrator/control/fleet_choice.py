@@ -52,7 +52,7 @@ def describe(choice: FleetChoice, catalog: Catalog) -> str:
             + f": ${o.price_per_hour:.2f}/h, {o.tokens_per_s:,.0f} tokens/s, ${o.cost_per_mtok:.3g} per M tokens")
 
 
-def choose(job, catalog: Catalog | None = None) -> tuple[FleetChoice, Any]:
+def choose(job: Any, catalog: Catalog | None = None) -> tuple[FleetChoice, Any]:
     """The job's fleet chosen from its catalog (or `catalog`, what is left of it): (the choice, the job's
     FleetSpec with the chosen types). Raises PlanningError when the model fits no fleet."""
     auto = job.fleet.auto
@@ -69,13 +69,13 @@ class Rechooser:
     history: list[str] = field(default_factory=list)  # each choice, described
     on_new: Callable[[object], None] | None = None  # told each new FleetSpec (the executor learns its node shapes)
 
-    def first(self):
+    def first(self) -> Any:
         choice, fleet = choose(self.job)
         self.history.append(describe(choice, self.job.fleet.auto.catalog))
         log.info("fleet chosen: %s", self.history[-1])
         return fleet
 
-    def __call__(self, came: dict[str, int]):
+    def __call__(self, came: dict[str, int]) -> Any:
         """A new FleetSpec among what is left (`came`: each type that did not come -> its nodes that did), or
         None when nothing is left that fits the model (the demand stays; `fleet.wait_s` ends the wait)."""
         left = left_after(self.job.fleet.auto.catalog, came)

@@ -8,7 +8,7 @@ the fleet simulator (drills/) charge these figures. Pure: the planner's types an
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
 
 from planner import ClusterSpec, Plan
@@ -43,7 +43,8 @@ def node_bytes(p: Plan, model: ModelSpec, train: TrainSpec) -> dict[str, float]:
     return out
 
 
-def layer_sources(old: Plan | None, new: Plan, gone: Set[str] = frozenset(), peer_of: dict[str, str] | None = None):
+def layer_sources(old: Plan | None, new: Plan, gone: Set[str] = frozenset(), peer_of: dict[str, str] | None = None,
+                  ) -> Iterator[tuple[str, int, str, str | None]]:
     """Where each stage of `new` gets each extended layer it holds, as (node, layer, tier, redo): "live" when the
     node itself held the layer in `old` and survived, "peer" when another surviving node held it, or when only
     the peer snapshot of a lost holder survived (`peer_of`: the node keeping each node's snapshot; `redo` is then

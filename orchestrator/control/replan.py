@@ -25,7 +25,8 @@ from orchestrator.control.migration import (
 )
 from planner import ClusterSpec, Plan, PlanningError, evaluate
 from planner.layout import held_by_node, stage_layers
-from planner.specs import ModelSpec, TrainSpec, tokens_per_step
+from planner.search import Planner
+from planner.specs import ModelSpec, NodeSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
 
@@ -108,7 +109,7 @@ def _of(candidates: list[Candidate], name: str) -> Candidate:
     return next(c for c in candidates if c.name == name)
 
 
-def _plan_of(candidates: list[Candidate], name: str):
+def _plan_of(candidates: list[Candidate], name: str) -> Plan | None:
     return next(c.plan for c in candidates if c.name == name)
 
 
@@ -120,7 +121,7 @@ def joined_nodes(known: set[str] | None, cluster: ClusterSpec) -> tuple[set[str]
     return names, ", ".join(sorted(names - known))
 
 
-def node_kind(node) -> str:
+def node_kind(node: NodeSpec) -> str:
     """Nodes of one kind are interchangeable to the cost model: every field but the name and the instance."""
     return node.model_dump_json(exclude={"name", "instance_id"})
 
@@ -202,7 +203,7 @@ def _numbers(d: ScaleDecision, cands: list[Candidate], steps_left: int) -> dict:
             "finish_s": {k: round(v, 2) for k, v in d.finish_s.items()}, "steps_left": steps_left}
 
 
-def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None, cluster: ClusterSpec,
+def choose_replan(planner: Planner, model: ModelSpec, train: TrainSpec, old: Plan | None, cluster: ClusterSpec,
                   steps_left: int, startup_s: float, tolerance: float = TOLERANCE) -> tuple[Plan, dict]:
     """The re-plan after a loss or a drain: (plan, the numbers for the event). Raises PlanningError.
     `tolerance`: how much slower than the fastest candidate a plan that moves fewer bytes may be
@@ -219,7 +220,7 @@ def choose_replan(planner, model: ModelSpec, train: TrainSpec, old: Plan | None,
     return d.plan, {"choice": d.reason, "tolerance": tolerance} | _numbers(d, cands, steps_left)
 
 
-def consider_joined(planner, model: ModelSpec, train: TrainSpec, running: Plan, cluster: ClusterSpec,
+def consider_joined(planner: Planner, model: ModelSpec, train: TrainSpec, running: Plan, cluster: ClusterSpec,
                     steps_left: int, startup_s: float,
                     measured_tokens_per_s: float | None = None) -> tuple[Plan, ScaleDecision, dict] | None:
     """(chosen plan, decision, the numbers for the event), or None when no plan uses the grown cluster.

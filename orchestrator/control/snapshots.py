@@ -12,6 +12,8 @@ from collections.abc import Set
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orchestrator.control.protocols import WorkerGroup
+
 
 @dataclass
 class MemoryRestore:
@@ -31,13 +33,13 @@ class MemorySnapshots:
         self.every = every
         self._latest: tuple[int, Any, float] | None = None
 
-    def after_step(self, group, step: int, avoid: Set[str] = frozenset()) -> bool:
+    def after_step(self, group: WorkerGroup, step: int, avoid: Set[str] = frozenset()) -> bool:
         if (step + 1) % self.every:
             return False
         self._save(group, step)
         return True
 
-    def prepare_drain(self, group, avoid: set[str]) -> None:  # nothing to start: copies are in this process
+    def prepare_drain(self, group: WorkerGroup, avoid: set[str]) -> None:  # nothing to start: copies are here
         pass
 
     def claim(self) -> None:  # nothing shared to write: no writer lock
@@ -52,25 +54,25 @@ class MemorySnapshots:
     def drain_ready(self) -> bool:
         return True
 
-    def drain(self, group, step: int, avoid: set[str]) -> None:
+    def drain(self, group: WorkerGroup, step: int, avoid: set[str]) -> None:
         if self._latest is None or self._latest[0] != step:
             self._save(group, step)
 
-    def _save(self, group, step: int) -> None:
+    def _save(self, group: WorkerGroup, step: int) -> None:
         state, optimizer_steps = group.export_state()
         self._latest = (step, state, optimizer_steps)
 
-    def salvage(self, group, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
+    def salvage(self, group: WorkerGroup, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
         """Nothing to keep from a failed group: the snapshot is already here."""
 
-    def restore(self, group, avoid: Set[str] = frozenset()) -> MemoryRestore | None:
+    def restore(self, group: WorkerGroup, avoid: Set[str] = frozenset()) -> MemoryRestore | None:
         if self._latest is None:
             return None
         step, state, optimizer_steps = self._latest
         group.import_state(state, optimizer_steps)
         return MemoryRestore(step)
 
-    def suspend(self, group, step: int) -> str:
+    def suspend(self, group: WorkerGroup, step: int) -> str:
         """The committed step kept in this process, whatever the group does next."""
         if self._latest is None or self._latest[0] != step:
             self._save(group, step)

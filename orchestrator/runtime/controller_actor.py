@@ -18,22 +18,30 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 
+from orchestrator.control.capacity import Capacity
 from orchestrator.control.controller import Controller, State
+from orchestrator.control.protocols import JobQueue, NodeSource, StatePlane
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.ray_notices import RayNotices
 from orchestrator.runtime.worker_group import RayWorkerGroup, WorkerPool
 from orchestrator.state.recovery import recovery
 from planner import Plan
 
+if TYPE_CHECKING:
+    from orchestrator.state.tiers import TieredState
+
 log = logging.getLogger("hetspot.controller")
 
 
-def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | None = None, user_plan: bool = False,
-                    replan_user_plan: bool = False, on_step=None, on_phase=None, capacity=None,
-                    checkpoint_run: str | None = None, queue=None) -> Controller:
+def make_controller(job: JobSpec, steps: int, nodes: NodeSource | None = None, first_plan: Plan | None = None,
+                    user_plan: bool = False, replan_user_plan: bool = False,
+                    on_step: Callable[[int, float, float], None] | None = None,
+                    on_phase: Callable[[str], None] | None = None, capacity: Capacity | None = None,
+                    checkpoint_run: str | None = None, queue: JobQueue | None = None) -> Controller:
     """A Controller over the connected Ray cluster: one TrainWorker per GPU.
 
     Nodes default to the job's `cluster:` nodes that Ray reports alive (the embedded cluster); `capacity`
@@ -44,8 +52,11 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
     from orchestrator.cluster.node_sources import DeclaredNodes
 
     mode = recovery(job.runtime.recovery, WorkerPool())  # in place: the processes kept across plans (restart: none)
+    # The plane takes the controller's groups as its StateGroups: every group this controller makes is a
+    # RayWorkerGroup, which is both (the one place the two protocols meet)
+    store = cast(StatePlane, make_store(job, run_id=checkpoint_run))
     return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
-                      lambda p: RayWorkerGroup(job, p, on_step, mode), store=make_store(job, run_id=checkpoint_run),
+                      lambda p: RayWorkerGroup(job, p, on_step, mode), store=store,
                       first_plan=first_plan,
                       interruptions=RayNotices(None if job.runtime.notices == "none" else job.runtime.notices,
                                                job.runtime.notice_poll_s, grace_s=job.runtime.notice_grace_s),
@@ -56,7 +67,7 @@ def make_controller(job: JobSpec, steps: int, nodes=None, first_plan: Plan | Non
                       queue=queue, queue_timeout_s=job.runtime.queue_timeout_s)
 
 
-def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None = None):
+def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None = None) -> TieredState:
     """The tiered state plane: live and peer tiers always, S3 when the job has a `checkpoint:` section.
 
     Each S3 manifest names the job (`job`, what a resume and a shared bucket are checked against), the run that
@@ -242,7 +253,7 @@ def publish_last_rows() -> None:
     time.sleep(interval_s + 0.5)
 
 
-def drive(actor, on_row: Callable[[dict], None] | None = None, on_event: Callable[[dict], None] | None = None,
+def drive(actor: Any, on_row: Callable[[dict], None] | None = None, on_event: Callable[[dict], None] | None = None,
           on_phase: Callable[[str], None] | None = None, poll_s: float = 1.0) -> dict:
     """Poll the controller actor until the job is done or failed; return its summary.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -54,7 +55,8 @@ def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int],
     return results
 
 
-def _answer(f, i: int, what: str, describe, plan_nodes, results: list, on_result) -> WorkerFailure | None:
+def _answer(f: Any, i: int, what: str, describe: Callable[[int], str], plan_nodes: list[str], results: list,
+            on_result: Callable[[object], None]) -> WorkerFailure | None:
     """Store rank i's result; its failure, if it failed."""
     try:
         results[i] = ray.get(f)

@@ -24,7 +24,9 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from orchestrator.errors import ConfigError
@@ -64,6 +66,7 @@ def shipped_runtime_env(env_vars: dict[str, str] | None = None) -> dict:
     mods = [str(Path(str(m.__file__)).resolve().parent) for m in (planner, workers, orchestrator)]
     return {"py_modules": mods, "excludes": ["__pycache__", "*.pyc"]} | ({"env_vars": env_vars} if env_vars else {})
 log = logging.getLogger("hetspot.ray_jobs")
+T = TypeVar("T")
 TAIL_LINES = 3000  # `status` reads this much of a job's log at most (the driver repeats its events line within it)
 # `hetspot stop` is Ray's job stop: SIGTERM to the driver, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (Ray's default
 # 3 s, read by the job's supervisor from the job's environment). The driver's SIGTERM handler withdraws the fleet's
@@ -122,7 +125,7 @@ class RayJobs:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = self._call(lambda: JobSubmissionClient(self.url, headers=self.headers))
 
-    def _call(self, fn, job_id: str | None = None):
+    def _call(self, fn: Callable[[], T], job_id: str | None = None) -> T:
         from ray.exceptions import AuthenticationError
 
         try:
@@ -207,7 +210,8 @@ class RayJobs:
         (a few kilobytes, whatever the job's length), else from the tail of its log (`tail`; the driver
         repeats its events line every `EVENTS_EVERY` steps, so the tail holds the newest)."""
         info = self._call(lambda: self.client.get_job_info(job_id), job_id)
-        out = {"job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
+        out: dict[str, Any] = {
+            "job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
                "message": info.message, "start_time": info.start_time, "end_time": info.end_time,
                "metadata": info.metadata or {}}
         out["exit_code"] = job_exit_code(out["status"], getattr(info, "driver_exit_code", None))
@@ -256,12 +260,12 @@ class RayJobs:
     def logs(self, job_id: str) -> str:
         return self._call(lambda: self.client.get_job_logs(job_id), job_id)
 
-    def follow(self, job_id: str):
+    def follow(self, job_id: str) -> Iterator[str]:
         """Yield log chunks as the driver writes them, until the job ends."""
         import asyncio
 
         self.status(job_id)  # a clear error for an unknown id before streaming
-        agen = self.client.tail_job_logs(job_id)
+        agen: Any = self.client.tail_job_logs(job_id)  # an async generator (aclose), typed as an iterator
         loop = asyncio.new_event_loop()
         try:
             while True:
@@ -291,11 +295,12 @@ class RayJobs:
     def list(self) -> list[dict]:
         rows = []
         for info in self._call(self.client.list_jobs):
-            if not (info.metadata or {}).get("hetspot_job"):
+            meta = info.metadata or {}
+            if not meta.get("hetspot_job"):
                 continue
-            rows.append({"job_id": info.submission_id, "name": info.metadata["hetspot_job"],
+            rows.append({"job_id": info.submission_id, "name": meta["hetspot_job"],
                          "status": str(getattr(info.status, "value", info.status)), "start_time": info.start_time,
-                         "end_time": info.end_time, "priority": int(info.metadata.get("hetspot_priority") or 0)})
+                         "end_time": info.end_time, "priority": int(meta.get("hetspot_priority") or 0)})
         return sorted(rows, key=lambda r: r["start_time"] or 0)
 
     # -- nodes ----------------------------------------------------------------
@@ -319,7 +324,7 @@ class RayJobs:
 
         return table_from_state_api(self._state_rows(StateResource.PLACEMENT_GROUPS))
 
-    def _state_rows(self, resource) -> builtins.list[dict]:
+    def _state_rows(self, resource: Any) -> builtins.list[dict]:
         """Every row of one State API resource, with its detail columns."""
         from ray.util.state.api import StateApiClient
         from ray.util.state.common import ListApiOptions

@@ -23,7 +23,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import ConfigError
 
@@ -83,11 +85,13 @@ class RunRecordWriter:
     """Kept by the controller actor: rows and events in, files out (`flush`)."""
 
     def __init__(self, location: str, job: dict, job_id: str, steps: int, endpoint_url: str | None = None,
-                 flush_every_s: float = 10.0, clock=time.time, data_index: dict | None = None):
+                 flush_every_s: float = 10.0, clock: Callable[[], float] = time.time,
+                 data_index: dict | None = None) -> None:
         self.files = _Files(location, endpoint_url)
         self.data_index = data_index  # the corpus's index (data.index), written once beside the record
         self.location, self.clock, self.flush_every_s = location, clock, flush_every_s
-        self.record = {"format": FORMAT, "job_id": job_id, "job": job, "steps": steps, "started_at": clock(),
+        self.record: dict[str, Any] = {"format": FORMAT, "job_id": job_id, "job": job, "steps": steps,
+                                       "started_at": clock(),
                        "state": "running", "error": None, "phase": None, "plans": [], "events": [], "progress": None,
                        "summary": {}}
         self.rows: dict[int, dict] = {}  # step -> row (a rolled-back step is replaced by its redo)

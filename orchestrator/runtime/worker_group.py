@@ -34,7 +34,7 @@ from planner import layout
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
-from planner.specs import tokens_per_step
+from planner.specs import ClusterSpec, tokens_per_step
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
@@ -47,6 +47,7 @@ from workers.transfer import (
 )
 
 if TYPE_CHECKING:
+    from orchestrator.cluster.discovery import DiscoveredNode
     from workers.actor import WorkerConfig
 
 log = logging.getLogger("hetspot.runner")
@@ -161,7 +162,7 @@ class WorkerPool:
         self.end_warm({k.node for k in self.warm})
 
 
-def _gpu_pg(node_id: str):
+def _gpu_pg(node_id: str) -> Any:
     """A placement group of one GPU on the node with Ray id `node_id` (one per worker: a kept process keeps it),
     named by the job that holds it, so that another job plans around it (orchestrator/cluster/holders.py)."""
     from orchestrator.cluster.holders import pg_name
@@ -170,7 +171,7 @@ def _gpu_pg(node_id: str):
                            name=pg_name())
 
 
-def torch_threads(job: JobSpec, node) -> int:
+def torch_threads(job: JobSpec, node: DiscoveredNode | None) -> int:
     """CPU threads for a worker on `node` (a DiscoveredNode, or None when unknown): the job's number, or with auto
     the node's CPUs per GPU on a real GPU node (host-side optimizer and data work use them) and 1 on a fake one."""
     want = job.runtime.torch_threads
@@ -181,7 +182,7 @@ def torch_threads(job: JobSpec, node) -> int:
     return max(1, node.num_cpus // node.num_gpus)
 
 
-def _new_worker(job: JobSpec, pg, plan_json: str | None, rank: int, slowdown: float, threads: int = 1):
+def _new_worker(job: JobSpec, pg: Any, plan_json: str | None, rank: int, slowdown: float, threads: int = 1) -> Any:
     """A TrainWorker process in placement group `pg`: rank `rank` of `plan_json`, or warm (no plan) with None."""
     from workers.actor import TrainWorker
 
@@ -200,7 +201,7 @@ def worker_config(job: JobSpec, threads: int = 1) -> WorkerConfig:
                         control_timeout_s=rt.timeouts.control_s, transfer_timeout_s=rt.timeouts.transfer_s)
 
 
-def _end(actor, pg) -> None:
+def _end(actor: Any, pg: Any) -> None:
     ray.kill(actor, no_restart=True)
     try:
         remove_placement_group(pg)
@@ -290,7 +291,7 @@ class PlanRun:
         log.info("workers placed and configured in %.2f s, joined their group in %.2f s", t1 - t0,
                  time.perf_counter() - t1)
 
-    def _await_placement(self, timeout_s: float, node_ids) -> None:
+    def _await_placement(self, timeout_s: float, node_ids: Callable[[], dict[str, str]]) -> None:
         """Wait for the placement groups; a plan node that dies meanwhile fails the start-up at once (a node
         lost), not after `timeout_s`: its bundles could never be placed."""
         pending = [pg.ready() for pg in self.pgs]
@@ -354,7 +355,7 @@ class PlanRun:
         """Results in rank order; the first failure ends the run with the rank's identity and kind (detect.py)."""
         return gather(futures, what, timeout_s, self._describe, self.plan.nodes(), self._count)
 
-    def _count(self, result) -> None:
+    def _count(self, result: object) -> None:
         self.received_bytes += payload_bytes(result)
 
     def _describe(self, rank: int) -> str:
@@ -381,7 +382,8 @@ class RayWorkerGroup:
     With a `pool` (runtime.recovery: in-place) the group's processes outlive it: `retain` has each survivor keep
     its committed state, `release` hands the survivors to the pool, and the next group's ranks take them."""
 
-    def __init__(self, job: JobSpec, plan: Plan, on_step=None, recovery: Recovery | None = None):
+    def __init__(self, job: JobSpec, plan: Plan, on_step: Callable[[int, float, float], None] | None = None,
+                 recovery: Recovery | None = None) -> None:
         self.run = PlanRun(job, plan)
         self.recovery: Recovery = recovery or Restart()  # state/recovery.py: InPlace carries the WorkerPool
         self.plan, self.pool = plan, self.recovery.pool
@@ -545,7 +547,7 @@ class RayWorkerGroup:
         """Every warm worker has started (a pre-staged switch waits for this, or for its deadline)."""
         return self.pool is None or self.pool.warm_ready()
 
-    def warm_joined(self, cluster, nodes: Set[str]) -> int:
+    def warm_joined(self, cluster: ClusterSpec, nodes: Set[str]) -> int:
         """Warm workers on every GPU of `nodes`, which just joined (the controller's warm-at-join): whatever the
         plan does next, a move onto them or the next recovery finds their processes started; how many started."""
         if self.pool is None:
@@ -553,7 +555,7 @@ class RayWorkerGroup:
         want = Counter({n.name: n.num_gpus for n in cluster.nodes if n.name in nodes})
         return self._warm(want, sum(want.values()))
 
-    def warm_spares(self, cluster) -> int:
+    def warm_spares(self, cluster: ClusterSpec) -> int:
         """Standing warm workers (runtime.warm_workers) on GPUs of `cluster` the plan leaves idle; how many were
         started. Warm workers on nodes no longer in `cluster` end."""
         if self.pool is None:

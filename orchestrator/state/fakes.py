@@ -16,8 +16,9 @@ from collections.abc import Set
 
 import numpy as np
 
+from orchestrator.state.calls import LocalCalls
 from orchestrator.state.recovery import InPlace, Recovery, Restart, take_kept
-from planner import layout
+from planner import Plan, layout
 from workers.restore import Kept
 from workers.shards import KEYS, shard_nbytes
 from workers.transfer import (
@@ -118,7 +119,7 @@ class LocalGroup:
     keepers and kept processes through `calls`. With a `pool`, the group recovers in place: its ranks take the
     pool's kept processes on their nodes, and `release` leaves the ones `retain` kept there."""
 
-    def __init__(self, plan, calls, pool: LocalPool | None = None):
+    def __init__(self, plan: Plan, calls: LocalCalls, pool: LocalPool | None = None) -> None:
         self.plan, self.calls, self.pool = plan, calls, pool
         self.recovery: Recovery = InPlace(pool) if pool is not None else Restart()
         self.ranks = layout.ranks(plan)

@@ -24,8 +24,9 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from orchestrator.errors import CheckpointError, Refusal
 
@@ -50,12 +51,12 @@ def step_dir(prefix: str, step: int) -> str:
     return f"{prefix}/step-{step:010d}/" if prefix else f"step-{step:010d}/"
 
 
-def region_tag(region) -> str:
+def region_tag(region: Iterable[tuple[int, int]]) -> str:
     """`((0, 64), (0, 32))` -> "0-64.0-32" (the object's name under its unit)."""
     return ".".join(f"{a}-{b}" for a, b in region) or "scalar"
 
 
-def piece_key(folder: str, unit: str, region, run_id: str | None = None) -> str:
+def piece_key(folder: str, unit: str, region: Iterable[tuple[int, int]], run_id: str | None = None) -> str:
     """The key of one piece of `unit` over `region` in a step folder; the run's id is part of its name."""
     run = f".run-{run_id}" if run_id else ""
     return f"{folder}units/{unit}/{region_tag(region)}{run}.safetensors"
@@ -151,11 +152,11 @@ def parse_manifest(raw: bytes, step: int, folder: str, where: str,
     return m
 
 
-def _no_constant(name: str):
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a number a manifest may hold")
 
 
-def _depth(obj, limit: int) -> int:
+def _depth(obj: Any, limit: int) -> int:
     """How deep `obj` nests (iteratively, stopping past `limit`)."""
     deepest, stack = 0, [(obj, 1)]
     while stack:
@@ -168,7 +169,8 @@ def _depth(obj, limit: int) -> int:
     return deepest
 
 
-def _derived_units(m: dict, derive_units, where: str, step: int) -> dict[str, list[int]]:
+def _derived_units(m: dict, derive_units: Callable[[dict], dict[str, list[int]]] | None, where: str,
+                   step: int) -> dict[str, list[int]]:
     model = m["meta"].get("model")
     if not model or derive_units is None:
         return {n: list(u["shape"]) for n, u in m["units"].items()}
@@ -180,15 +182,15 @@ def _derived_units(m: dict, derive_units, where: str, step: int) -> dict[str, li
                               Refusal.MALFORMED, step) from None
 
 
-def _is_int(x) -> bool:
+def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _shape_ok(shape) -> bool:
+def _shape_ok(shape: Any) -> bool:
     return isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)
 
 
-def _field_problem(m) -> str | None:
+def _field_problem(m: Any) -> str | None:
     """The first field of a manifest that is not what the format says, as "field: what is wrong"; None if sound."""
     if not isinstance(m, dict):
         return "not a JSON object"
@@ -223,7 +225,7 @@ def _field_problem(m) -> str | None:
     return None
 
 
-def _piece_problem(p, ndim: int, declares_tensors: bool) -> str | None:
+def _piece_problem(p: Any, ndim: int, declares_tensors: bool) -> str | None:
     if not isinstance(p, dict):
         return "(piece): not an object"
     if not isinstance(p.get("key"), str) or not p["key"]:

@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +116,7 @@ def s3_code(e: Exception) -> str:
 HEAD_RETRIES = 5  # a HEAD's own rounds of botocore's retries, after its first, while S3 answers it 503
 
 
-def head_object(client, **kwargs) -> dict:
+def head_object(client: Any, **kwargs: Any) -> dict:
     """`client.head_object`, backing off at S3's throttling scale while it answers 503. A 503 to a HEAD has no
     body, so botocore cannot tell SlowDown from any other 503 and backs off at its non-throttling scale (0.05 s
     growing to 3.2 s, about 3 s for its eight attempts in all): its retries end inside a SlowDown episode that
@@ -227,7 +228,7 @@ class Lease:
         if old_key is not None:
             s._delete_quietly(old_key, old_version)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.key is not None:
             self.store._delete_quietly(self.key, self.version)
             self.key = None
@@ -411,10 +412,10 @@ class WriterLock:
 
 
 class S3Checkpoints:
-    def __init__(self, uri: str, endpoint_url: str | None = None, client=None,
+    def __init__(self, uri: str, endpoint_url: str | None = None, client: Any = None,
                  multipart_bytes: int = MULTIPART_BYTES, lease_ttl_s: float = LEASE_TTL_S,
                  clock: Callable[[], float] = time.time, connections: int = CONNECTIONS,
-                 part_bytes: int = PART_BYTES):
+                 part_bytes: int = PART_BYTES) -> None:
         self.uri, self.endpoint_url = uri, endpoint_url
         self.clock = clock  # this machine's wall clock (used only where S3 gives no Date)
         self.bucket, self.prefix = parse_uri(uri)
@@ -430,7 +431,7 @@ class S3Checkpoints:
         self._versioned: bool | None = None
 
     @classmethod
-    def at(cls, where: CheckpointLocation, **kw) -> S3Checkpoints:
+    def at(cls, where: CheckpointLocation, **kw: Any) -> S3Checkpoints:
         return cls(where.uri, where.endpoint_url, **kw)
 
     @property
@@ -525,7 +526,8 @@ class S3Checkpoints:
                            meta.get("run_id") if isinstance(meta.get("run_id"), str) else None, None)
         return identity.foreign(claimed)
 
-    def put_piece(self, step: int, unit: str, region, tensors: dict, run_id: str | None = None) -> dict:
+    def put_piece(self, step: int, unit: str, region: tuple[tuple[int, int], ...], tensors: dict,
+                  run_id: str | None = None) -> dict:
         """Upload one unit's tensors over `region` (torch tensors, or numpy arrays: a keeper's, which never imports
         torch); the manifest entry for it (its key absolute in memory). The object is the same either way."""
         kept = {k: v for k, v in tensors.items() if v is not None}
@@ -1149,7 +1151,7 @@ def safetensors_header(head: bytes, size: int) -> dict[str, tuple[str, tuple[int
 class Listing(dict):
     """A listing: {key: size}, `etags` {key: ETag} beside it, and `date`: the bucket's clock at its answer."""
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.etags: dict[str, str] = {}
         self.date: float | None = None
@@ -1171,7 +1173,7 @@ def _date_of(response: dict, clock: Callable[[], float]) -> float:
         return clock()
 
 
-def dtype_name(t) -> str:
+def dtype_name(t: Any) -> str:
     """A tensor's dtype as a manifest records it ("float32", "bfloat16")."""
     return str(t.dtype).removeprefix("torch.")
 
@@ -1184,7 +1186,7 @@ def _units_of_model(model: dict) -> dict[str, list[int]]:
     return {p.name: list(p.shape) for p in all_params(ModelSpec(**model))}
 
 
-def new_client(endpoint_url: str | None = None, config=None):
+def new_client(endpoint_url: str | None = None, config: Any = None) -> Any:
     """An S3 client with fresh credentials and the standard retry mode (workers/s3_data.new_s3_client)."""
     from workers.s3_data import new_s3_client
 

@@ -30,8 +30,9 @@ from collections.abc import Set
 
 from orchestrator.control.drain import replicated_off
 from orchestrator.errors import FailureKind, WorkerFailure
-from orchestrator.state.calls import RayCalls
+from orchestrator.state.calls import RayCalls, StateCalls
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
+from orchestrator.state.protocols import StateGroup
 from orchestrator.state.restore import Restorer
 from orchestrator.state.restore_plan import peer_placement
 from orchestrator.state.s3_store import Identity, S3Checkpoints, WriterLock
@@ -50,8 +51,8 @@ class TieredState:
 
     def __init__(self, peer_every: int = 1, s3: S3Checkpoints | None = None, *, s3_every: int = 10, keep: int = 3,
                  meta: dict | None = None, restore_from: str = "nearest", overlap: bool = True,
-                 model_units: dict[str, list[int]] | None = None, calls=None, resuming: bool = False,
-                 restorer_kw: dict | None = None):
+                 model_units: dict[str, list[int]] | None = None, calls: StateCalls | None = None,
+                 resuming: bool = False, restorer_kw: dict | None = None) -> None:
         if s3 is not None and s3_every % peer_every:
             raise ValueError(f"s3_every ({s3_every} steps) must be a multiple of peer_every ({peer_every})")
         if s3 is not None and not model_units:
@@ -74,11 +75,11 @@ class TieredState:
 
     # -- what the controller, drills and tests read ------------------------------------------------
     @property
-    def calls(self):  # how keepers are reached: Ray, or in one process (calls.LocalCalls)
+    def calls(self) -> StateCalls:  # how keepers are reached: Ray, or in one process (calls.LocalCalls)
         return self.keeper_set.calls
 
     @calls.setter
-    def calls(self, calls) -> None:
+    def calls(self, calls: StateCalls) -> None:
         self.keeper_set.calls = calls
 
     @property
@@ -155,7 +156,7 @@ class TieredState:
             self.writer = None
 
     # -- snapshots ------------------------------------------------------------------------
-    def after_step(self, group, step: int, avoid: Set[str] = frozenset()) -> bool:
+    def after_step(self, group: StateGroup, step: int, avoid: Set[str] = frozenset()) -> bool:
         if self.restorer.sourcing:  # a step is committed: every rank has its moments, the live copies can go
             self.restorer.sourcing = False
             self.keeper_set.call_all("clear", Tier.LIVE)
@@ -165,7 +166,7 @@ class TieredState:
         self.snapshot(group, step, avoid)
         return True
 
-    def drain(self, group, step: int, avoid: set[str]) -> None:
+    def drain(self, group: StateGroup, step: int, avoid: set[str]) -> None:
         """Keep committed step `step` where a restore finds it without the `avoid` nodes (a notice's doomed nodes;
         none before a move to a larger plan). When stages off them hold every layer the stages on them hold (other
         replicas do: drain.replicated_off), nothing crosses a link; else every rank's state is first copied to
@@ -175,7 +176,7 @@ class TieredState:
             self.snapshot(group, step, avoid, wait=True)
         self.salvage(group, avoid, step)
 
-    def prepare_drain(self, group, avoid: set[str]) -> None:
+    def prepare_drain(self, group: StateGroup, avoid: set[str]) -> None:
         """A notice's pre-staged switch: start the keepers its drain will copy to (when stages off the `avoid`
         nodes do not hold every layer of theirs), so the switch does not wait for their processes to start."""
         if not avoid or replicated_off(group.plan, avoid):
@@ -190,7 +191,7 @@ class TieredState:
         """Every keeper started for a drain runs (never blocks)."""
         return self.keeper_set.all_started()
 
-    def suspend(self, group, step: int) -> str:
+    def suspend(self, group: StateGroup, step: int) -> str:
         """Before the job gives every GPU back (a higher-priority job takes them): committed step `step` copied to
         the keepers (they run on no GPU) and, where the run has a bucket, uploaded to S3 and waited for. The
         resume reads the peer copies first where they remain, else S3. Says where the step is kept."""
@@ -204,7 +205,7 @@ class TieredState:
             return "the peer tier (its upload did not complete)"
         return "S3 and the peer tier"
 
-    def snapshot(self, group, step: int, avoid: Set[str] = frozenset(), wait: bool = False,
+    def snapshot(self, group: StateGroup, step: int, avoid: Set[str] = frozenset(), wait: bool = False,
                  upload: bool | None = None) -> None:
         try:
             keepers = self._targets(group, frozenset(avoid))
@@ -233,7 +234,7 @@ class TieredState:
         if upload and self.uploader is not None:
             self.uploader.enqueue(step, refs)
 
-    def _copy_failed(self, group, step: int, e: Exception) -> WorkerFailure:
+    def _copy_failed(self, group: StateGroup, step: int, e: Exception) -> WorkerFailure:
         """A copy the drain waits for failed: a rank or its keeper went (a node went before its deadline, or the
         copy took longer than the deadline left). The controller re-plans from what is left, as after any loss;
         the failure names the plan's nodes gone from the cluster (NODE_LOST) when there are any."""
@@ -243,7 +244,7 @@ class TieredState:
         cause = f"a rank or its keeper went before the copy landed ({type(e).__name__})"
         return WorkerFailure(f"drain snapshot of step {step}", cause, kind, gone)
 
-    def _targets(self, group, avoid: frozenset) -> list | None:
+    def _targets(self, group: StateGroup, avoid: frozenset) -> list | None:
         """Each rank's peer keeper, placed once per group (and again after a copy failed or a keeper was lost)."""
         ids = self.keeper_set.alive_nodes()  # a node that joined gets copies too: it holds nothing live, the best peer
         candidates = sorted(set(ids) - avoid)
@@ -292,8 +293,8 @@ class TieredState:
         if self.uploader is not None:
             self.uploader.flush(timeout_s)
 
-    def salvage(self, group, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
+    def salvage(self, group: StateGroup, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
         self.restorer.salvage(group, avoid, step)
 
-    def restore(self, group, avoid: Set[str] = frozenset()) -> RestoreReport | None:
+    def restore(self, group: StateGroup, avoid: Set[str] = frozenset()) -> RestoreReport | None:
         return self.restorer.restore(group, avoid)
