@@ -223,3 +223,26 @@ def test_gpus_a_lower_job_holds_only_with_warm_workers_are_given_back_by_ending_
     run_until([low], lambda: low.state is State.DONE)
     assert_every_step_once(low)
     assert_every_step_once(high)
+
+
+def test_a_suspended_job_waits_past_its_queue_timeout_and_resumes():
+    """`runtime.queue_timeout_s` bounds a job's wait for GPUs it was never given; a suspended job was pushed out
+    (its step kept), so it waits for the asker however long that trains, then resumes from its step. Low's bound
+    is 5 s; high trains 40 steps while low polls the queue every 2 s of its clock."""
+    fleet = Fleet(NodeSpec(name="l4-a", gpu_type="L4", num_gpus=2))
+    board: dict = {}
+    line: list = []
+    log: list = []
+    clock = FakeClock()
+    low = Controller(MODEL, TRAIN, 12, JobNodes(fleet, "low"), lambda p: Placed(fleet, "low", p, log), clock=clock,
+                     sleep=clock.advance, queue=MemoryQueue("low", line, 0, board), queue_timeout_s=5.0)
+    run_until([low], lambda: low.progress.committed >= 3)
+    high, _ = job(fleet, "high", 5, board, line, steps=40)
+    run_until([low, high], lambda: high.state is State.DONE)
+    (s,) = [e for e in low.progress.events if e["kind"] == "suspend"]
+    assert clock.t - next(e["t_s"] for e in low.progress.events if e["kind"] == "queued") > 5.0  # past its bound
+    assert low.state is not State.FAILED, low.error
+    run_until([low], lambda: low.state is State.DONE)
+    assert_every_step_once(low)
+    assert_every_step_once(high)
+    assert ("import", s["step"] + 1) in log

@@ -136,6 +136,7 @@ class Controller:
         self._asked_on: dict | None = None  # the holders a queued job last asked lower-priority jobs about
         self._yielded: set[str] = set()  # nodes given back to a higher-priority job: doomed until the drain is done
         self._suspend_for: tuple | None = None  # (request, nodes, why): give every GPU back at this step boundary
+        self._suspended: str | None = None  # who took its GPUs, while a suspended job waits to resume (no bound)
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
         self._failure: tuple | None = None  # (the WorkerFailure being recovered from, when it was detected)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
@@ -673,7 +674,8 @@ class Controller:
         now = self.clock.now()
         waited = now - (now if self._queued_at is None else self._queued_at)
         held = self.nodes.held
-        if waited > self.queue_timeout_s:
+        if waited > self.queue_timeout_s and self._suspended is None:  # a suspended job was pushed out, not
+            # refused: its step is kept and it resumes whenever GPUs come back, however long that takes
             return self._fail(f"queued for {waited:.0f} s waiting for {self._queued_why}, held by "
                               f"{_holders(held) or 'other jobs'}: raise runtime.queue_timeout_s "
                               f"({self.queue_timeout_s:.0f} s) to wait longer, or submit the job when they end",
@@ -805,6 +807,7 @@ class Controller:
         self._event("suspend", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)} and "
                     f"what would be left trains no plan ({why}): step {step} kept in {where}; waiting to resume",
                     by=req.by, nodes=nodes, step=step, kept=where)
+        self._suspended = req.by
         state = self._enqueue(f"GPUs to resume on ({req.by} took them)")
         self._queued_on = ()  # any GPUs free to it once it is first in line: plan again
         return state
@@ -819,6 +822,7 @@ class Controller:
         if self.queue is None:
             return
         self.queue.hold()
+        self._suspended = None
         if self._queued_at is None:
             return
         self._event("dequeued", f"started on {len(self.running_plan.devices())} GPUs after "
