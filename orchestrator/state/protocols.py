@@ -14,21 +14,17 @@ dicts or strings. The model is torchft's transport ABC with its in-process fakes
 
 from __future__ import annotations
 
-from collections.abc import Set
-from typing import Any, Protocol
+from typing import Protocol
 
 from orchestrator.state.calls import StateCalls  # noqa: F401 - kept beside its implementations (calls.py)
-from orchestrator.state.recovery import Recovery
+from orchestrator.state.recovery import KeepingGroup, Recovery
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
-    KeptState,
     LoadReport,
     NeedRow,
     Piece,
     PieceRequest,
-    ProcessHolding,
-    Receipt,
     Refused,
 )
 
@@ -38,22 +34,16 @@ class Source(Protocol):
                  keys: tuple[str, ...] | None = None) -> list[Piece | Refused]: ...
 
 
-class StateGroup(Protocol):
-    """The worker group's side of the state plane. Calls that go to keepers return answers to wait on
-    (`StateCalls.get`)."""
+class StateGroup(KeepingGroup, Protocol):
+    """The worker group's side of the state plane: what the recovery strategies ask of it (KeepingGroup: `plan`,
+    `holds_state`, `retain`, `held`, `drop_retained`, `hand_over`), and the rest. Calls that go to keepers return
+    answers to wait on (`StateCalls.get`)."""
 
-    plan: Any  # the Plan the workers run
-    holds_state: bool  # the workers hold the committed state (set by the state plane around restores)
     recovery: Recovery  # runtime.recovery as a strategy: InPlace (survivors keep processes and state) or Restart
     in_place: bool  # the recovery is InPlace (what the controller reads)
 
     def snapshot(self, step: int, keepers: list, pin: bool = False) -> list: ...  # per rank: its copy's Receipt
-    def hand_over(self, keepers: list, timeout_s: float | None = None) -> list[Receipt | None]: ...
     def needs(self) -> list[list[NeedRow]]: ...
     def load(self, per_rank: list[list[Fetch]], step: int, optimizer_steps: float, s3: CheckpointLocation | None,
              overlap: bool = True) -> list[LoadReport]: ...
     def settle_restore(self, timeout_s: float | None = None) -> None: ...  # an overlapped restore's moments are in
-    # in place only:
-    def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]: ...
-    def held(self) -> list[ProcessHolding]: ...
-    def drop_retained(self) -> None: ...  # the kept copies are no longer needed

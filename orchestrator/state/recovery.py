@@ -28,15 +28,15 @@ log = logging.getLogger("hetspot.checkpoints")
 
 
 class KeepingGroup(Protocol):
-    """What the strategies ask of a worker group (state/protocols.StateGroup's part of it; that protocol names
-    this module's `Recovery`, so it is not imported here)."""
+    """What the strategies ask of a worker group; state/protocols.StateGroup extends it (that module names this
+    one's `Recovery`, so the strategies' part lives here)."""
 
-    plan: Any
-    holds_state: bool
+    plan: Any  # the Plan the workers run
+    holds_state: bool  # the workers hold the committed state (set by the state plane around restores)
 
-    def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]: ...
-    def held(self) -> list[ProcessHolding]: ...
-    def drop_retained(self) -> None: ...
+    def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]: ...  # in place
+    def held(self) -> list[ProcessHolding]: ...  # in place: the state kept in worker processes
+    def drop_retained(self) -> None: ...  # in place: the kept copies are no longer needed
     def hand_over(self, keepers: list, timeout_s: float | None = None) -> list[Receipt | None]: ...
 
 
