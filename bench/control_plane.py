@@ -40,6 +40,7 @@ from orchestrator.state import fakes  # noqa: E402
 from orchestrator.state.calls import LocalCalls  # noqa: E402
 from orchestrator.state.fakes import LocalGroup, LocalPool, model_units  # noqa: E402
 from orchestrator.state.keeper import KeeperStore  # noqa: E402
+from orchestrator.state.recovery import InPlace  # noqa: E402
 from orchestrator.state.tiers import TieredState  # noqa: E402
 from planner import ClusterSpec, NodeSpec, layout  # noqa: E402
 from planner.search import CollectionPause, Planner  # noqa: E402
@@ -95,8 +96,8 @@ def trial(planner: Planner, model: ModelSpec, train: TrainSpec, cluster: Cluster
     """One node loss on a fresh job at step 0: CPU seconds per phase, and what the recovery did."""
     calls = LocalCalls([n.name for n in cluster.nodes])
     store = TieredState(1, calls=calls, model_units=model_units(model.num_layers))
-    pool = LocalPool()
-    group = LocalGroup(plan, calls, pool)
+    mode = InPlace(LocalPool())  # the job's one recovery strategy, its pool kept across the two groups
+    group = LocalGroup(plan, calls, mode)
     group.commit(0)
     store.after_step(group, 0)
     calls.kill(lost)
@@ -120,7 +121,7 @@ def trial(planner: Planner, model: ModelSpec, train: TrainSpec, cluster: Cluster
     timed("salvage", lambda: (store.salvage(group, {lost}, 0), group.release()))  # the controller's two calls
     survivors = cluster.without_nodes({lost})
     new_plan, _ = timed("re-plan", lambda: choose_replan(planner, model, train, plan, survivors, 1000, 5.0))
-    new = timed("assign", lambda: TimedGroup(new_plan, calls, pool))
+    new = timed("assign", lambda: TimedGroup(new_plan, calls, mode))
     report = timed("restore", lambda: store.restore(new, {lost}))
     collection.resume()
     out["restore"] -= new.loads_s

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from orchestrator.cluster.embedded import EmbeddedCluster  # noqa: E402
 from orchestrator.job_spec import parse_job  # noqa: E402
-from orchestrator.runtime.worker_group import PlanRun, slowdowns  # noqa: E402
+from orchestrator.runtime.plan_run import PlanRun, slowdowns  # noqa: E402
 from planner import ClusterSpec, NodeSpec, plan  # noqa: E402
 from planner.baselines import megatron_symmetric  # noqa: E402
 from planner.catalog import gpu_info  # noqa: E402

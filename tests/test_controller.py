@@ -177,7 +177,8 @@ def test_an_in_place_notice_pre_stages_the_next_plan_and_switches_once_its_worke
     from orchestrator.control.protocols import Notice
 
     notice = Notice(node="a", deadline_s=120.0, source="aws")
-    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=7, group_kw={"in_place": True, "ready_after": 2},
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=7, group_kw={"stages_switch": True,
+                                                                                   "ready_after": 2},
                           interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
     assert c.run() == State.DONE
     assert ("prestage", 2) in log and c.progress.drains == 1 and c.progress.restarts == 0
@@ -198,7 +199,8 @@ def test_a_notice_repeated_at_every_poll_while_its_switch_is_staged_is_one_drain
     from orchestrator.control.protocols import Notice
 
     notice = Notice(node="a", deadline_s=120.0, source="ray-drain")
-    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=8, group_kw={"in_place": True, "ready_after": 3},
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=8, group_kw={"stages_switch": True,
+                                                                                   "ready_after": 3},
                           interruptions=FakeInterruptions({k: [notice] for k in range(2, 8)}),
                           clock=FakeClock(tick=0.5))
     assert c.run() == State.DONE
@@ -213,7 +215,8 @@ def test_a_pre_staged_switch_does_not_wait_past_its_deadline_for_workers_that_ar
 
     clock = FakeClock(tick=0.5)
     notice = Notice(node="a", deadline_s=12.0, source="gcp")
-    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=12, group_kw={"in_place": True, "ready_after": 99},
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=12, group_kw={"stages_switch": True,
+                                                                                   "ready_after": 99},
                           interruptions=FakeInterruptions({2: [notice]}), clock=clock)
     assert c.run() == State.DONE
     drain = c.progress.events[0]
@@ -261,7 +264,8 @@ def test_a_staged_drain_the_job_finishes_before_its_switch_closes_its_event():
     from orchestrator.control.protocols import Notice
 
     notice = Notice(node="a", deadline_s=120.0, source="aws")
-    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=5, group_kw={"in_place": True, "ready_after": 99},
+    c, log, groups = make(FakeNodes(BIG), snapshot_every=100, steps=5, group_kw={"stages_switch": True,
+                                                                                   "ready_after": 99},
                           interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
     assert c.run() == State.DONE
     drain = c.progress.events[0]

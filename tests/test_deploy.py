@@ -423,7 +423,7 @@ def test_speed_emulation_runs_only_on_nodes_whose_gpus_say_they_are_fake():
     """A node is fake
     only with `hetspot/fake-gpu=true`, which no rendered config sets; an unlabelled node is never slowed, and the
     job file asking for emulation gets one warning naming the real nodes."""
-    from orchestrator.runtime.worker_group import slowdowns
+    from orchestrator.runtime.plan_run import slowdowns
     from planner import Pipeline, Plan, Stage
 
     found = RayInventory(lambda: [_ray_node("a" * 56, {"GPU": 1, "accelerator_type:L4": 1},

@@ -89,14 +89,14 @@ def test_live_discovery_leaves_out_another_jobs_gpus_and_keeps_its_own(local_ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from orchestrator.cluster.node_sources import LiveNodes
-    from orchestrator.runtime.worker_group import _gpu_pg
+    from orchestrator.runtime.plan_run import gpu_placement
 
     ray = local_ray
     nodes = LiveNodes(profile=False, job="me")
     assert nodes.discover().num_gpus == 4 and nodes.held == {}
     other = placement_group([{"GPU": 1}, {"GPU": 1}], name=pg_name("hetspot-first-1a2b3c4d"))
     ray.get(other.ready(), timeout=30)
-    own = _gpu_pg(ray.get_runtime_context().get_node_id())  # named by this process's job: "local" here
+    own = gpu_placement(ray.get_runtime_context().get_node_id())  # named by this process's job: "local" here
     ray.get(own.ready(), timeout=30)
     found = LiveNodes(profile=False, job="local")
     cluster = settled(found, 2)

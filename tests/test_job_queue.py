@@ -148,7 +148,7 @@ def test_a_running_job_grows_into_gpus_another_job_frees_in_place():
 
     model, one, two, tick = _one_l4_then_two()
     log: list = []
-    c = Controller(model, TRAIN, 100_000, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, in_place=True),
+    c = Controller(model, TRAIN, 100_000, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, stages_switch=True),
                    clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", []))
     while not any(e["kind"].startswith("scale-up") and "first_step_s" in e for e in c.progress.events):
         assert c.step() not in (State.DONE, State.FAILED), c.error
@@ -165,7 +165,7 @@ def test_freed_gpus_go_to_the_jobs_waiting_in_the_queue_first():
 
     model, one, two, tick = _one_l4_then_two()
     log: list = []
-    c = Controller(model, TRAIN, 12, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, in_place=True),
+    c = Controller(model, TRAIN, 12, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, stages_switch=True),
                    clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", ["waiting"]))
     assert c.run() == State.DONE, c.error
     assert not [e for e in c.progress.events if e["kind"].startswith("scale-up")], c.progress.events
@@ -183,7 +183,7 @@ def test_a_node_another_job_leaves_is_warmed_only_when_no_job_waits_for_it(waiti
     model, one, _, tick = _one_l4_then_two()
     left = one.model_copy(update={"nodes": [*one.nodes, NodeSpec(name="a100-a", gpu_type="A100", num_gpus=2)]})
     log: list = []
-    c = Controller(model, TRAIN, 12, Freed(one, left, 4), lambda p: FakeWorkerGroup(p, log, in_place=True),
+    c = Controller(model, TRAIN, 12, Freed(one, left, 4), lambda p: FakeWorkerGroup(p, log, stages_switch=True),
                    clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", waiting))
     assert c.run() == State.DONE, c.error
     warmed = [e for e in log if e[0] == "warm-joined"]

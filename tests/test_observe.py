@@ -112,7 +112,7 @@ def test_the_grafana_dashboard_draws_every_shipped_series_and_no_other():
 @pytest.mark.unit
 def test_stage_series_label_each_stage_and_recoveries_are_timed_once_each():
     from orchestrator.runtime.metrics import recovery_seconds, stage_series
-    from orchestrator.runtime.worker_group import stage_rows
+    from orchestrator.runtime.plan_run import stage_rows
     from planner import Pipeline, Plan, Stage
     from planner.layout import ranks
 

@@ -66,7 +66,7 @@ class Placed(FakeWorkerGroup):
     group's processes stay (holding their GPUs) until the next group starts: then those it does not use go."""
 
     def __init__(self, fleet: Fleet, job: str, plan, log: list):
-        super().__init__(plan, log, in_place=True)
+        super().__init__(plan, log, stages_switch=True)
         self.fleet, self.job = fleet, job
 
     def start(self) -> None:

@@ -203,15 +203,38 @@ def test_a_warm_worker_on_an_idle_gpu_becomes_the_rank_that_replaces_lost_nodes(
     j = with_runtime(make_job([a, b, spare], endpoint, "warm"), warm_workers=1)
     c = make_controller(j, STEPS, first_plan=dp_plan(a, b))
     run_until(c, 1)
-    (w,) = c.group.pool.warm
+    (w,) = c.group.processes.warm
     assert w.node == spare.name
     warm_pid = ray.get(w.ready, timeout=60)
     c.store.flush()
     kill(cluster, a.name, b.name)
     assert c.run() == State.DONE, c.error
     assert c.plan.nodes() == [spare.name] and c.group.pids == [warm_pid]
-    assert c.group.pool.warm == []  # taken, and no GPU is left idle for another
+    assert c.group.processes.warm == []  # taken, and no GPU is left idle for another
     assert_matches_reference(j, c.progress.losses, final_state(j))
+
+
+def test_the_ray_pool_keeps_the_shared_contract(cluster):
+    """runtime/processes.WorkerPool runs state/processes.Pool's logic with TrainWorker actors on one-GPU
+    placement groups: the same checks as the in-process fake (tests/pool_contract.py), with each ended process
+    dead and its GPU given back."""
+    from orchestrator.runtime.processes import WorkerPool
+    from tests.pool_contract import check_pool
+
+    a, b = nodes(cluster, ("a", "L4", 2), ("b", "T4", 1))
+
+    def ended(k) -> bool:
+        try:
+            ray.get(k.actor.ready.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    check_pool(WorkerPool(make_job([a, b], None, "pool")), ended, ready_within_s=120)
+    until = time.monotonic() + 30  # every GPU of a and b is free again: no placement group of the pool is left
+    while ray.available_resources().get("GPU", 0) < 3 + 1 and time.monotonic() < until:
+        time.sleep(0.2)
+    assert ray.available_resources().get("GPU", 0) >= 3 + 1
 
 
 @pytest.mark.parametrize("kind", ["exit-update", "update"])
@@ -581,7 +604,7 @@ def test_scale_up_moves_onto_a_faster_joining_node_and_declines_a_late_one(clust
     # move, once chosen, waits for it while the T4 trains on; the H100's rank is then that very process.
     while not any(e["kind"] == "warm-at-join" for e in c.progress.events):
         run_until(c, c.progress.committed + 1)
-    (w,) = [k for k in c.group.pool.warm if k.node == fast.name]
+    (w,) = [k for k in c.group.processes.warm if k.node == fast.name]
     warm_pid = ray.get(w.ready, timeout=60)
     while not any(e["kind"] == "scale-up" and "first_step_s" in e for e in c.progress.events):
         run_until(c, c.progress.committed + 1)
@@ -865,7 +888,7 @@ def test_a_real_gpu_node_is_never_slowed_whatever_the_job_file_says(cluster, cap
     it is still slowed to its catalog ratio."""
     import logging
 
-    from orchestrator.runtime.worker_group import slowdowns
+    from orchestrator.runtime.plan_run import slowdowns
 
     fake, real = NodeSpec(name="emu-fake", gpu_type="L4", num_gpus=1, inter_node_bw_gb_s=100), \
         NodeSpec(name="emu-real", gpu_type="A100-80GB", num_gpus=1, inter_node_bw_gb_s=100)

@@ -287,7 +287,7 @@ def test_a_joined_node_is_warmed_at_once_and_the_move_waits_for_its_workers_whil
     groups: list[FakeWorkerGroup] = []
 
     def make(plan):
-        groups.append(FakeWorkerGroup(plan, log, in_place=True, ready_after=3))
+        groups.append(FakeWorkerGroup(plan, log, stages_switch=True, ready_after=3))
         return groups[-1]
 
     c = Controller(model, train, 100_000, FakeNodes(t4, t4, both), make, clock=FakeClock(tick=tick),
@@ -318,7 +318,7 @@ def test_a_move_waiting_for_its_warm_workers_is_dropped_when_a_node_it_needs_lea
     model, train, t4, both, tick = _t4_job_an_l4_joins()
     log: list = []
     c = Controller(model, train, 8, FakeNodes(t4, t4, both, both, t4), lambda p: FakeWorkerGroup(
-        p, log, in_place=True, ready_after=5), clock=FakeClock(tick=tick), scale_check_every=1)
+        p, log, stages_switch=True, ready_after=5), clock=FakeClock(tick=tick), scale_check_every=1)
     assert c.run() == State.DONE, c.error
     up = next(e for e in c.progress.events if e["kind"] == "scale-up")
     assert up["ended"] == "a node it needs left before the switch" and up["first_step_s"] is None

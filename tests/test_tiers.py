@@ -12,6 +12,7 @@ import pytest
 
 from orchestrator.state.calls import LocalCalls
 from orchestrator.state.fakes import LocalGroup, LocalPool, model_units, unit_name, values
+from orchestrator.state.recovery import InPlace
 from orchestrator.state.s3_store import S3Checkpoints
 from orchestrator.state.tiers import TieredState
 from planner import Pipeline, Plan, Stage
@@ -256,7 +257,7 @@ def test_in_place_a_dp_survivor_restores_from_its_own_memory_and_moves_no_byte()
     store = TieredState(100, None, model_units=model_units(LAYERS), calls=calls)  # no snapshot before the loss
     old = LocalGroup(Plan(model_name="m", num_layers=LAYERS, global_batch=8, pipelines=[
         plan((0, LAYERS, n)).pipelines[0].model_copy(update={"num_samples": 4, "num_micro_batches": 4})
-        for n in "ab"]), calls, pool)
+        for n in "ab"]), calls, InPlace(pool))
     for step in range(4):
         old.commit(step)
         store.after_step(old, step)
@@ -264,7 +265,7 @@ def test_in_place_a_dp_survivor_restores_from_its_own_memory_and_moves_no_byte()
     store.salvage(old)
     assert [k is not None for k in old.retained] == [True, False]  # the dead node's process is not kept
     old.release()
-    new = LocalGroup(plan((0, LAYERS, "a")), calls, pool)
+    new = LocalGroup(plan((0, LAYERS, "a")), calls, InPlace(pool))
     assert new.pids == [old.pids[0]]  # the survivor's process is the new rank
     r = store.restore(new)
     assert r.step == 3 and r.bytes == 0 and r.tier == "in place"
@@ -281,7 +282,7 @@ def test_in_place_a_reshard_reads_survivors_memory_across_tp_layouts_and_peers_o
     copy on a's keeper: exactly the committed step, nothing from S3."""
     calls, pool = LocalCalls(["a", "b"]), LocalPool()
     store = TieredState(1, None, model_units=model_units(LAYERS), calls=calls)
-    old = LocalGroup(plan((0, 2, "a"), (2, LAYERS, "b"), tp=2), calls, pool)
+    old = LocalGroup(plan((0, 2, "a"), (2, LAYERS, "b"), tp=2), calls, InPlace(pool))
     for step in range(3):
         old.commit(step)
         store.after_step(old, step)
@@ -289,7 +290,7 @@ def test_in_place_a_reshard_reads_survivors_memory_across_tp_layouts_and_peers_o
     store.salvage(old)
     assert [k is not None for k in old.retained] == [True, True, False, False]
     old.release()
-    new = LocalGroup(plan((0, LAYERS, "a"), tp=4), calls, pool)
+    new = LocalGroup(plan((0, LAYERS, "a"), tp=4), calls, InPlace(pool))
     assert sum(new.kept) == 2 and set(new.pids) >= set(old.pids[:2])  # a's two processes are two of the new ranks
     r = store.restore(new)
     assert r.step == 2 and r.bytes_by_tier["s3"] == 0
@@ -302,13 +303,13 @@ def test_in_place_a_process_that_cannot_prove_its_step_is_not_kept_and_a_rank_af
     """A rank asked to keep a step it does not hold is replaced (None); what it held does not serve the restore."""
     calls, pool = LocalCalls(["a"]), LocalPool()
     store = TieredState(1, None, model_units=model_units(LAYERS), calls=calls)
-    old = LocalGroup(plan((0, LAYERS, "a")), calls, pool)
+    old = LocalGroup(plan((0, LAYERS, "a")), calls, InPlace(pool))
     old.commit(0)
     store.after_step(old, 0)
     assert old.retain(5) == [None]  # step 5 was never committed here
     old.retain(None)
     old.release()
-    new = LocalGroup(plan((0, LAYERS, "a")), calls, pool)
+    new = LocalGroup(plan((0, LAYERS, "a")), calls, InPlace(pool))
     r = store.restore(new)
     assert r.step == 0 and r.in_place_bytes > 0
     assert_holds(new, 0)

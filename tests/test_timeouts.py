@@ -30,7 +30,7 @@ def test_every_timeout_is_documented_in_the_job_file_reference():
 
 
 def test_a_job_files_timeouts_reach_the_worker_group_and_the_workers():
-    from orchestrator.runtime.worker_group import PlanRun, worker_config
+    from orchestrator.runtime.plan_run import PlanRun, worker_config
     from planner import ClusterSpec
     from planner.search import Planner
 

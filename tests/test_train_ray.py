@@ -17,7 +17,7 @@ import torch
 from orchestrator.cluster.embedded import EmbeddedCluster
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec, parse_job
-from orchestrator.runtime.worker_group import PlanRun
+from orchestrator.runtime.plan_run import PlanRun
 from planner import ClusterSpec, NodeSpec, Pipeline, Plan, Stage, plan
 from tests.moto_s3 import use_test_credentials
 from tests.oracle import one_device_run

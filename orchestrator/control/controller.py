@@ -11,7 +11,8 @@ States (one job):
   goes on to planning when it is first in line and a plan fits; past `queue_timeout_s` it fails with exit code 2
   naming the holders. Without a queue it fails at once. The first in line asks running jobs of lower priority
   for GPUs (`_ask`); an asked job gives nodes back at a step boundary through DRAINING, or, where what it keeps
-  trains no plan, suspends (its committed step kept off the GPUs: StatePlane.suspend) and goes to QUEUED.
+  trains no plan, suspends (its committed step kept off the GPUs: StatePlane.suspend) and goes to QUEUED. The
+  queue's part of the machine is control/queueing.py's (`Queueing`, which the controller inherits).
   WAITING (jobs with a `fleet:`): the fleet's demand stands on Ray's autoscaler (orchestrator/cluster/capacity.py)
   until every type's minimum is up; past `fleet.wait_s` the job fails with exit code 2 naming the missing types.
   The demand stands while the job runs (a preempted node is replaced; a scale check moves onto it) and is
@@ -29,13 +30,11 @@ workers at the first step boundary that sees it, and a chosen move waits for the
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from orchestrator.control.capacity import Capacity, CapacityView
 from orchestrator.control.drain import drain_copy_s, notice_decision
@@ -46,41 +45,24 @@ from orchestrator.control.protocols import (
     JobQueue,
     NodeSource,
     NoInterruptions,
-    Notice,
     StatePlane,
     SystemClock,
     WorkerGroup,
-    YieldRequest,
 )
+from orchestrator.control.queueing import Queueing, holders
 from orchestrator.control.replan import TOLERANCE, choose_replan, consider_joined, joined_nodes
 from orchestrator.control.snapshots import MemorySnapshots
+from orchestrator.control.states import State, present
+from orchestrator.control.timeline import Joining, Recovering, Staged, SwitchTimeline
 from orchestrator.errors import CheckpointError, ResumeError, WorkerFailure, WriterConflict
 from planner import ClusterSpec, Plan, PlanningError
 from planner.search import CollectionPause, Planner
 from planner.specs import ModelSpec, TrainSpec, tokens_per_step
 
 log = logging.getLogger("hetspot.controller")
-T = TypeVar("T")
-
-
-class State(enum.Enum):
-    """The controller's states, each one handler (`Controller._handlers`)."""
-
-    WAITING = "waiting"  # a fleet's demand stands on the autoscaler until every type's minimum is up
-    QUEUED = "queued"  # no plan fits on the GPUs free to the job; others hold the rest: it waits its turn
-    DISCOVERING = "discovering"  # asks the node source which GPU nodes exist now (less the doomed ones)
-    PLANNING = "planning"  # the planner's plan for them (after a loss: the top candidates, weighed with migration)
-    LAUNCHING = "launching"  # the plan's workers start; the state plane restores the newest step it holds
-    TRAINING = "training"  # one committed step per call; snapshots after steps; notices and joins looked at
-    RECOVERING = "recovering"  # a failure the policy re-plans: survivors keep their state, their group goes
-    DRAINING = "draining"  # a notice leaves time: the committed step is kept off the doomed nodes, then re-plan
-    DONE = "done"  # every step committed, the last upload in S3, the fleet's demand withdrawn
-    FAILED = "failed"  # the policy aborted (deterministic error, restarts spent) or no plan fits; `error` says why
 
 
 RECOVERY = (State.RECOVERING, State.DISCOVERING, State.PLANNING, State.LAUNCHING)  # a failure to the restore
-QUEUE_POLL_S = 2.0  # a queued job looks at the cluster's free GPUs and its place in line this often
-YIELD_S = 120.0  # a job asked for GPUs by a higher-priority one gives them back through a drain with this deadline
 
 
 @dataclass
@@ -99,7 +81,7 @@ class Progress:
     samples: dict[int, list] = field(default_factory=dict)  # per committed step: (first sample, count) trained
 
 
-class Controller:
+class Controller(Queueing):
     def __init__(self, model: ModelSpec, train: TrainSpec, steps: int, nodes: NodeSource,
                  make_group: Callable[[Plan], WorkerGroup], *, store: StatePlane | None = None,
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
@@ -138,15 +120,14 @@ class Controller:
         self._suspend_for: tuple | None = None  # (request, nodes, why): give every GPU back at this step boundary
         self._suspended: str | None = None  # who took its GPUs, while a suspended job waits to resume (no bound)
         self.drain_margin_s, self.scale_check_every = drain_margin_s, scale_check_every  # 0: never look for joins
-        self._failure: tuple | None = None  # (the WorkerFailure being recovered from, when it was detected)
+        self._failure: Recovering | None = None  # the failure being recovered from
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
         self._known_gpus: dict[str, int] = {}  # and each node's GPUs free to the job then (others may free more)
         self._launch_s = 5.0  # the last launch's start-up (placing workers, process group), for migration costs
-        self._draining: dict | None = None  # the drain event in progress
-        self._staged: tuple | None = None  # a notice's next (plan, cluster, choice), its new workers warming
-        self._join: tuple[Plan, ClusterSpec] | None = None  # a join's chosen plan and cluster, waiting for the
-        # joined nodes' warm workers
+        self._draining: SwitchTimeline | None = None  # the drain's or move's timeline in progress
+        self._staged: Staged | None = None  # a notice's next plan, its new workers warming
+        self._join: Joining | None = None  # a join's chosen plan, waiting for the joined nodes' warm workers
         self._warmed: set[str] = set()  # joined nodes whose GPUs got warm workers at once
         self._switch_by: float = 0.0  # a staged drain switches by then whether its workers are ready or not
         self._collection = CollectionPause()  # the garbage collector's, over a recovery
@@ -162,19 +143,19 @@ class Controller:
     # the cluster it was chosen for; a drain event is open from a notice until the new plan's first step.
     @property
     def workers(self) -> WorkerGroup:
-        return _present(self.group, "worker group is running", self.state)
+        return present(self.group, "worker group is running", self.state)
 
     @property
     def running_plan(self) -> Plan:
-        return _present(self.plan, "plan is chosen", self.state)
+        return present(self.plan, "plan is chosen", self.state)
 
     @property
     def running_cluster(self) -> ClusterSpec:
-        return _present(self.cluster, "cluster is discovered", self.state)
+        return present(self.cluster, "cluster is discovered", self.state)
 
     @property
-    def _drain_event(self) -> dict:
-        return _present(self._draining, "drain is in progress", self.state)
+    def _timeline(self) -> SwitchTimeline:
+        return present(self._draining, "drain is in progress", self.state)
 
     # -- the state machine -------------------------------------------------------
     def step(self) -> State:
@@ -221,7 +202,7 @@ class Controller:
 
     def _wait_for_capacity(self) -> State:
         """One look at the fleet against its minimums; the demand is (re)stated when it changed."""
-        capacity = _present(self.capacity, "fleet's capacity is watched", self.state)
+        capacity = present(self.capacity, "fleet's capacity is watched", self.state)
         view = capacity.tick()
         self._substitutions(capacity, view)
         if view.ready:
@@ -255,12 +236,12 @@ class Controller:
         if held != self._held:  # GPUs another job holds: named once, and again when that changes
             self._held = held
             if held:
-                self._event("held", f"GPUs held by other jobs, left out of the plan: {_holders(held)}", held=held)
+                self._event("held", f"GPUs held by other jobs, left out of the plan: {holders(held)}", held=held)
         if not found.nodes:
             if held and self.queue is not None:
                 return self._enqueue("a free GPU")
             return self._fail("no GPU of the cluster is free to this job" + (
-                f": {_holders(held)} hold them; submit it again when they end" if held else ""))
+                f": {holders(held)} hold them; submit it again when they end" if held else ""))
         self.cluster = self._not_queued_for(found.without_nodes(self.doomed))  # a re-plan keeps to what it had
         self._remember(self.cluster)
         log.info("discovered %d GPUs on %d nodes", self.cluster.num_gpus, len(self.cluster.nodes))
@@ -400,7 +381,7 @@ class Controller:
                 self._event("warm-at-join", f"nodes joined ({', '.join(sorted(fresh))}): {started} warm worker(s) "
                             "starting", nodes=sorted(fresh), new_workers=started)
         if self._join is not None:  # a move chosen earlier: it goes once its warm workers are ready
-            if set(self._join[0].nodes()) <= known:
+            if set(self._join.plan.nodes()) <= known:
                 return self._join_ready()
             self._join_dropped("a node it needs left before the switch")  # weighed afresh below
         if not weigh:
@@ -424,9 +405,9 @@ class Controller:
                     **({"freed": freed} if freed else {}))
         if not d.move:
             return False
-        self._draining = self.progress.events[-1]  # the switch's timeline (switch, resumed, first step, stall)
-        self._draining["new_workers"] = self.workers.prestage(new)  # ranks on GPUs no warm worker waits on
-        self._join = (new, cluster)
+        self._draining = SwitchTimeline(self.progress.events[-1])  # switch, resumed, first step, stall
+        self._draining.put("new_workers", self.workers.prestage(new))  # ranks on GPUs no warm worker waits on
+        self._join = Joining(new, cluster)
         return self._join_ready()
 
     def _remember(self, cluster: ClusterSpec) -> None:
@@ -440,28 +421,12 @@ class Controller:
         return {n.name: n.num_gpus - self._known_gpus[n.name] for n in cluster.nodes
                 if n.name in self._known_gpus and n.num_gpus > self._known_gpus[n.name]}
 
-    def _not_queued_for(self, cluster: ClusterSpec) -> ClusterSpec:
-        """`cluster` less the GPUs that came free to the job since its plan was chosen (a node that joined, or that
-        another job left or shrank on) while jobs wait in the cluster's queue: those are theirs first, so the job
-        neither warms workers on them nor grows into them. A node another job leaves is new to this job (it had
-        none of its GPUs free), so it reads as joined: without this a waiting job could plan on GPUs that warm
-        workers of a running job take a moment later."""
-        known = self._known_gpus
-        if self.queue is None or self._known_nodes is None:
-            return cluster
-        new = [n for n in cluster.nodes if n.name not in known or n.num_gpus > known[n.name]]
-        if not new or not self.queue.ahead():
-            return cluster
-        kept = [n.model_copy(update={"num_gpus": min(n.num_gpus, known[n.name])}) for n in cluster.nodes
-                if n.name in known]
-        return cluster.model_copy(update={"nodes": kept})
-
     def _join_ready(self) -> bool:
         """A join's move goes at the first step boundary its warm workers are ready at (training goes on meanwhile):
         the committed step stays on its nodes, the group is released and the new plan launches."""
         if self._join is None or not self.workers.staged_ready():
             return False
-        (self.plan, self.cluster), self._join = self._join, None
+        self.plan, self.cluster, self._join = self._join.plan, self._join.cluster, None
         self._mark("ready_s")
         self._mark("switch_s")
         self.store.drain(self.workers, self.progress.committed, set())  # the committed step, kept on its nodes
@@ -498,7 +463,7 @@ class Controller:
         self._join_dropped("a notice came first")
         self._event("drain", f"notice for {nodes} ({sources})", nodes=nodes, notice_s=round(now - self.started_at, 3),
                     deadline_s=round(now + left - self.started_at, 3))
-        self._draining = self.progress.events[-1]  # its timeline fills in as the drain goes on
+        self._draining = SwitchTimeline(self.progress.events[-1], deadline_s=self.progress.events[-1]["deadline_s"])
         self._switch_by = now + left - self.drain_margin_s - copy_s(self.doomed)
         return self._stage()
 
@@ -508,7 +473,7 @@ class Controller:
         doomed nodes' state to (when no other replica holds it); the switch waits for them at step boundaries
         (`_switch_now`), then re-forms the groups once. True: switch now (nothing to wait for, the restart path,
         or no plan: PLANNING then says why)."""
-        if not getattr(self.group, "in_place", False):
+        if not self.workers.stages_switch:
             return True
         cluster = self.nodes.discover().without_nodes(self.doomed)
         try:
@@ -519,8 +484,8 @@ class Controller:
             return True
         started = self.workers.prestage(plan)
         self.store.prepare_drain(self.workers, self.doomed)
-        self._staged = (plan, cluster, choice)
-        self._drain_event["new_workers"] = started
+        self._staged = Staged(plan, cluster, choice)
+        self._timeline.put("new_workers", started)
         self._mark("staged_s")
         return self._switch_now()
 
@@ -540,23 +505,14 @@ class Controller:
         if self._join is None:
             return
         self._join = None
-        if self._draining is not None and self._draining.get("kind") == "scale-up":
-            self._draining |= {"first_step_s": None, "ended": why}
+        if self._draining is not None and self._draining.kind == "scale-up":
+            self._draining.end(why)
             self._draining = None
 
-    def _mark(self, key: str) -> None:
-        """A point of the current drain's timeline, in seconds since the job started."""
-        if key in ("resumed_s", "first_step_s") and self._draining is not None and "switch_s" not in self._draining:
-            return  # a staged drain: the doomed nodes still train; its first step is the new plan's
-        if self._draining is not None and key not in self._draining:
-            self._draining[key] = round(self.clock.now() - self.started_at, 3)
-            if key == "first_step_s":
-                if "switch_s" in self._draining and "resumed_s" in self._draining:  # no step ran in between
-                    self._draining["stall_s"] = round(self._draining["resumed_s"] - self._draining["switch_s"], 3)
-                snap = self._draining.get("snapshot_s")
-                if "deadline_s" in self._draining:  # a notice's (a join's switch has no deadline)
-                    self._draining["met_deadline"] = snap is not None and snap <= self._draining["deadline_s"]
-                self._draining = None
+    def _mark(self, point: str) -> None:
+        """A point of the current drain's or move's timeline (control/timeline.SwitchTimeline)."""
+        if self._draining is not None and self._draining.mark(point, lambda: self.clock.now() - self.started_at):
+            self._draining = None  # the new plan's first step: the switch is over
 
     def _drain(self) -> State:
         """At a step boundary before the deadline: snapshot the committed step, then re-plan without the node."""
@@ -573,10 +529,11 @@ class Controller:
         self.progress.drains += 1
         if self._staged is None:
             return State.DISCOVERING
-        (self.plan, self.cluster, choice), self._staged = self._staged, None
+        staged, self._staged = self._staged, None
+        self.plan, self.cluster = staged.plan, staged.cluster
         self._remember(self.cluster)
-        if choice:
-            self._drain_event["plan_choice"] = choice
+        if staged.choice:
+            self._timeline.event["plan_choice"] = staged.choice
         self._mark("plan_s")
         return State.LAUNCHING
 
@@ -585,7 +542,7 @@ class Controller:
         goes; the next launch, on a new plan, restores the newest step the tiers hold and rolls progress to it."""
         if self._failure is None:
             raise RuntimeError("recovering without a failure")
-        failure, detected_s = self._failure
+        failure, detected_s = self._failure.failure, self._failure.detected_s
         if self.group is not None:
             self._salvage()
             self.group.release()
@@ -617,7 +574,7 @@ class Controller:
         self._join_dropped("a failure re-planned first")
         if isinstance(decision, Replan):
             self.progress.restarts += 1
-            self._failure = (failure, detected_s)
+            self._failure = Recovering(failure, detected_s)
             return State.RECOVERING
         if self.group is not None:
             self.group.shutdown()
@@ -647,187 +604,8 @@ class Controller:
         """A drain still open when the job ends (a staged switch the job finished before) keeps every key of its
         timeline's end: no step ran on its plan (`first_step_s` None), and `ended` says why."""
         if self._draining is not None:
-            self._draining.setdefault("first_step_s", None)
-            if "deadline_s" in self._draining:
-                self._draining.setdefault("met_deadline", "switch_s" not in self._draining or
-                                          self._draining.get("snapshot_s", math.inf) <= self._draining["deadline_s"])
-            self._draining["ended"] = why
+            self._draining.end(why)
             self._draining = None
-
-    # -- the queue ---------------------------------------------------------------
-    def _enqueue(self, wants: str) -> State:
-        """No plan fits on what is free while other jobs hold GPUs: wait in the cluster's queue (its place kept
-        when the job was already in it)."""
-        self._queued_why = wants
-        self._queued_on = _free(self.cluster) if wants != "a free GPU" else ()  # what no plan fitted: the queue
-        # plans again when what is free differs
-        if self._queued_at is None:
-            self._queued_at = self.clock.now()
-            self._line().enter()
-            ahead = self._line().ahead()
-            self._event("queued", f"waiting for {wants}: {_holders(self.nodes.held)} hold the rest",
-                        held=self.nodes.held, ahead=ahead, position=len(ahead) + 1)
-        return State.QUEUED
-
-    def _queued(self) -> State:
-        """One look, as the queue's first job, at what is free (then on to planning), else wait a poll."""
-        now = self.clock.now()
-        waited = now - (now if self._queued_at is None else self._queued_at)
-        held = self.nodes.held
-        if waited > self.queue_timeout_s and self._suspended is None:  # a suspended job was pushed out, not
-            # refused: its step is kept and it resumes whenever GPUs come back, however long that takes
-            return self._fail(f"queued for {waited:.0f} s waiting for {self._queued_why}, held by "
-                              f"{_holders(held) or 'other jobs'}: raise runtime.queue_timeout_s "
-                              f"({self.queue_timeout_s:.0f} s) to wait longer, or submit the job when they end",
-                              exit_code=2)
-        self._line().enter()  # its entry shown alive, its place kept
-        ahead = self._line().ahead()
-        if not ahead:
-            found = self.nodes.discover()
-            if found.nodes and _free(found.without_nodes(self.doomed)) != self._queued_on:
-                self.cluster = found.without_nodes(self.doomed)
-                self._remember(self.cluster)
-                return State.PLANNING
-            held = self.nodes.held
-            self._ask(found, held)
-        self._phase(f"queued ({len(ahead) + 1} in line{', after ' + ', '.join(ahead) if ahead else ''}): waiting "
-                    f"for {self._queued_why}; held by {_holders(held) or 'other jobs'}")  # (a new phase line only
-        # when the line or the holders change)
-        self.sleep(QUEUE_POLL_S)
-        return State.QUEUED
-
-    def _ask(self, free: ClusterSpec, held: dict[str, dict[str, int]]) -> None:
-        """The first job in line asks running jobs of lower priority for GPUs (once for each set of holders): the
-        fewest nodes' worth, lowest priority first and then the most GPUs, that together with what is free make a
-        plan fit. Each asked job gives them back at its next step boundary (`_asked`)."""
-        line = self._line()
-        if held == self._asked_on:
-            return
-        self._asked_on = held
-        prio = line.priorities()
-        lower = sorted((prio[job], -n, node, job) for node, by in held.items() for job, n in by.items()
-                       if job in prio and prio[job] < line.priority and node not in self.doomed)
-        if not lower:
-            return
-        whole = self.nodes.whole()
-        specs = {n.name: n for n in whole.nodes}
-        gpus = {n.name: n.num_gpus for n in free.without_nodes(self.doomed).nodes}
-        asks: dict[str, list[str]] = {}
-        for _, minus, node, job in lower:
-            if node not in specs:
-                continue
-            gpus[node] = gpus.get(node, 0) - minus
-            asks.setdefault(job, []).append(node)
-            grown = whole.model_copy(update={"nodes": [
-                specs[n].model_copy(update={"num_gpus": min(k, specs[n].num_gpus)})
-                for n, k in sorted(gpus.items()) if k > 0 and n in specs]})
-            try:
-                self.planner.plan(grown)
-                break
-            except PlanningError:
-                continue
-        else:
-            log.info("no GPUs of lower-priority jobs make a plan fit: waiting")
-            return
-        for job, nodes in sorted(asks.items()):
-            line.ask(job, nodes)
-        self._event("asked", f"priority {line.priority}: asked " + "; ".join(
-            f"{job} for its GPUs on {', '.join(nodes)}" for job, nodes in sorted(asks.items())), asked=asks)
-
-    def _asked(self) -> list[Notice]:
-        """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary).
-        When a plan trains on what is left, they go back through the drain path, as under a spot notice with
-        YIELD_S to go (no step lost; survivors stay in place); else the job suspends (`_suspend`). A request
-        from a job whose priority is not higher is declined."""
-        if self.queue is None:
-            return []
-        req = self.queue.asked()
-        if req is None:
-            return []
-        nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed)
-        if req.priority > self.queue.priority and self._give_warm(req, set(req.nodes) - set(nodes)) and not nodes:
-            return []
-        if req.priority <= self.queue.priority or not nodes:
-            why = f"its priority is not above this job's ({self.queue.priority})" if nodes else \
-                "none of them are the plan's"
-            self._event("yield-declined", f"{req.by} (priority {req.priority}) asked for the GPUs on "
-                        f"{', '.join(req.nodes)}: {why}", by=req.by, nodes=req.nodes)
-            return []
-        keep = set(self.running_plan.nodes()) - self.doomed - set(nodes)  # what it holds, less what is asked (the
-        # nodes its plan was chosen among but does not use may be another job's by now)
-        rest = self.running_cluster.model_copy(update={"nodes": [n for n in self.running_cluster.nodes
-                                                                 if n.name in keep]})
-        try:
-            if not rest.nodes:
-                raise PlanningError("no GPU would be left")
-            self.planner.plan(rest)
-        except PlanningError as e:
-            self._suspend_for = (req, nodes, str(e))
-            return []
-        self._yielded |= set(nodes)
-        self._event("yield", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)}: giving "
-                    "them back at a step boundary, training on the rest", by=req.by, nodes=nodes)
-        now = self.clock.now()
-        return [Notice(n, now + YIELD_S, f"yield to {req.by}") for n in nodes]
-
-    def _give_warm(self, req: YieldRequest, spare: set[str]) -> int:
-        """Asked nodes the plan does not use whose GPUs this job holds with warm workers (a join's, or standing
-        ones): those end, and a join's move still waiting for them gives way; a pre-staged switch's stay (it goes
-        at its notice's deadline). How many ended."""
-        staged = set(self._staged[0].nodes()) if self._staged is not None else set()
-        spare = spare - staged - self.doomed
-        if not spare:
-            return 0
-        if self._join is not None and spare & set(self._join[0].nodes()):
-            self._join_dropped(f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(sorted(spare))}")
-        ended = self.workers.end_warm(spare)
-        if ended:
-            self._event("yield-warm", f"{req.by} (priority {req.priority}) asked for the GPUs on "
-                        f"{', '.join(sorted(spare))}: {ended} warm worker(s) there ended, their GPUs given back",
-                        by=req.by, nodes=sorted(spare), warm=ended)
-        return ended
-
-    def _suspend(self) -> State:
-        """Asked for GPUs without which no plan trains: the committed step is kept where no GPU is needed (S3 where
-        the run has a bucket), every worker goes, and the job waits in the queue to resume from that step."""
-        req, nodes, why = _present(self._suspend_for, "suspension is asked for", self.state)
-        self._suspend_for = None
-        step = self.progress.committed
-        self._phase(f"suspending: {req.by} (priority {req.priority}) takes the GPUs on {', '.join(nodes)}")
-        try:
-            where = self.store.suspend(self.workers, step) if step >= 0 else "nothing to keep"
-        except WorkerFailure as e:  # a worker went while its state was kept: recovery, as after any loss
-            return self._decide(e)
-        except CheckpointError as e:  # nowhere to keep the step: training on is better than losing it
-            self._event("suspend-declined", f"could not keep step {step} to give the GPUs back: {e}", by=req.by)
-            return State.TRAINING
-        self.workers.shutdown()
-        self.group = None
-        self._end_drain("the job was suspended")
-        self._event("suspend", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)} and "
-                    f"what would be left trains no plan ({why}): step {step} kept in {where}; waiting to resume",
-                    by=req.by, nodes=nodes, step=step, kept=where)
-        self._suspended = req.by
-        state = self._enqueue(f"GPUs to resume on ({req.by} took them)")
-        self._queued_on = ()  # any GPUs free to it once it is first in line: plan again
-        return state
-
-    def _line(self) -> JobQueue:
-        return _present(self.queue, "queue", self.state)
-
-    def _dequeue(self) -> None:
-        """The job's workers hold the GPUs of its plan: it leaves the queue (its event says how long it waited), its
-        priority still shown to the jobs that wait. It keeps its place from planning until then, so that no running
-        job grows into the GPUs it planned on."""
-        if self.queue is None:
-            return
-        self.queue.hold()
-        self._suspended = None
-        if self._queued_at is None:
-            return
-        self._event("dequeued", f"started on {len(self.running_plan.devices())} GPUs after "
-                    f"{self.clock.now() - self._queued_at:.1f} s in the queue")
-        self._queued_at = None
 
     def _fail(self, reason: str, exit_code: int = 1) -> State:
         if self.queue is not None:
@@ -841,21 +619,3 @@ class Controller:
         self._phase("failed")
         log.error("job failed: %s", reason)
         return State.FAILED
-
-
-def _free(cluster: ClusterSpec | None) -> tuple:
-    """A cluster's GPUs as (node, type, count) rows, to tell whether what is free changed."""
-    return tuple(sorted((n.name, n.gpu_type, n.num_gpus) for n in cluster.nodes)) if cluster is not None else ()
-
-
-def _holders(held: dict[str, dict[str, int]]) -> str:
-    """"l4-a: 2 GPUs (hetspot-b-1a2b3c4d); ..." for a person."""
-    return "; ".join(f"{node}: " + ", ".join(f"{c} GPU{'s' if c > 1 else ''} ({who})" for who, c in by.items())
-                     for node, by in sorted(held.items()))
-
-
-def _present(value: T | None, what: str, state: State) -> T:
-    """`value`, which the state machine holds in `state`; its absence is a bug in the controller, said as such."""
-    if value is None:
-        raise RuntimeError(f"no {what} (state {state.value})")
-    return value

@@ -79,10 +79,10 @@ class FakeWorkerGroup:
     """
 
     def __init__(self, plan: Plan, log: list, fail_at: list[int] | None = None, fail_start: bool = False,
-                 fail_kind: str = "node lost", in_place: bool = False, ready_after: int = 0):
+                 fail_kind: str = "node lost", stages_switch: bool = False, ready_after: int = 0):
         self.plan, self.log, self.fail_at, self.fail_start = plan, log, fail_at, fail_start
         self.fail_kind = fail_kind
-        self.in_place, self.ready_after = in_place, ready_after  # in place: a notice's switch is pre-staged
+        self.stages_switch, self.ready_after = stages_switch, ready_after  # a notice's switch is pre-staged
         self.applied = 0
         self.last_peak_mem = 0
 

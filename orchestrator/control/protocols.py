@@ -32,6 +32,7 @@ class NodeSource(Protocol):
 
 class WorkerGroup(Protocol):
     last_peak_mem: int  # largest per-worker device memory of the last step, bytes
+    stages_switch: bool  # a notice's switch is pre-staged: processes outlive the group (its recovery strategy's)
 
     def start(self) -> None: ...
     def step(self, step_index: int) -> float: ...  # the committed step's loss; raises WorkerFailure

@@ -82,7 +82,7 @@ def replay(job: JobSpec, segments: list[tuple[int, int, Plan]],
            say: Callable[[str], None] = lambda m: None) -> tuple[list[float], dict[int, list]]:
     """Losses and samples per step of the segments' plans run one after another, the state handed on by
     export and import (no fault, no tier)."""
-    from orchestrator.runtime.worker_group import PlanRun
+    from orchestrator.runtime.plan_run import PlanRun
     from workers.state import full_state
 
     losses: list[float] = []

@@ -27,7 +27,8 @@ from orchestrator.control.controller import Controller, State
 from orchestrator.control.protocols import JobQueue, NodeSource, StatePlane
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.ray_notices import RayNotices
-from orchestrator.runtime.worker_group import RayWorkerGroup, WorkerPool
+from orchestrator.runtime.processes import WorkerPool
+from orchestrator.runtime.worker_group import RayWorkerGroup
 from orchestrator.state.recovery import recovery
 from planner import Plan
 
@@ -51,7 +52,8 @@ def make_controller(job: JobSpec, steps: int, nodes: NodeSource | None = None, f
     """
     from orchestrator.cluster.node_sources import DeclaredNodes
 
-    mode = recovery(job.runtime.recovery, WorkerPool())  # in place: the processes kept across plans (restart: none)
+    mode = recovery(job.runtime.recovery, WorkerPool(job))  # one strategy for every group of the job: in place,
+    # the processes kept across plans live in its pool
     # The plane takes the controller's groups as its StateGroups: every group this controller makes is a
     # RayWorkerGroup, which is both (the one place the two protocols meet)
     store = cast(StatePlane, make_store(job, run_id=checkpoint_run))

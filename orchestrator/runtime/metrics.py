@@ -39,7 +39,7 @@ RECOVERY_BUCKETS = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 
 
 def stage_series(row: dict) -> list[tuple[str, dict, float]]:
-    """(metric key, tags, value) for each stage of a row (`row["stages"]`: worker_group.stage_rows)."""
+    """(metric key, tags, value) for each stage of a row (`row["stages"]`: plan_run.stage_rows)."""
     out = []
     for st in row.get("stages", []):
         tags = {k: str(st[k]) for k in ("pipeline", "stage", "gpu_type", "node")}

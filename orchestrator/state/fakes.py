@@ -2,8 +2,9 @@
 
 Beside `calls.LocalCalls` it lets `TieredState` (tiers.py) snapshot, upload, salvage and restore in unit tests
 without a Ray cluster, on both recovery paths: handing survivors' state to keepers (restart), or keeping it in the
-worker processes themselves (in place: `LocalGroup(..., pool=LocalPool())`, whose `retain`, `held`,
-`drop_retained` and `release` stand for runtime/worker_group.RayWorkerGroup's). Each rank of the plan holds its
+worker processes themselves (in place: `LocalGroup(..., InPlace(LocalPool()))`, whose `retain`, `held`,
+`drop_retained` and `release` stand for runtime/worker_group.RayWorkerGroup's, and whose pool runs the same
+state/processes.Pool logic as runtime/processes.WorkerPool). Each rank of the plan holds its
 slice of every unit of its stage: one unit per extended layer (`unit_name`), split along its first dimension among
 a stage's TP ranks, whose values are a function of the committed step (`values`), so a test checks that a restore
 brought back exactly the step it says, from whichever sources it chose, under any TP layout.
@@ -12,12 +13,14 @@ brought back exactly the step it says, from whichever sources it chose, under an
 from __future__ import annotations
 
 import itertools
-from collections.abc import Set
+from collections.abc import Mapping, Set
+from typing import Any
 
 import numpy as np
 
 from orchestrator.state.calls import LocalCalls
-from orchestrator.state.recovery import InPlace, Recovery, Restart, take_kept
+from orchestrator.state.processes import Pool
+from orchestrator.state.recovery import Recovery, Restart
 from planner import Plan, layout
 from workers.restore import Kept
 from workers.shards import KEYS, shard_nbytes
@@ -77,10 +80,19 @@ class LocalProcess:
     """One worker process of a `LocalGroup`. In place it outlives its group and keeps a committed step's shards
     (`retain`), which it serves as a kept TrainWorker does (`get_many`)."""
 
-    def __init__(self, node: str):
+    def __init__(self, node: str, warm: bool = False):
         self.node, self.pid = node, next(_pids)
         self.span: tuple[int, int] = (0, 0)  # the extended layers its last stage held
         self.kept = Kept()  # what a kept TrainWorker keeps (workers/restore.py), served the same way
+        self.warm = warm  # started ahead of need (state/processes.Pool.warm_up), until a rank takes it
+        self.ended = False
+
+    @property
+    def step(self) -> int:
+        return self.retained[0] if self.retained is not None else -1
+
+    def end(self) -> None:
+        self.ended, self.retained = True, None
 
     @property
     def retained(self) -> tuple[int, dict] | None:  # (step, shards) kept for the next plan
@@ -102,26 +114,36 @@ class LocalProcess:
         return self.kept.rows()
 
 
-class LocalPool:
-    """Processes kept between a `LocalGroup` and the next (runtime/worker_group.WorkerPool's part that holds no
-    Ray): a new group's rank takes the kept process on its node that held the most of its layers."""
+class LocalPool(Pool[LocalProcess]):
+    """Processes kept between a `LocalGroup` and the next, and warm workers: state/processes.Pool, whose logic
+    runtime/processes.WorkerPool runs on Ray, over `LocalProcess`es. Warm workers start on `nodes` (None: any)
+    and are ready at once."""
 
-    def __init__(self) -> None:
-        self.idle: list[LocalProcess] = []
+    def __init__(self, nodes: list[str] | None = None) -> None:
+        super().__init__()
+        self.nodes = nodes
 
-    def take(self, wants: list[tuple[str, tuple[int, int]]]) -> list[LocalProcess | None]:
-        return take_kept(self.idle, wants)
+    def _alive(self, nodes: Set[str]) -> Mapping[str, Any]:
+        return {n: None for n in nodes if self.nodes is None or n in self.nodes}
+
+    def _start(self, node: str, info: Any) -> LocalProcess:
+        return LocalProcess(node, warm=True)
+
+    def warm_ready(self) -> bool:
+        return True
 
 
 class LocalGroup:
     """A plan's workers: `commit(step)` gives every rank its units' values at `step`; the state plane's calls
     (`snapshot`, `hand_over`, `needs`, `load`, `settle_restore`; in place `retain`, `held`, `drop_retained`) go to
-    keepers and kept processes through `calls`. With a `pool`, the group recovers in place: its ranks take the
-    pool's kept processes on their nodes, and `release` leaves the ones `retain` kept there."""
+    keepers and kept processes through `calls`. `recovery` (default restart) is the job's strategy: in place its
+    ranks take its pool's kept processes on their nodes, and `release` leaves the ones `retain` kept there."""
 
-    def __init__(self, plan: Plan, calls: LocalCalls, pool: LocalPool | None = None) -> None:
-        self.plan, self.calls, self.pool = plan, calls, pool
-        self.recovery: Recovery = InPlace(pool) if pool is not None else Restart()
+    def __init__(self, plan: Plan, calls: LocalCalls, recovery: Recovery | None = None) -> None:
+        self.plan, self.calls = plan, calls
+        self.recovery: Recovery = recovery or Restart()
+        self.processes = self.recovery.processes
+        self.stages_switch = self.recovery.stages_switch
         self.ranks = layout.ranks(plan)
         spans = layout.rank_spans(plan)
         self.units = [[unit_name(x) for x in range(a, b)] for _, a, b in spans]
@@ -130,15 +152,14 @@ class LocalGroup:
         self.procs: list[LocalProcess] = []
         self.kept: list[bool] = []  # per rank: its process was kept from an earlier group
         wants = [(r.node, (a, b)) for r, (_, a, b) in zip(self.ranks, spans, strict=True)]
-        taken = pool.take(wants) if pool is not None else [None] * len(wants)
+        taken = self.processes.take(wants)
         for r, (_, a, b), p in zip(self.ranks, spans, taken, strict=True):
             self.kept.append(p is not None)
             self.procs.append(p or LocalProcess(r.node))
-            self.procs[-1].span = (a, b)
+            self.procs[-1].span, self.procs[-1].warm = (a, b), False
         self.step: int | None = None
         self.shards: list[dict] = [{} for _ in self.ranks]
         self.holds_state = False
-        self.in_place = isinstance(self.recovery, InPlace)
         self.retained: list[KeptState | None] | None = None
 
     @property
@@ -217,23 +238,26 @@ class LocalGroup:
         """The kept processes' state: this group's ranks that took one (their rank), then the pool's idle ones."""
         procs: list[tuple[int | None, LocalProcess]] = [
             (i, p) for i, p in enumerate(self.procs) if self.kept[i] and p.retained is not None]
-        procs += [(None, p) for p in (self.pool.idle if self.pool else []) if p.retained is not None]
+        procs += [(None, p) for p in self.processes.holding()]
         return [ProcessHolding(i, p.node, self.calls.handle(p, p.node), tuple(p.held())) for i, p in procs]
 
     def drop_retained(self) -> None:
         for p, kept in zip(self.procs, self.kept, strict=True):
             if kept:
                 p.retained = None
-        if self.pool is not None:
-            self.pool.idle = []
 
     def release(self) -> None:
-        """End this group; in place, the processes that `retain` kept go to the pool for the next group."""
-        if self.pool is not None and self.retained is not None:
-            self.pool.idle += [p for p, k in zip(self.procs, self.retained, strict=True) if k is not None]
+        """End this group; the processes that `retain` kept go to the strategy's processes for the next group."""
+        retained = self.retained or [None] * len(self.procs)
+        for p, k in zip(self.procs, retained, strict=True):
+            if k is None:
+                p.end()
+        self.processes.keep([p for p, k in zip(self.procs, retained, strict=True) if k is not None])
 
     def shutdown(self) -> None:
-        return None
+        for p in self.procs:
+            p.end()
+        self.processes.end_all()
 
     def gone(self) -> None:  # a call to a rank whose node is gone (LocalHandle raises NodeGone first)
         return None

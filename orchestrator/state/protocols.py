@@ -40,7 +40,6 @@ class StateGroup(KeepingGroup, Protocol):
     answers to wait on (`StateCalls.get`)."""
 
     recovery: Recovery  # runtime.recovery as a strategy: InPlace (survivors keep processes and state) or Restart
-    in_place: bool  # the recovery is InPlace (what the controller reads)
 
     def snapshot(self, step: int, keepers: list, pin: bool = False) -> list: ...  # per rank: its copy's Receipt
     def needs(self) -> list[list[NeedRow]]: ...

@@ -6,20 +6,28 @@ the three things that differ between keeping survivors' processes and starting e
   their own node's keeper (tier live), handed over before their processes end.
 - `holdings`: what a restore may read besides keepers and S3: the kept processes' memory (`InPlace`; the cheapest
   source of all), or nothing.
-- `committed`: once every rank has committed a step after a restore, the copies kept for it go.
+- `committed`: once every rank has committed a step after a restore, the copies kept for it go, and so do the
+  kept processes no rank took.
+- `processes`: the processes that outlive a group (state/processes.Processes: take, keep, end idle, warm, warm
+  ready): `InPlace`'s pool (runtime/processes.WorkerPool on Ray, state/fakes.LocalPool in one process), or
+  `NoProcesses`, whose versions do nothing (restart: every process ends with its group).
+- `stages_switch`: a notice's switch is pre-staged (the next plan chosen, its new ranks' warm workers started while
+  the doomed nodes still train) only where processes outlive their group to be taken.
 
-`InPlace.pool` holds the processes kept between groups (runtime/worker_group.WorkerPool on Ray,
-state/fakes.LocalPool in one process). After nvidia-resiliency-ext's in-process restart, whose restart behaviour
-is an injected strategy rather than flags through the call sites.
+A worker group, the state plane and the controller's staging read these and nothing else: no code outside this
+module asks which mode runs. After nvidia-resiliency-ext's in-process restart, whose restart behaviour is an
+injected strategy rather than flags through the call sites.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Set
 from typing import Any, Protocol
 
 from orchestrator.state.keepers import KeeperSet, Received
+from orchestrator.state.processes import Processes, Wants
 from orchestrator.state.restore_plan import Holding, process_holdings
 from planner import layout
 from workers.transfer import KeptState, ProcessHolding, Receipt, Tier
@@ -36,15 +44,51 @@ class KeepingGroup(Protocol):
 
     def retain(self, step: int | None, avoid: Set[str] = frozenset()) -> list[KeptState | None]: ...  # in place
     def held(self) -> list[ProcessHolding]: ...  # in place: the state kept in worker processes
-    def drop_retained(self) -> None: ...  # in place: the kept copies are no longer needed
+    def drop_retained(self) -> None: ...  # in place: the copies the group's ranks kept are no longer needed
     def hand_over(self, keepers: list, timeout_s: float | None = None) -> list[Receipt | None]: ...
+
+
+class NoProcesses:
+    """Restart's processes: none outlives its group, so none is taken, kept or warmed."""
+
+    def take(self, wants: Wants) -> list[Any]:
+        return [None] * len(wants)
+
+    def give_back(self, procs: list[Any]) -> None:
+        for k in procs:
+            k.end()
+
+    def keep(self, procs: list[Any]) -> None:
+        self.give_back(procs)
+
+    def holding(self) -> list[Any]:
+        return []
+
+    def end_idle(self) -> None:
+        return None
+
+    def warm_up(self, want: Counter[str], most: int, busy: Counter[str]) -> int:
+        return 0
+
+    def spares(self, gpus: Counter[str], count: int, busy: Counter[str]) -> int:
+        return 0
+
+    def warm_ready(self) -> bool:
+        return True
+
+    def end_warm(self, nodes: Set[str]) -> int:
+        return 0
+
+    def end_all(self) -> None:
+        return None
 
 
 class InPlace:
     name = "in-place"
+    stages_switch = True
 
-    def __init__(self, pool: Any):
-        self.pool = pool
+    def __init__(self, pool: Processes):
+        self.processes: Processes = pool
 
     def keep(self, group: KeepingGroup, keepers: KeeperSet, received: Received, avoid: Set[str],
              step: int | None) -> None:
@@ -59,11 +103,15 @@ class InPlace:
 
     def committed(self, group: KeepingGroup) -> None:
         group.drop_retained()
+        self.processes.end_idle()
 
 
 class Restart:
     name = "restart"
-    pool = None
+    stages_switch = False
+
+    def __init__(self) -> None:
+        self.processes: Processes = NoProcesses()
 
     def keep(self, group: KeepingGroup, keepers: KeeperSet, received: Received, avoid: Set[str],
              step: int | None) -> None:
@@ -89,35 +137,11 @@ class Restart:
 Recovery = InPlace | Restart
 
 
-def take_kept(idle: list, wants: list[tuple[str, tuple[int, int]]]) -> list:
-    """For each (node, extended layers `span`) a new group's ranks want, in rank order: the kept process in `idle`
-    on that node that held the most of the span (ties: the lowest process id), taken out of `idle`; None when none
-    is left there. One rule for every pool (runtime's WorkerPool, the fake's LocalPool): a rank reads in place as
-    much of its new stage as it can. The pool is indexed by node once per group (a scan of the pool for each rank
-    grew with the square of the ranks: 1.3 s of CPU at 10,752 ranks, bench/control_plane.py); `idle` keeps its
-    order."""
-    by_node: dict[str, list] = {}
-    for k in idle:
-        by_node.setdefault(k.node, []).append(k)
-    out: list = []
-    taken: set[int] = set()
-    for node, span in wants:
-        here = by_node.get(node)
-        if not here:
-            out.append(None)
-            continue
-        best = max(here, key=lambda k: (min(k.span[1], span[1]) - max(k.span[0], span[0]), -k.pid))
-        here.remove(best)
-        taken.add(id(best))
-        out.append(best)
-    if taken:
-        idle[:] = [k for k in idle if id(k) not in taken]
-    return out
-
-
-def recovery(mode: str, pool: Any = None) -> Recovery:
+def recovery(mode: str, pool: Processes | None = None) -> Recovery:
     """The strategy for `runtime.recovery` ("in-place" keeps processes in `pool`; "restart")."""
     if mode == "in-place":
+        if pool is None:
+            raise ValueError("runtime.recovery in-place keeps processes in a pool: pass one")
         return InPlace(pool)
     if mode == "restart":
         return Restart()

@@ -1,0 +1,268 @@
+"""Several jobs on one cluster, from one job's side: its place in the cluster's queue (`JobQueue`: by priority,
+then first come first served), what it waits for and who holds it, the requests it makes of running jobs of lower
+priority, and how it answers theirs: GPUs given back at a step boundary through the drain path, warm workers
+ended, or the whole job suspended to wait its turn again. `Queueing` is the controller's part for it
+(control/controller.Controller inherits it); the attributes declared here are the controller's, set in its
+constructor. Pure: no Ray, no boto3, no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.control.protocols import Clock, JobQueue, NodeSource, Notice, StatePlane, WorkerGroup, YieldRequest
+from orchestrator.control.states import State, present
+from orchestrator.control.timeline import Joining, Staged, SwitchTimeline
+from orchestrator.errors import CheckpointError, WorkerFailure
+from planner import ClusterSpec, Plan, PlanningError
+from planner.search import Planner
+
+log = logging.getLogger("hetspot.controller")
+QUEUE_POLL_S = 2.0  # a queued job looks at the cluster's free GPUs and its place in line this often
+YIELD_S = 120.0  # a job asked for GPUs by a higher-priority one gives them back through a drain with this deadline
+
+
+class Queueing:
+    # the controller's, read and written here
+    state: State
+    queue: JobQueue | None  # None: no queue (fail when nothing is free)
+    queue_timeout_s: float
+    nodes: NodeSource
+    planner: Planner
+    store: StatePlane
+    clock: Clock
+    sleep: Callable[[float], None]
+    progress: Any  # controller.Progress
+    group: WorkerGroup | None
+    cluster: ClusterSpec | None
+    doomed: set[str]
+    _queued_at: float | None  # when the job entered the queue (None: not queued)
+    _queued_why: str  # what the queued job waits for, for its phase and its timeout's message
+    _queued_on: tuple  # the free GPUs no plan fitted on (planning again waits for a change)
+    _asked_on: dict | None  # the holders a queued job last asked lower-priority jobs about
+    _yielded: set[str]  # nodes given back to a higher-priority job: doomed until the drain is done
+    _suspend_for: tuple | None  # (request, nodes, why): give every GPU back at this step boundary
+    _suspended: str | None  # who took its GPUs, while a suspended job waits to resume (no bound)
+    _known_nodes: set[str] | None
+    _known_gpus: dict[str, int]
+    _staged: Staged | None
+    _join: Joining | None
+    _draining: SwitchTimeline | None
+
+    if TYPE_CHECKING:  # the controller's, which it defines
+        @property
+        def workers(self) -> WorkerGroup: ...
+        @property
+        def running_plan(self) -> Plan: ...
+        @property
+        def running_cluster(self) -> ClusterSpec: ...
+        def _phase(self, phase: str) -> None: ...
+        def _event(self, kind: str, cause: str, **extra: Any) -> None: ...
+        def _fail(self, reason: str, exit_code: int = 1) -> State: ...
+        def _decide(self, failure: WorkerFailure) -> State: ...
+        def _remember(self, cluster: ClusterSpec) -> None: ...
+        def _join_dropped(self, why: str) -> None: ...
+        def _end_drain(self, why: str) -> None: ...
+
+    def _not_queued_for(self, cluster: ClusterSpec) -> ClusterSpec:
+        """`cluster` less the GPUs that came free to the job since its plan was chosen (a node that joined, or that
+        another job left or shrank on) while jobs wait in the cluster's queue: those are theirs first, so the job
+        neither warms workers on them nor grows into them. A node another job leaves is new to this job (it had
+        none of its GPUs free), so it reads as joined: without this a waiting job could plan on GPUs that warm
+        workers of a running job take a moment later."""
+        known = self._known_gpus
+        if self.queue is None or self._known_nodes is None:
+            return cluster
+        new = [n for n in cluster.nodes if n.name not in known or n.num_gpus > known[n.name]]
+        if not new or not self.queue.ahead():
+            return cluster
+        kept = [n.model_copy(update={"num_gpus": min(n.num_gpus, known[n.name])}) for n in cluster.nodes
+                if n.name in known]
+        return cluster.model_copy(update={"nodes": kept})
+
+    def _enqueue(self, wants: str) -> State:
+        """No plan fits on what is free while other jobs hold GPUs: wait in the cluster's queue (its place kept
+        when the job was already in it)."""
+        self._queued_why = wants
+        self._queued_on = free_rows(self.cluster) if wants != "a free GPU" else ()  # what no plan fitted: the queue
+        # plans again when what is free differs
+        if self._queued_at is None:
+            self._queued_at = self.clock.now()
+            self._line().enter()
+            ahead = self._line().ahead()
+            self._event("queued", f"waiting for {wants}: {holders(self.nodes.held)} hold the rest",
+                        held=self.nodes.held, ahead=ahead, position=len(ahead) + 1)
+        return State.QUEUED
+
+    def _queued(self) -> State:
+        """One look, as the queue's first job, at what is free (then on to planning), else wait a poll."""
+        now = self.clock.now()
+        waited = now - (now if self._queued_at is None else self._queued_at)
+        held = self.nodes.held
+        if waited > self.queue_timeout_s and self._suspended is None:  # a suspended job was pushed out, not
+            # refused: its step is kept and it resumes whenever GPUs come back, however long that takes
+            return self._fail(f"queued for {waited:.0f} s waiting for {self._queued_why}, held by "
+                              f"{holders(held) or 'other jobs'}: raise runtime.queue_timeout_s "
+                              f"({self.queue_timeout_s:.0f} s) to wait longer, or submit the job when they end",
+                              exit_code=2)
+        self._line().enter()  # its entry shown alive, its place kept
+        ahead = self._line().ahead()
+        if not ahead:
+            found = self.nodes.discover()
+            if found.nodes and free_rows(found.without_nodes(self.doomed)) != self._queued_on:
+                self.cluster = found.without_nodes(self.doomed)
+                self._remember(self.cluster)
+                return State.PLANNING
+            held = self.nodes.held
+            self._ask(found, held)
+        self._phase(f"queued ({len(ahead) + 1} in line{', after ' + ', '.join(ahead) if ahead else ''}): waiting "
+                    f"for {self._queued_why}; held by {holders(held) or 'other jobs'}")  # (a new phase line only
+        # when the line or the holders change)
+        self.sleep(QUEUE_POLL_S)
+        return State.QUEUED
+
+    def _ask(self, free: ClusterSpec, held: dict[str, dict[str, int]]) -> None:
+        """The first job in line asks running jobs of lower priority for GPUs (once for each set of holders): the
+        fewest nodes' worth, lowest priority first and then the most GPUs, that together with what is free make a
+        plan fit. Each asked job gives them back at its next step boundary (`_asked`)."""
+        line = self._line()
+        if held == self._asked_on:
+            return
+        self._asked_on = held
+        prio = line.priorities()
+        lower = sorted((prio[job], -n, node, job) for node, by in held.items() for job, n in by.items()
+                       if job in prio and prio[job] < line.priority and node not in self.doomed)
+        if not lower:
+            return
+        whole = self.nodes.whole()
+        specs = {n.name: n for n in whole.nodes}
+        gpus = {n.name: n.num_gpus for n in free.without_nodes(self.doomed).nodes}
+        asks: dict[str, list[str]] = {}
+        for _, minus, node, job in lower:
+            if node not in specs:
+                continue
+            gpus[node] = gpus.get(node, 0) - minus
+            asks.setdefault(job, []).append(node)
+            grown = whole.model_copy(update={"nodes": [
+                specs[n].model_copy(update={"num_gpus": min(k, specs[n].num_gpus)})
+                for n, k in sorted(gpus.items()) if k > 0 and n in specs]})
+            try:
+                self.planner.plan(grown)
+                break
+            except PlanningError:
+                continue
+        else:
+            log.info("no GPUs of lower-priority jobs make a plan fit: waiting")
+            return
+        for job, nodes in sorted(asks.items()):
+            line.ask(job, nodes)
+        self._event("asked", f"priority {line.priority}: asked " + "; ".join(
+            f"{job} for its GPUs on {', '.join(nodes)}" for job, nodes in sorted(asks.items())), asked=asks)
+
+    def _asked(self) -> list[Notice]:
+        """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary).
+        When a plan trains on what is left, they go back through the drain path, as under a spot notice with
+        YIELD_S to go (no step lost; survivors stay in place); else the job suspends (`_suspend`). A request
+        from a job whose priority is not higher is declined."""
+        if self.queue is None:
+            return []
+        req = self.queue.asked()
+        if req is None:
+            return []
+        nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed)
+        if req.priority > self.queue.priority and self._give_warm(req, set(req.nodes) - set(nodes)) and not nodes:
+            return []
+        if req.priority <= self.queue.priority or not nodes:
+            why = f"its priority is not above this job's ({self.queue.priority})" if nodes else \
+                "none of them are the plan's"
+            self._event("yield-declined", f"{req.by} (priority {req.priority}) asked for the GPUs on "
+                        f"{', '.join(req.nodes)}: {why}", by=req.by, nodes=req.nodes)
+            return []
+        keep = set(self.running_plan.nodes()) - self.doomed - set(nodes)  # what it holds, less what is asked (the
+        # nodes its plan was chosen among but does not use may be another job's by now)
+        rest = self.running_cluster.model_copy(update={"nodes": [n for n in self.running_cluster.nodes
+                                                                 if n.name in keep]})
+        try:
+            if not rest.nodes:
+                raise PlanningError("no GPU would be left")
+            self.planner.plan(rest)
+        except PlanningError as e:
+            self._suspend_for = (req, nodes, str(e))
+            return []
+        self._yielded |= set(nodes)
+        self._event("yield", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)}: giving "
+                    "them back at a step boundary, training on the rest", by=req.by, nodes=nodes)
+        now = self.clock.now()
+        return [Notice(n, now + YIELD_S, f"yield to {req.by}") for n in nodes]
+
+    def _give_warm(self, req: YieldRequest, spare: set[str]) -> int:
+        """Asked nodes the plan does not use whose GPUs this job holds with warm workers (a join's, or standing
+        ones): those end, and a join's move still waiting for them gives way; a pre-staged switch's stay (it goes
+        at its notice's deadline). How many ended."""
+        staged = set(self._staged.plan.nodes()) if self._staged is not None else set()
+        spare = spare - staged - self.doomed
+        if not spare:
+            return 0
+        if self._join is not None and spare & set(self._join.plan.nodes()):
+            self._join_dropped(f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(sorted(spare))}")
+        ended = self.workers.end_warm(spare)
+        if ended:
+            self._event("yield-warm", f"{req.by} (priority {req.priority}) asked for the GPUs on "
+                        f"{', '.join(sorted(spare))}: {ended} warm worker(s) there ended, their GPUs given back",
+                        by=req.by, nodes=sorted(spare), warm=ended)
+        return ended
+
+    def _suspend(self) -> State:
+        """Asked for GPUs without which no plan trains: the committed step is kept where no GPU is needed (S3 where
+        the run has a bucket), every worker goes, and the job waits in the queue to resume from that step."""
+        req, nodes, why = present(self._suspend_for, "suspension is asked for", self.state)
+        self._suspend_for = None
+        step = self.progress.committed
+        self._phase(f"suspending: {req.by} (priority {req.priority}) takes the GPUs on {', '.join(nodes)}")
+        try:
+            where = self.store.suspend(self.workers, step) if step >= 0 else "nothing to keep"
+        except WorkerFailure as e:  # a worker went while its state was kept: recovery, as after any loss
+            return self._decide(e)
+        except CheckpointError as e:  # nowhere to keep the step: training on is better than losing it
+            self._event("suspend-declined", f"could not keep step {step} to give the GPUs back: {e}", by=req.by)
+            return State.TRAINING
+        self.workers.shutdown()
+        self.group = None
+        self._end_drain("the job was suspended")
+        self._event("suspend", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)} and "
+                    f"what would be left trains no plan ({why}): step {step} kept in {where}; waiting to resume",
+                    by=req.by, nodes=nodes, step=step, kept=where)
+        self._suspended = req.by
+        state = self._enqueue(f"GPUs to resume on ({req.by} took them)")
+        self._queued_on = ()  # any GPUs free to it once it is first in line: plan again
+        return state
+
+    def _line(self) -> JobQueue:
+        return present(self.queue, "queue", self.state)
+
+    def _dequeue(self) -> None:
+        """The job's workers hold the GPUs of its plan: it leaves the queue (its event says how long it waited), its
+        priority still shown to the jobs that wait. It keeps its place from planning until then, so that no running
+        job grows into the GPUs it planned on."""
+        if self.queue is None:
+            return
+        self.queue.hold()
+        self._suspended = None
+        if self._queued_at is None:
+            return
+        self._event("dequeued", f"started on {len(self.running_plan.devices())} GPUs after "
+                    f"{self.clock.now() - self._queued_at:.1f} s in the queue")
+        self._queued_at = None
+
+
+def free_rows(cluster: ClusterSpec | None) -> tuple:
+    """A cluster's GPUs as (node, type, count) rows, to tell whether what is free changed."""
+    return tuple(sorted((n.name, n.gpu_type, n.num_gpus) for n in cluster.nodes)) if cluster is not None else ()
+
+
+def holders(held: dict[str, dict[str, int]]) -> str:
+    """"l4-a: 2 GPUs (hetspot-b-1a2b3c4d); ..." for a person."""
+    return "; ".join(f"{node}: " + ", ".join(f"{c} GPU{'s' if c > 1 else ''} ({who})" for who, c in by.items())
+                     for node, by in sorted(held.items()))
