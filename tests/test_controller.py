@@ -5,6 +5,7 @@ import pytest
 from orchestrator.control.controller import Controller, State
 from orchestrator.control.fakes import FakeNodes
 from orchestrator.control.fakes import FakeWorkerGroup as FakeGroup
+from orchestrator.control.policy import Policy
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 pytestmark = pytest.mark.unit
@@ -24,7 +25,8 @@ def make(nodes, failures=None, fail_start=False, group_kw=None, train=TRAIN, **k
         groups.append(g)
         return g
 
-    return Controller(MODEL, train, kw.pop("steps", 4), nodes, factory, **kw), log, groups
+    policy = Policy(**{k: kw.pop(k) for k in list(kw) if k in Policy.__dataclass_fields__})  # the knobs, whole
+    return Controller(MODEL, train, kw.pop("steps", 4), nodes, factory, policy=policy, **kw), log, groups
 
 
 def test_happy_path_transitions():
@@ -247,7 +249,8 @@ def test_a_node_that_goes_during_its_drain_is_recovered_like_any_loss():
         groups.append(DiesDuringDrain(plan, log) if not groups else FakeGroup(plan, log))
         return groups[-1]
 
-    c = Controller(MODEL, TRAIN, 5, FakeNodes(BIG, SMALL), factory, snapshot_every=100,  # the drain's is the copy
+    c = Controller(MODEL, TRAIN, 5, FakeNodes(BIG, SMALL), factory,
+                   policy=Policy(snapshot_every=100),  # the drain's is the copy
                    interruptions=FakeInterruptions({2: [notice]}), clock=FakeClock(tick=0.5))
     assert c.run() == State.DONE
     assert c.progress.drains == 0 and c.progress.restarts == 1 and "draining->recovering" in c.progress.history

@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator.control.controller import Controller, State
 from orchestrator.control.fakes import FakeClock, FakeWorkerGroup, MemoryQueue
+from orchestrator.control.policy import Policy
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
 pytestmark = pytest.mark.unit
@@ -34,7 +35,7 @@ class SharedNodes:
 def job(nodes, queue, clock, steps=3, timeout_s=3600.0, model=MODEL):
     log: list = []
     c = Controller(model, TRAIN, steps, nodes, lambda p: FakeWorkerGroup(p, log), clock=clock,
-                   sleep=clock.advance, queue=queue, queue_timeout_s=timeout_s)
+                   sleep=clock.advance, queue=queue, policy=Policy(queue_timeout_s=timeout_s))
     return c, log
 
 
@@ -149,7 +150,7 @@ def test_a_running_job_grows_into_gpus_another_job_frees_in_place():
     model, one, two, tick = _one_l4_then_two()
     log: list = []
     c = Controller(model, TRAIN, 100_000, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, stages_switch=True),
-                   clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", []))
+                   clock=FakeClock(tick=tick), queue=MemoryQueue("me", []), policy=Policy(scale_check_every=1))
     while not any(e["kind"].startswith("scale-up") and "first_step_s" in e for e in c.progress.events):
         assert c.step() not in (State.DONE, State.FAILED), c.error
     (up,) = [e for e in c.progress.events if e["kind"].startswith("scale-up")]
@@ -166,7 +167,7 @@ def test_freed_gpus_go_to_the_jobs_waiting_in_the_queue_first():
     model, one, two, tick = _one_l4_then_two()
     log: list = []
     c = Controller(model, TRAIN, 12, Freed(one, two, 4), lambda p: FakeWorkerGroup(p, log, stages_switch=True),
-                   clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", ["waiting"]))
+                   clock=FakeClock(tick=tick), queue=MemoryQueue("me", ["waiting"]), policy=Policy(scale_check_every=1))
     assert c.run() == State.DONE, c.error
     assert not [e for e in c.progress.events if e["kind"].startswith("scale-up")], c.progress.events
     assert c.plan.devices() == ["l4-a/0"]
@@ -184,7 +185,7 @@ def test_a_node_another_job_leaves_is_warmed_only_when_no_job_waits_for_it(waiti
     left = one.model_copy(update={"nodes": [*one.nodes, NodeSpec(name="a100-a", gpu_type="A100", num_gpus=2)]})
     log: list = []
     c = Controller(model, TRAIN, 12, Freed(one, left, 4), lambda p: FakeWorkerGroup(p, log, stages_switch=True),
-                   clock=FakeClock(tick=tick), scale_check_every=1, queue=MemoryQueue("me", waiting))
+                   clock=FakeClock(tick=tick), queue=MemoryQueue("me", waiting), policy=Policy(scale_check_every=1))
     assert c.run() == State.DONE, c.error
     warmed = [e for e in log if e[0] == "warm-joined"]
     if waiting:

@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator.control.controller import Controller, State
 from orchestrator.control.fakes import FakeClock, FakeWorkerGroup, MemoryQueue
+from orchestrator.control.policy import Policy
 from orchestrator.errors import WorkerFailure
 from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 
@@ -235,7 +236,7 @@ def test_a_suspended_job_waits_past_its_queue_timeout_and_resumes():
     log: list = []
     clock = FakeClock()
     low = Controller(MODEL, TRAIN, 12, JobNodes(fleet, "low"), lambda p: Placed(fleet, "low", p, log), clock=clock,
-                     sleep=clock.advance, queue=MemoryQueue("low", line, 0, board), queue_timeout_s=5.0)
+                     sleep=clock.advance, queue=MemoryQueue("low", line, 0, board), policy=Policy(queue_timeout_s=5.0))
     run_until([low], lambda: low.progress.committed >= 3)
     high, _ = job(fleet, "high", 5, board, line, steps=40)
     run_until([low, high], lambda: high.state is State.DONE)

@@ -103,11 +103,13 @@ def test_planner_candidates_are_distinct_best_first_and_the_first_is_the_plan():
 def test_controller_replan_records_the_weighed_candidates():
     from orchestrator.control.controller import Controller, State
     from orchestrator.control.fakes import FakeNodes, FakeWorkerGroup
+    from orchestrator.control.policy import Policy
 
     log: list = []
     fails = [[2]]
     c = Controller(MODEL, TRAIN, 4, FakeNodes(TWO, TWO),
-                   lambda p: FakeWorkerGroup(p, log, fails.pop(0) if fails else None), snapshot_every=1)
+                   lambda p: FakeWorkerGroup(p, log, fails.pop(0) if fails else None),
+                   policy=Policy(snapshot_every=1))
     first = None
     while c.state != State.DONE:
         c.step()
@@ -256,6 +258,7 @@ def test_a_node_joining_before_the_running_plan_is_measured_is_weighed_once_it_i
     predictions alone decline it) and the job moves."""
     from orchestrator.control.controller import Controller, State
     from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
+    from orchestrator.control.policy import Policy
     from planner import evaluate
     from planner.specs import tokens_per_step
 
@@ -267,7 +270,7 @@ def test_a_node_joining_before_the_running_plan_is_measured_is_weighed_once_it_i
     tick = tokens_per_step(model, train.global_batch) * 1000 / predicted  # each step measures 1/1000 of it
     log: list = []
     c = Controller(model, train, 100_000, FakeNodes(t4, t4, both), lambda p: FakeWorkerGroup(p, log),
-                   clock=FakeClock(tick=tick), scale_check_every=1)
+                   clock=FakeClock(tick=tick), policy=Policy(scale_check_every=1))
     while c.state != State.DONE and not any(e["kind"].startswith("scale-up") for e in c.progress.events):
         c.step()
     ev = next(e for e in c.progress.events if e["kind"].startswith("scale-up"))
@@ -282,6 +285,7 @@ def test_a_joined_node_is_warmed_at_once_and_the_move_waits_for_its_workers_whil
     once, in order), and the scale-up event carries the switch's timeline (its stall: the re-form alone)."""
     from orchestrator.control.controller import Controller, State
     from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
+    from orchestrator.control.policy import Policy
     model, train, t4, both, tick = _t4_job_an_l4_joins()
     log: list = []
     groups: list[FakeWorkerGroup] = []
@@ -291,7 +295,7 @@ def test_a_joined_node_is_warmed_at_once_and_the_move_waits_for_its_workers_whil
         return groups[-1]
 
     c = Controller(model, train, 100_000, FakeNodes(t4, t4, both), make, clock=FakeClock(tick=tick),
-                   scale_check_every=1)
+                   policy=Policy(scale_check_every=1))
     while c.state != State.DONE and not (c.state == State.LAUNCHING and c.progress.events):
         c.step()
     kinds = [e["kind"] for e in c.progress.events]
@@ -315,10 +319,12 @@ def test_a_move_waiting_for_its_warm_workers_is_dropped_when_a_node_it_needs_lea
     the scale-up event ends with no step of its own, and the T4 trains on without a re-plan."""
     from orchestrator.control.controller import Controller, State
     from orchestrator.control.fakes import FakeClock, FakeNodes, FakeWorkerGroup
+    from orchestrator.control.policy import Policy
     model, train, t4, both, tick = _t4_job_an_l4_joins()
     log: list = []
     c = Controller(model, train, 8, FakeNodes(t4, t4, both, both, t4), lambda p: FakeWorkerGroup(
-        p, log, stages_switch=True, ready_after=5), clock=FakeClock(tick=tick), scale_check_every=1)
+        p, log, stages_switch=True, ready_after=5), clock=FakeClock(tick=tick),
+        policy=Policy(scale_check_every=1))
     assert c.run() == State.DONE, c.error
     up = next(e for e in c.progress.events if e["kind"] == "scale-up")
     assert up["ended"] == "a node it needs left before the switch" and up["first_step_s"] is None

@@ -9,62 +9,20 @@ constructor. Pure: no Ray, no boto3, no torch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
-from orchestrator.control.protocols import Clock, JobQueue, NodeSource, Notice, StatePlane, WorkerGroup, YieldRequest
-from orchestrator.control.states import State, present
-from orchestrator.control.timeline import Joining, Staged, SwitchTimeline
+from orchestrator.control.parts import ControllerParts
+from orchestrator.control.protocols import JobQueue, Notice, YieldRequest
+from orchestrator.control.states import Phase, Queued, State, Suspension, expect, present
 from orchestrator.errors import CheckpointError, WorkerFailure
-from planner import ClusterSpec, Plan, PlanningError
-from planner.search import Planner
+from planner import ClusterSpec, PlanningError
 
 log = logging.getLogger("hetspot.controller")
 QUEUE_POLL_S = 2.0  # a queued job looks at the cluster's free GPUs and its place in line this often
 YIELD_S = 120.0  # a job asked for GPUs by a higher-priority one gives them back through a drain with this deadline
 
 
-class Queueing:
-    # the controller's, read and written here
-    state: State
-    queue: JobQueue | None  # None: no queue (fail when nothing is free)
-    queue_timeout_s: float
-    nodes: NodeSource
-    planner: Planner
-    store: StatePlane
-    clock: Clock
-    sleep: Callable[[float], None]
-    progress: Any  # controller.Progress
-    group: WorkerGroup | None
-    cluster: ClusterSpec | None
-    doomed: set[str]
-    _queued_at: float | None  # when the job entered the queue (None: not queued)
-    _queued_why: str  # what the queued job waits for, for its phase and its timeout's message
-    _queued_on: tuple  # the free GPUs no plan fitted on (planning again waits for a change)
-    _asked_on: dict | None  # the holders a queued job last asked lower-priority jobs about
-    _yielded: set[str]  # nodes given back to a higher-priority job: doomed until the drain is done
-    _suspend_for: tuple | None  # (request, nodes, why): give every GPU back at this step boundary
-    _suspended: str | None  # who took its GPUs, while a suspended job waits to resume (no bound)
-    _known_nodes: set[str] | None
-    _known_gpus: dict[str, int]
-    _staged: Staged | None
-    _join: Joining | None
-    _draining: SwitchTimeline | None
-
-    if TYPE_CHECKING:  # the controller's, which it defines
-        @property
-        def workers(self) -> WorkerGroup: ...
-        @property
-        def running_plan(self) -> Plan: ...
-        @property
-        def running_cluster(self) -> ClusterSpec: ...
-        def _phase(self, phase: str) -> None: ...
-        def _event(self, kind: str, cause: str, **extra: Any) -> None: ...
-        def _fail(self, reason: str, exit_code: int = 1) -> State: ...
-        def _decide(self, failure: WorkerFailure) -> State: ...
-        def _remember(self, cluster: ClusterSpec) -> None: ...
-        def _join_dropped(self, why: str) -> None: ...
-        def _end_drain(self, why: str) -> None: ...
+class Queueing(ControllerParts):
+    """The queue's part of the controller (its attributes: control/parts.ControllerParts)."""
 
     def _not_queued_for(self, cluster: ClusterSpec) -> ClusterSpec:
         """`cluster` less the GPUs that came free to the job since its plan was chosen (a node that joined, or that
@@ -82,28 +40,29 @@ class Queueing:
                 if n.name in known]
         return cluster.model_copy(update={"nodes": kept})
 
-    def _enqueue(self, wants: str) -> State:
+    def _enqueue(self, wants: str, on: tuple | None = None) -> Queued:
         """No plan fits on what is free while other jobs hold GPUs: wait in the cluster's queue (its place kept
-        when the job was already in it)."""
-        self._queued_why = wants
-        self._queued_on = free_rows(self.cluster) if wants != "a free GPU" else ()  # what no plan fitted: the queue
-        # plans again when what is free differs
+        when the job was already in it). It plans again when what is free differs from `on` (by default what no
+        plan fitted on now)."""
+        if on is None:
+            on = free_rows(self.cluster) if wants != "a free GPU" else ()
         if self._queued_at is None:
             self._queued_at = self.clock.now()
             self._line().enter()
             ahead = self._line().ahead()
             self._event("queued", f"waiting for {wants}: {holders(self.nodes.held)} hold the rest",
                         held=self.nodes.held, ahead=ahead, position=len(ahead) + 1)
-        return State.QUEUED
+        return Queued(wants, on)
 
-    def _queued(self) -> State:
+    def _queued(self) -> Phase:
         """One look, as the queue's first job, at what is free (then on to planning), else wait a poll."""
+        st = expect(self._state, Queued)
         now = self.clock.now()
         waited = now - (now if self._queued_at is None else self._queued_at)
         held = self.nodes.held
         if waited > self.queue_timeout_s and self._suspended is None:  # a suspended job was pushed out, not
             # refused: its step is kept and it resumes whenever GPUs come back, however long that takes
-            return self._fail(f"queued for {waited:.0f} s waiting for {self._queued_why}, held by "
+            return self._fail(f"queued for {waited:.0f} s waiting for {st.wants}, held by "
                               f"{holders(held) or 'other jobs'}: raise runtime.queue_timeout_s "
                               f"({self.queue_timeout_s:.0f} s) to wait longer, or submit the job when they end",
                               exit_code=2)
@@ -111,17 +70,17 @@ class Queueing:
         ahead = self._line().ahead()
         if not ahead:
             found = self.nodes.discover()
-            if found.nodes and free_rows(found.without_nodes(self.doomed)) != self._queued_on:
+            if found.nodes and free_rows(found.without_nodes(self.doomed)) != st.on:
                 self.cluster = found.without_nodes(self.doomed)
                 self._remember(self.cluster)
                 return State.PLANNING
             held = self.nodes.held
             self._ask(found, held)
         self._phase(f"queued ({len(ahead) + 1} in line{', after ' + ', '.join(ahead) if ahead else ''}): waiting "
-                    f"for {self._queued_why}; held by {holders(held) or 'other jobs'}")  # (a new phase line only
-        # when the line or the holders change)
+                    f"for {st.wants}; held by {holders(held) or 'other jobs'}")  # (a new phase line only when
+        # the line or the holders change)
         self.sleep(QUEUE_POLL_S)
-        return State.QUEUED
+        return st
 
     def _ask(self, free: ClusterSpec, held: dict[str, dict[str, int]]) -> None:
         """The first job in line asks running jobs of lower priority for GPUs (once for each set of holders): the
@@ -161,10 +120,11 @@ class Queueing:
         self._event("asked", f"priority {line.priority}: asked " + "; ".join(
             f"{job} for its GPUs on {', '.join(nodes)}" for job, nodes in sorted(asks.items())), asked=asks)
 
-    def _asked(self) -> list[Notice]:
+    def _asked(self) -> list[Notice] | Suspension:
         """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary).
         When a plan trains on what is left, they go back through the drain path, as under a spot notice with
-        YIELD_S to go (no step lost; survivors stay in place); else the job suspends (`_suspend`). A request
+        YIELD_S to go (no step lost; survivors stay in place); else the job suspends (`_suspend`, with the
+        `Suspension` returned). A request
         from a job whose priority is not higher is declined."""
         if self.queue is None:
             return []
@@ -189,8 +149,7 @@ class Queueing:
                 raise PlanningError("no GPU would be left")
             self.planner.plan(rest)
         except PlanningError as e:
-            self._suspend_for = (req, nodes, str(e))
-            return []
+            return Suspension(req, nodes, str(e))
         self._yielded |= set(nodes)
         self._event("yield", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)}: giving "
                     "them back at a step boundary, training on the rest", by=req.by, nodes=nodes)
@@ -214,11 +173,10 @@ class Queueing:
                         by=req.by, nodes=sorted(spare), warm=ended)
         return ended
 
-    def _suspend(self) -> State:
+    def _suspend(self, asked: Suspension) -> Phase:
         """Asked for GPUs without which no plan trains: the committed step is kept where no GPU is needed (S3 where
         the run has a bucket), every worker goes, and the job waits in the queue to resume from that step."""
-        req, nodes, why = present(self._suspend_for, "suspension is asked for", self.state)
-        self._suspend_for = None
+        req, nodes, why = asked.request, asked.nodes, asked.why
         step = self.progress.committed
         self._phase(f"suspending: {req.by} (priority {req.priority}) takes the GPUs on {', '.join(nodes)}")
         try:
@@ -227,7 +185,7 @@ class Queueing:
             return self._decide(e)
         except CheckpointError as e:  # nowhere to keep the step: training on is better than losing it
             self._event("suspend-declined", f"could not keep step {step} to give the GPUs back: {e}", by=req.by)
-            return State.TRAINING
+            return self._state
         self.workers.shutdown()
         self.group = None
         self._end_drain("the job was suspended")
@@ -235,9 +193,8 @@ class Queueing:
                     f"what would be left trains no plan ({why}): step {step} kept in {where}; waiting to resume",
                     by=req.by, nodes=nodes, step=step, kept=where)
         self._suspended = req.by
-        state = self._enqueue(f"GPUs to resume on ({req.by} took them)")
-        self._queued_on = ()  # any GPUs free to it once it is first in line: plan again
-        return state
+        return self._enqueue(f"GPUs to resume on ({req.by} took them)", on=())  # any GPUs free to it once it is
+        # first in line: plan again
 
     def _line(self) -> JobQueue:
         return present(self.queue, "queue", self.state)

@@ -1,10 +1,29 @@
-"""The controller's states (control/controller.py has the machine; control/timeline.py the records it carries
-between step boundaries while a failure, a drain or a move is under way). Pure."""
+"""The controller's states, typed, each carrying its own data (Ray Train v2's controller states are the model):
+
+- `State`: the kinds, what `Controller.state` reports and the run's history names.
+- `Recovering(failure)`: the failure the policy re-plans after, and when it was detected.
+- `Training(staged, join)`: one committed step per call, with the switch that may be pending: a notice's
+  pre-staged next plan (`Staged`), or a join's chosen move waiting for its warm workers (`Joining`).
+- `Draining(timeline, staged)`: a notice's drain at a step boundary: its switch's timeline and, where it was
+  pre-staged, the plan it launches.
+- `Queued(wants, on)`: waiting in the cluster's queue for what no free GPUs give (what it waits for, and the free
+  GPUs no plan fitted on: it plans again when they change).
+- `Suspension`: a yield request answered by giving every GPU back (control/queueing.py).
+The other kinds carry nothing. A state's data goes with it: leaving TRAINING for RECOVERING drops the staged
+switch, and the failure exists only while recovering. Pure.
+"""
 
 from __future__ import annotations
 
 import enum
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+from orchestrator.control.timeline import Joining, Staged, SwitchTimeline
+from orchestrator.errors import WorkerFailure
+
+if TYPE_CHECKING:
+    from orchestrator.control.protocols import YieldRequest
 
 T = TypeVar("T")
 
@@ -29,3 +48,57 @@ def present(value: T | None, what: str, state: State) -> T:
     if value is None:
         raise RuntimeError(f"no {what} (state {state.value})")
     return value
+
+
+@dataclass(frozen=True)
+class Recovering:
+    failure: WorkerFailure
+    detected_s: float  # since the job started
+    kind: ClassVar[State] = State.RECOVERING
+
+
+@dataclass
+class Training:
+    staged: Staged | None = None  # a notice's next plan, its new ranks' warm workers starting
+    join: Joining | None = None  # a join's chosen move, waiting for the joined nodes' warm workers
+    kind: ClassVar[State] = State.TRAINING
+
+
+@dataclass(frozen=True)
+class Draining:
+    timeline: SwitchTimeline
+    staged: Staged | None  # the pre-staged plan it launches (None: it discovers and plans afresh)
+    kind: ClassVar[State] = State.DRAINING
+
+
+@dataclass(frozen=True)
+class Queued:
+    wants: str  # what it waits for, for its phase and its timeout's message
+    on: tuple  # the free GPUs no plan fitted on (planning again waits for a change; empty: any change)
+    kind: ClassVar[State] = State.QUEUED
+
+
+@dataclass(frozen=True)
+class Suspension:
+    """A higher-priority job asked for GPUs without which no plan trains: every GPU goes back at this boundary."""
+
+    request: YieldRequest
+    nodes: list[str]
+    why: str
+
+
+Phase = State | Recovering | Training | Draining | Queued
+
+
+def kind_of(phase: Phase) -> State:
+    return phase if isinstance(phase, State) else phase.kind
+
+
+S = TypeVar("S", Recovering, Training, Draining, Queued)
+
+
+def expect(phase: Phase, cls: type[S]) -> S:
+    """The current state's record, which the state machine holds in this state; another is a bug, said as such."""
+    if not isinstance(phase, cls):
+        raise RuntimeError(f"expected state {cls.kind.value}, in {kind_of(phase).value}")
+    return phase

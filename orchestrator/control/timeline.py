@@ -1,7 +1,6 @@
-"""What the controller carries between step boundaries while a failure, a drain or a move is under way, as typed
-records (before, tuples and the keys of a dict in the event log, whose presence drove the logic):
+"""What the controller's states carry while a drain or a move is under way (control/states.py), as typed records
+(before, tuples and the keys of a dict in the event log, whose presence drove the logic):
 
-- `Recovering`: the failure being recovered from and when it was detected.
 - `Staged`: a notice's next plan, chosen while the doomed nodes still train, its new ranks' workers warming.
 - `Joining`: a join's chosen plan, waiting at step boundaries for the joined nodes' warm workers.
 - `SwitchTimeline`: a drain's or a move's points in time, from its notice (or decision) to the new plan's first
@@ -17,16 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.errors import WorkerFailure
 from planner import ClusterSpec, Plan
 
 POINTS = ("staged_s", "ready_s", "switch_s", "snapshot_s", "plan_s", "resumed_s", "first_step_s")
-
-
-@dataclass(frozen=True)
-class Recovering:
-    failure: WorkerFailure
-    detected_s: float  # since the job started
 
 
 @dataclass(frozen=True)

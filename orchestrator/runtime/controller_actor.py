@@ -24,6 +24,7 @@ import ray
 
 from orchestrator.control.capacity import Capacity
 from orchestrator.control.controller import Controller, State
+from orchestrator.control.policy import Policy
 from orchestrator.control.protocols import JobQueue, NodeSource, StatePlane
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.ray_notices import RayNotices
@@ -57,16 +58,17 @@ def make_controller(job: JobSpec, steps: int, nodes: NodeSource | None = None, f
     # The plane takes the controller's groups as its StateGroups: every group this controller makes is a
     # RayWorkerGroup, which is both (the one place the two protocols meet)
     store = cast(StatePlane, make_store(job, run_id=checkpoint_run))
+    rt = job.runtime
+    policy = Policy(max_restarts=rt.max_restarts, max_stalled=rt.max_failures_without_progress,
+                    snapshot_every=rt.snapshot_every, scale_check_every=rt.scale_check_every,
+                    replan_tolerance=rt.replan_tolerance, queue_timeout_s=rt.queue_timeout_s,
+                    replan_user_plan=replan_user_plan)
     return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
-                      lambda p: RayWorkerGroup(job, p, on_step, mode), store=store,
-                      first_plan=first_plan,
-                      interruptions=RayNotices(None if job.runtime.notices == "none" else job.runtime.notices,
-                                               job.runtime.notice_poll_s, grace_s=job.runtime.notice_grace_s),
-                      user_plan=user_plan, replan_user_plan=replan_user_plan, snapshot_every=job.runtime.snapshot_every,
-                      on_phase=on_phase, scale_check_every=job.runtime.scale_check_every,
-                      max_restarts=job.runtime.max_restarts, max_stalled=job.runtime.max_failures_without_progress,
-                      capacity=capacity, replan_tolerance=job.runtime.replan_tolerance,
-                      queue=queue, queue_timeout_s=job.runtime.queue_timeout_s)
+                      lambda p: RayWorkerGroup(job, p, on_step, mode), store=store, policy=policy,
+                      first_plan=first_plan, user_plan=user_plan,
+                      interruptions=RayNotices(None if rt.notices == "none" else rt.notices, rt.notice_poll_s,
+                                               grace_s=rt.notice_grace_s),
+                      on_phase=on_phase, capacity=capacity, queue=queue)
 
 
 def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None = None) -> TieredState:

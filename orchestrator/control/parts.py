@@ -1,0 +1,97 @@
+"""What the parts of the controller share: the run's `Progress`, and the attributes and methods
+control/controller.Controller defines that its parts (control/queueing.py `Queueing`, control/switching.py
+`Switching`) read, declared once for the type checker. torchtitan keeps such parts as components of one trainer;
+this is their common view of the controller (as workers/engine_parts.py is of a rank's Engine). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.control.capacity import Capacity, CapacityView
+    from orchestrator.control.policy import Policy
+    from orchestrator.control.protocols import Clock, JobQueue, NodeSource, StatePlane, WorkerGroup
+    from orchestrator.control.states import Phase, State
+    from orchestrator.control.timeline import Joining, Staged, SwitchTimeline
+    from orchestrator.errors import WorkerFailure
+    from planner import ClusterSpec, Plan
+    from planner.search import Planner
+    from planner.specs import ModelSpec, TrainSpec
+
+
+@dataclass
+class Progress:
+    committed: int = -1  # last committed step
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)  # after step s (train.eval_every): held-out loss
+    snapshot_step: int | None = None  # newest step whose state is in the store
+    restarts: int = 0
+    drains: int = 0
+    step_time_s: dict[int, float] = field(default_factory=dict)
+    startup_s: float | None = None  # from the controller's start to the first step's start
+    phase: str = "discovering"  # what the job is doing now, for people
+    history: list[str] = field(default_factory=list)  # transitions, for status and tests
+    events: list[dict] = field(default_factory=list)  # re-plans and drains with their cause
+    samples: dict[int, list] = field(default_factory=dict)  # per committed step: (first sample, count) trained
+
+
+class ControllerParts:
+    # set in Controller.__init__ (what each is: there)
+    model: ModelSpec
+    train: TrainSpec
+    steps: int
+    policy: Policy
+    planner: Planner
+    nodes: NodeSource
+    store: StatePlane
+    clock: Clock
+    sleep: Callable[[float], None]
+    capacity: Capacity | None
+    queue: JobQueue | None
+    queue_timeout_s: float
+    progress: Progress
+    started_at: float
+    _state: Phase
+    plan: Plan | None
+    cluster: ClusterSpec | None
+    group: WorkerGroup | None
+    doomed: set[str]
+    _draining: SwitchTimeline | None
+    _switch_by: float
+    _warmed: set[str]
+    _known_nodes: set[str] | None
+    _known_gpus: dict[str, int]
+    _launch_s: float
+    _plan_from: int
+    _queued_at: float | None
+    _asked_on: dict | None
+    _yielded: set[str]
+    _suspended: str | None
+
+    if TYPE_CHECKING:  # the controller's and its parts', each defined once
+        @property
+        def state(self) -> State: ...
+        @property
+        def workers(self) -> WorkerGroup: ...
+        @property
+        def running_plan(self) -> Plan: ...
+        @property
+        def running_cluster(self) -> ClusterSpec: ...
+        @property
+        def _timeline(self) -> SwitchTimeline: ...
+        @property
+        def _staged(self) -> Staged | None: ...
+        @property
+        def _join(self) -> Joining | None: ...
+        def _phase(self, phase: str) -> None: ...
+        def _event(self, kind: str, cause: str, **extra: Any) -> None: ...
+        def _fail(self, reason: str, exit_code: int = 1) -> State: ...
+        def _decide(self, failure: WorkerFailure) -> Phase: ...
+        def _substitutions(self, capacity: Capacity, view: CapacityView) -> None: ...
+        def _remember(self, cluster: ClusterSpec) -> None: ...
+        def _join_dropped(self, why: str) -> None: ...
+        def _end_drain(self, why: str) -> None: ...
+        def _not_queued_for(self, cluster: ClusterSpec) -> ClusterSpec: ...
