@@ -20,8 +20,9 @@ States (one job):
   (Waiting is control/capacity_watch.py's part.) A worker failure goes to the failure policy
   (orchestrator/control/failure.py): re-plan (RECOVERING, its state carrying the failure) or abort (FAILED). A
   job started with a user's plan begins at LAUNCHING. Each state is typed with its data (control/states.py); a
-  notice's or a join's switch, pre-staged while training goes on, is control/switching.py's part. Every side effect sits behind a protocol
-  (orchestrator/control/protocols.py): unit tests drive `step()` with orchestrator/control/fakes.py.
+  notice's or a join's switch, pre-staged while training goes on, is control/switching.py's part. Every side
+  effect sits behind a protocol (orchestrator/control/protocols.py): unit tests drive `step()` with
+  orchestrator/control/fakes.py.
 Step s is committed when every worker finished its gradient sync for s and was told to apply the update
 (two-phase; the worker group does it). The state plane (`StatePlane`: state/tiers.TieredState on Ray,
 control/snapshots.MemorySnapshots for fakes) snapshots after steps, salvages survivors' state after a failure
