@@ -118,3 +118,22 @@ def test_payload_bytes_of_a_process_whose_torch_is_half_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # what a half-run `import torch` leaves
     assert payload_bytes([]) == 0
     assert payload_bytes({"a": np.zeros(2, dtype=np.int64), "b": [1.5, None]}) == (1 + 16) + (1 + 2 * 8)
+
+
+def test_a_failed_steps_error_unpickles_in_a_controller_without_importing_torch():
+    """A worker's StepError crosses to the controller inside Ray's RayTaskError; unpickling it there (the
+    controller reading a failure, or Ray reporting the answer a failure left unread) must not import torch: it did
+    when StepError lived in workers/engine.py, a second of a recovery's critical path on this machine."""
+    import pickle
+    import subprocess
+    import sys
+
+    from workers.engine import StepError  # as the engine raises it
+
+    blob = pickle.dumps(StepError("rank 1 (pipeline 1, stage 0, L4 on l4-0) failed at step 3: RuntimeError: x",
+                                  "RuntimeError"))
+    code = ("import pickle, sys; e = pickle.loads(sys.stdin.buffer.read()); "
+            "assert e.cause_type == 'RuntimeError' and 'failed at step 3' in str(e); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True)
+    assert out.stdout.decode().strip() == "False", out.stderr.decode()

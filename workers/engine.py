@@ -49,24 +49,9 @@ from workers.grad_sync import GradSync
 from workers.model import Stage
 from workers.offload import DeviceMeter, GradStream, HostLayers, LayerwiseUpdate, ParamStore
 from workers.optim_state import OptimizerState
-from workers.transfer import StepResult  # noqa: F401 (re-exported: a step's record lives with the other records)
+from workers.transfer import StepError, StepResult  # noqa: F401 (re-exported: with the other records, torch-free)
 
 ABORT_TAG = 999_983  # the receives that close a group's pairs (abort_groups); steps use tags below 2 x micro-batches
-
-
-class StepError(RuntimeError):
-    """A step failed on this rank; the message names the rank, stage and node.
-
-    `cause_type` is the original exception's type name, which the controller's
-    failure classification reads (a collective error is transient, an IndexError is not).
-    """
-
-    def __init__(self, message: str, cause_type: str = ""):
-        super().__init__(message)
-        self.cause_type = cause_type
-
-    def __reduce__(self):
-        return (StepError, (str(self), self.cause_type))
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}

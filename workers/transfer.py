@@ -333,6 +333,23 @@ def _parts_bytes(parts, arrays: tuple) -> int:
 _FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by class
 
 
+class StepError(RuntimeError):
+    """A step failed on this rank; the message names the rank, stage and node (raised by workers/engine.py).
+
+    `cause_type` is the original exception's type name, which the controller's failure classification reads (a
+    collective error is transient, an IndexError is not). It lives here, not beside the engine, because the
+    controller unpickles it: from a module that imports torch, every failed step a controller reads (or Ray reports
+    as unhandled when a failure drops its answer) imported torch into the controller's process, seconds of CPU in
+    the middle of a recovery."""
+
+    def __init__(self, message: str, cause_type: str = ""):
+        super().__init__(message)
+        self.cause_type = cause_type
+
+    def __reduce__(self) -> tuple:
+        return (StepError, (str(self), self.cause_type))
+
+
 @dataclass
 class StepResult:
     """A rank's step, as the worker returns it to the controller every step (here, not in workers/engine.py, so
