@@ -970,3 +970,34 @@ def test_a_lower_priority_job_yields_a_node_in_place_then_is_suspended_to_s3_and
     finally:
         high.leave()
         low.leave()
+
+
+def test_answers_a_failure_leaves_unread_are_read_not_reported_as_unhandled_errors(cluster, monkeypatch):
+    """The first failure ends a gather at once (runtime/detect.py); the other ranks' answers still come, and one
+    that is an error and never read was reported by Ray as "Unhandled error", a survivor's traceback in the
+    job's log at every recovery. They are read and dropped on a thread instead."""
+    import gc
+
+    import ray._private.worker as ray_worker
+
+    from orchestrator.control.failure import FailureKind
+    from orchestrator.errors import WorkerFailure
+    from orchestrator.runtime.detect import gather
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def fail(self, after_s: float) -> None:
+            time.sleep(after_s)
+            raise ValueError(f"rank failed after {after_s} s")
+
+    reported: list = []
+    monkeypatch.setattr(ray_worker, "_unhandled_error_handler", reported.append)  # Ray's hook for these
+    ranks = [Rank.remote(), Rank.remote()]
+    with pytest.raises(WorkerFailure) as got:
+        gather([ranks[0].fail.remote(0.0), ranks[1].fail.remote(1.0)], "step 0", 30, str, [])
+    assert got.value.kind == FailureKind.DETERMINISTIC and "after 0.0 s" in str(got.value)
+    time.sleep(3.0)  # the second rank's answer, an error, has come while the failure is held
+    del got
+    gc.collect()  # the failure goes (as a recovery drops it), and with it the last reference to that answer
+    time.sleep(1.0)
+    assert reported == []

@@ -9,6 +9,8 @@ failure is NODE_LOST and names them. The kinds and the policy that reads them ar
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +22,7 @@ from orchestrator.control.failure import FailureKind, classify_error
 from orchestrator.errors import WorkerFailure
 
 CAUSE_WAIT_S = 1.0  # after a collective error, how long other ranks' answers may name its cause
+UNREAD_WAIT_S = 60.0  # how long the answers a failure leaves unread are waited for, to be read and dropped
 
 
 def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int], str], plan_nodes: list[str],
@@ -38,6 +41,7 @@ def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int],
         until = min(deadline, held_until) if held is not None else deadline
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
         if not ready:
+            read_later(pending)
             if held is not None:
                 raise held
             slow = ", ".join(describe(index[f]) for f in pending[:4])
@@ -47,12 +51,30 @@ def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int],
         if got is None:
             continue
         if got.kind != FailureKind.COLLECTIVE:
+            read_later(pending)
             raise got
         if held is None:
             held, held_until = got, time.monotonic() + CAUSE_WAIT_S
     if held is not None:
         raise held
     return results
+
+
+def read_later(refs: list) -> None:
+    """The answers a failure leaves unread (the survivors' errors from the collective the failed rank left, or
+    late results) are read and dropped on a thread once they come: Ray reports an error that is never read as
+    "Unhandled error", a survivor's traceback in the job's log at every recovery that says nothing the failure
+    did not."""
+    if not refs:
+        return
+
+    def read() -> None:
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=UNREAD_WAIT_S)
+        for r in ready:
+            with contextlib.suppress(Exception):
+                ray.get(r, timeout=0)
+
+    threading.Thread(target=read, daemon=True, name="hetspot-unread-answers").start()
 
 
 def _answer(f: Any, i: int, what: str, describe: Callable[[int], str], plan_nodes: list[str], results: list,
