@@ -32,7 +32,11 @@ EVENTS_EVERY = 50  # steps between repeats of the events line; a status reads th
 
 
 def _print(line: str, err: bool = False) -> None:
-    print(line, file=sys.stderr if err else sys.stdout, flush=True)
+    """One write for the line and its newline: Ray's log forwarding prints workers' lines from another thread of
+    this process, and `print` writes the newline apart, so a worker's line could land inside a progress line."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def main() -> int:

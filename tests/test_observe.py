@@ -80,6 +80,18 @@ def test_last_progress_and_redaction():
     assert _redact("bad token s3cr3t in Bearer s3cr3t", {"Authorization": "Bearer s3cr3t"}).count("s3cr3t") == 0
 
 
+def test_progress_rows_survive_another_threads_output_on_their_line():
+    """Ray forwards workers' lines into the driver's log from another thread: one may stand before a progress line
+    or follow its JSON on the same line (a CI run saw the latter). Every row is still read, once, in order."""
+    from orchestrator.runtime.progress_lines import progress_rows
+
+    row = lambda s: "hetspot-progress " + json.dumps({"step": s, "loss": 1.5})  # noqa: E731
+    logs = "\n".join([row(0) + "(worker node=n rank=0) step 0: 8 samples", "(worker) partial" + row(1), row(2),
+                      "hetspot-progress {broken", "noise"])
+    assert [r["step"] for r in progress_rows(logs)] == [0, 1, 2]
+    assert last_progress(row(3) + " trailing text") == {"step": 3, "loss": 1.5}
+
+
 def test_worker_line_copies_are_dropped_once_each():
     from orchestrator.runtime.progress_lines import dedupe_worker_lines
 

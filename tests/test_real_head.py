@@ -629,7 +629,9 @@ def test_a_rendered_aws_config_comes_up_on_the_fake_provider_and_runs_the_job_he
         t4 = [n for n in json.loads(inv.stdout)["nodes"] if n["gpu_type"] == "T4"]
         want_gpus = kept["available_node_types"]["t4-spot"]["resources"]["GPU"]
         assert [(n["num_gpus"], n["market"]) for n in t4] == [(want_gpus, "spot")], inv.stdout
-        rows = [json.loads(ln.split(" ", 1)[1]) for ln in logs.splitlines() if ln.startswith("hetspot-progress ")]
+        from orchestrator.runtime.progress_lines import progress_rows
+
+        rows = progress_rows(logs)
         want = one_device_losses(load_job(job), 4)
         assert [r["step"] for r in rows] == [0, 1, 2, 3], rows
         assert all(abs(r["loss"] - w) <= 1e-4 * abs(w) for r, w in zip(rows, want, strict=True)), (rows, want)

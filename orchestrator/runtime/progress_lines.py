@@ -61,15 +61,29 @@ def last_events(logs: str) -> list[dict]:
     return events if isinstance(events, list) else []
 
 
+def _found(line: str, prefix: str) -> Any:
+    """The JSON after `prefix` in `line`, wherever the prefix stands and whatever follows the JSON (another
+    thread's output forwarded into the same log may share its line); None when there is none."""
+    i = line.find(prefix)
+    if i < 0:
+        return None
+    try:
+        return json.JSONDecoder().raw_decode(line, i + len(prefix))[0]
+    except json.JSONDecodeError:
+        return None
+
+
 def _last(logs: str, prefix: str) -> Any:
     for line in reversed(logs.splitlines()):
-        i = line.find(prefix)
-        if i >= 0:
-            try:
-                return json.loads(line[i + len(prefix):])
-            except json.JSONDecodeError:
-                continue
+        got = _found(line, prefix)
+        if got is not None:
+            return got
     return None
+
+
+def progress_rows(logs: str) -> list[dict]:
+    """Every committed step's row in a job log, in order (a follower's or a test's whole view)."""
+    return [r for r in (_found(line, PROGRESS) for line in logs.splitlines()) if isinstance(r, dict)]
 
 
 def last_progress(logs: str) -> dict | None:
