@@ -192,19 +192,9 @@ def run_job(job: Path, timeout_s: float = 300) -> tuple[dict, str, float]:
 
 
 def progress(log: str) -> dict[int, float]:
-    from orchestrator.runtime.progress_lines import PROGRESS
+    from orchestrator.runtime.progress_lines import progress_rows
 
-    # Each progress line anywhere in the log: Ray's log streaming can put another process's partial output
-    # (a line without its newline) ahead of one, so a line is not required to start with it.
-    rows, decoder, at = [], json.JSONDecoder(), log.find(PROGRESS)
-    while at >= 0:
-        try:
-            row, _ = decoder.raw_decode(log, at + len(PROGRESS))
-            rows.append(row)
-        except json.JSONDecodeError:
-            pass
-        at = log.find(PROGRESS, at + 1)
-    return {r["step"]: r["loss"] for r in rows if isinstance(r, dict) and "step" in r}
+    return {r["step"]: r["loss"] for r in progress_rows(log) if "step" in r}
 
 
 def wait_gpu_nodes(want: dict[str, int], timeout_s: float) -> float:

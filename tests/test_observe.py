@@ -87,8 +87,8 @@ def test_progress_rows_survive_another_threads_output_on_their_line():
 
     row = lambda s: "hetspot-progress " + json.dumps({"step": s, "loss": 1.5})  # noqa: E731
     logs = "\n".join([row(0) + "(worker node=n rank=0) step 0: 8 samples", "(worker) partial" + row(1), row(2),
-                      "hetspot-progress {broken", "noise"])
-    assert [r["step"] for r in progress_rows(logs)] == [0, 1, 2]
+                      "hetspot-progress {broken", "(worker) no newline" + row(3) + row(4), "noise"])
+    assert [r["step"] for r in progress_rows(logs)] == [0, 1, 2, 3, 4]
     assert last_progress(row(3) + " trailing text") == {"step": 3, "loss": 1.5}
 
 

@@ -106,8 +106,7 @@ class Controller(Queueing, Switching, WatchingCapacity):
         self.sleep = sleep or time.sleep
         self.doomed: set[str] = set()  # nodes under a notice: left out of every later plan
         self._held: dict[str, dict[str, int]] = {}  # GPUs other jobs hold, as last said in an event
-        self.queue, self.queue_timeout_s = queue, self.policy.queue_timeout_s  # None: no queue (fail when nothing is
-        # free)
+        self.queue = queue  # None: no queue (fail when nothing is free)
         self._queued_at: float | None = None  # when the job entered the queue (None: not queued)
         self._asked_on: dict | None = None  # the holders a queued job last asked lower-priority jobs about
         self._yielded: set[str] = set()  # nodes given back to a higher-priority job: doomed until the drain is done

@@ -51,7 +51,6 @@ class ControllerParts:
     sleep: Callable[[float], None]
     capacity: Capacity | None
     queue: JobQueue | None
-    queue_timeout_s: float
     progress: Progress
     started_at: float
     _state: Phase

@@ -60,11 +60,11 @@ class Queueing(ControllerParts):
         now = self.clock.now()
         waited = now - (now if self._queued_at is None else self._queued_at)
         held = self.nodes.held
-        if waited > self.queue_timeout_s and self._suspended is None:  # a suspended job was pushed out, not
+        if waited > self.policy.queue_timeout_s and self._suspended is None:  # a suspended job was pushed out, not
             # refused: its step is kept and it resumes whenever GPUs come back, however long that takes
             return self._fail(f"queued for {waited:.0f} s waiting for {st.wants}, held by "
                               f"{holders(held) or 'other jobs'}: raise runtime.queue_timeout_s "
-                              f"({self.queue_timeout_s:.0f} s) to wait longer, or submit the job when they end",
+                              f"({self.policy.queue_timeout_s:.0f} s) to wait longer, or submit the job when they end",
                               exit_code=2)
         self._line().enter()  # its entry shown alive, its place kept
         ahead = self._line().ahead()

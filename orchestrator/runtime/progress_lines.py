@@ -82,8 +82,19 @@ def _last(logs: str, prefix: str) -> Any:
 
 
 def progress_rows(logs: str) -> list[dict]:
-    """Every committed step's row in a job log, in order (a follower's or a test's whole view)."""
-    return [r for r in (_found(line, PROGRESS) for line in logs.splitlines()) if isinstance(r, dict)]
+    """Every committed step's row in a job log, in order (a follower's or a test's whole view): each progress
+    line's JSON wherever it stands, two on one line included (another process's partial output, a line without
+    its newline, can run into one)."""
+    rows, decoder, at = [], json.JSONDecoder(), logs.find(PROGRESS)
+    while at >= 0:
+        try:
+            row, _ = decoder.raw_decode(logs, at + len(PROGRESS))
+            if isinstance(row, dict):
+                rows.append(row)
+        except json.JSONDecodeError:
+            pass
+        at = logs.find(PROGRESS, at + 1)
+    return rows
 
 
 def last_progress(logs: str) -> dict | None:
