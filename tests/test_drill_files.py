@@ -251,6 +251,11 @@ def test_simulate_cli_json_and_bad_fleet(tmp_path):
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["fleet"]["gpus"] == 16 and got["model"] == "gpt-125m" and "detect_s" in got["assumptions"]
+    assert got["assumptions"]["recovery"] == "in-place"  # the default strategy's name
+    r = subprocess.run([HETSPOT, "simulate", "--trace", str(trace), "--cluster", str(fleet), "--recovery", "resume"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--recovery 'resume': give in-place or restart" in r.stderr
+    assert "Traceback" not in r.stderr
     fleet.write_text("fleet:\n  - {gpu_type: L4, nodes: many}\n")
     r = subprocess.run([HETSPOT, "simulate", "--trace", str(trace), "--cluster", str(fleet)], capture_output=True,
                        text=True, timeout=120)

@@ -9,7 +9,15 @@ import pytest
 
 from orchestrator.state.calls import LocalCalls
 from orchestrator.state.fakes import LocalGroup, LocalPool, model_units, values
-from orchestrator.state.recovery import InPlace, NoProcesses, Recovery, Restart, recovery
+from orchestrator.state.recovery import (
+    STRATEGIES,
+    InPlace,
+    NoProcesses,
+    Recovery,
+    Restart,
+    recovery,
+    strategy_kind,
+)
 from orchestrator.state.tiers import TieredState
 from planner import Pipeline, Plan, Stage
 
@@ -84,3 +92,17 @@ def test_the_mode_names_one_strategy_and_a_wrong_one_says_the_fix():
         recovery("resume")
     with pytest.raises(ValueError, match="pool"):
         recovery("in-place")
+
+
+def test_the_fleet_simulator_charges_by_the_strategy_not_by_its_name():
+    """drills/recovery_model.Assumptions names the mode (it is in the simulator's JSON) and reads what it charges
+    for, process starts and a pre-staged switch, from the strategy that name stands for."""
+    from orchestrator.drills.recovery_model import Assumptions
+
+    for name, kind in STRATEGIES.items():
+        a = Assumptions(recovery=name)
+        assert strategy_kind(name) is kind and kind.name == name
+        assert (a.keeps_processes, a.stages_switch) == (kind.keeps_processes, kind.stages_switch)
+    assert Assumptions().keeps_processes and not Assumptions(recovery="restart").keeps_processes
+    with pytest.raises(ValueError, match="use in-place or restart"):
+        Assumptions(recovery="resume")

@@ -92,7 +92,8 @@ def simulate(
                                     "test cluster measures 4.3)"),
     reform_s: float = typer.Option(None, "--reform-s", help="seconds for survivors to re-form their groups in place "
                                    "(default: measured on the test cluster)"),
-    recovery: str = typer.Option("in-place", "--recovery", help="hetspot's recovery: in-place or restart"),
+    recovery: str = typer.Option(None, "--recovery", help="hetspot's recovery (runtime.recovery): in-place, the "
+                                 "default, or restart"),
     warm_at_join: bool = typer.Option(True, "--warm-at-join/--no-warm-at-join", help="in place, a joined node's "
                                       "workers start at the join (as the controller does); off: at the move"),
     ckpt_every_min: float = typer.Option(30.0, "--ckpt-every-min", help="s3-only's checkpoint interval"),
@@ -109,6 +110,7 @@ def simulate(
     from orchestrator.drills.fleet import Assumptions, FleetSim
     from orchestrator.drills.report import _pyplot, simulate_plot, simulate_tables
     from orchestrator.drills.trace import load_fleet, load_trace
+    from orchestrator.state.recovery import STRATEGIES, InPlace
     from planner.specs import PRESETS, ModelSpec, TrainSpec
 
     if model.lower() not in PRESETS:
@@ -116,8 +118,9 @@ def simulate(
     for name, v in (("--detect-s", detect_s), ("--startup-s", startup_s), ("--reform-s", reform_s)):
         if v is not None and not 0 <= v <= 3600:
             raise ConfigError(f"{name} {v}: give seconds from 0 to 3600")
-    if recovery not in ("in-place", "restart"):
-        raise ConfigError(f"--recovery {recovery!r}: give in-place or restart")
+    recovery = recovery or InPlace.name
+    if recovery not in STRATEGIES:
+        raise ConfigError(f"--recovery {recovery!r}: give {' or '.join(STRATEGIES)}")
     if not 1 <= ckpt_every_min <= 24 * 60:
         raise ConfigError(f"--ckpt-every-min {ckpt_every_min}: give minutes from 1 to 1440")
     if plot is not None:

@@ -21,6 +21,7 @@ from orchestrator.control.migration import (
     node_bytes,
     overlap_window_s,
 )
+from orchestrator.state.recovery import InPlace, strategy_kind
 from planner import ClusterSpec, Plan
 from planner.specs import ModelSpec, TrainSpec
 
@@ -28,7 +29,7 @@ from planner.specs import ModelSpec, TrainSpec
 @dataclass
 class Assumptions:
     detect_s: float = 0.05  # bench/recovery.py: kill to detection, median
-    recovery: str = "in-place"  # runtime.recovery: in-place (survivors re-form) or restart (every process anew)
+    recovery: str = InPlace.name  # runtime.recovery: in-place (survivors re-form) or restart (every process anew)
     reform_s: float = 0.3  # in place: detection to restored minus the restore (bench/recovery.py, median, CPU cluster)
     startup_s: float = 13.0  # a worker process start to ready: the restart path's, and in place that of ranks on
     # GPUs the old plan did not use. Measured on one H200 (2026-12-04, `python bench/gpu_check.py`, its cold
@@ -46,8 +47,19 @@ class Assumptions:
     warm_at_join: bool = True  # in place, a joined node's GPUs get worker processes at the join (the controller's
     # warm-at-join): a move onto it waits for them while the old plan trains, and a later recovery finds them started
 
+    def __post_init__(self) -> None:
+        strategy_kind(self.recovery)  # a name that is no strategy says which are
+
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @property
+    def keeps_processes(self) -> bool:  # what the cost of a recovery depends on: the strategy's, not its name
+        return strategy_kind(self.recovery).keeps_processes
+
+    @property
+    def stages_switch(self) -> bool:
+        return strategy_kind(self.recovery).stages_switch
 
 
 def nodes_of(plan: Plan | None) -> set[str]:
@@ -68,7 +80,7 @@ def relaunch_s(old: Plan | None, new: Plan, gone: set[str], a: Assumptions, warm
     place: survivors re-form (`reform_s`); when the new plan uses more GPUs on a node than the old plan's
     survivors there, those ranks start processes, at once, beside the re-form, unless the node's GPUs are warm
     (`warm`: node -> when its warm workers are ready, from warm-at-join): then only what is left of their start."""
-    if a.recovery == "restart" or old is None:
+    if not a.keeps_processes or old is None:
         return a.startup_s
     before = {n: k for n, k in gpus_by_node(old).items() if n not in gone}
     warm = warm or {}
@@ -82,7 +94,7 @@ def staged_start_s(start_s: float, ahead_s: float, a: Assumptions) -> float:
     train on (the controller pre-stages the switch), so of `start_s` only what does not fit in the `ahead_s`
     seconds the notice leaves is charged, and never less than the re-form. The restart path starts its
     processes at the switch: all of `start_s`."""
-    if a.recovery == "restart":
+    if not a.stages_switch:
         return start_s
     return max(a.reform_s, start_s - max(0.0, ahead_s))
 

@@ -11,12 +11,15 @@ the three things that differ between keeping survivors' processes and starting e
 - `processes`: the processes that outlive a group (state/processes.Processes: take, keep, end idle, warm, warm
   ready): `InPlace`'s pool (runtime/processes.WorkerPool on Ray, state/fakes.LocalPool in one process), or
   `NoProcesses`, whose versions do nothing (restart: every process ends with its group).
+- `keeps_processes`: survivors' processes outlive their group, to be taken by the next one (what the fleet
+  simulator's cost model charges by: drills/recovery_model.py).
 - `stages_switch`: a notice's switch is pre-staged (the next plan chosen, its new ranks' warm workers started while
   the doomed nodes still train) only where processes outlive their group to be taken.
 
-A worker group, the state plane and the controller's staging read these and nothing else: no code outside this
-module asks which mode runs. After nvidia-resiliency-ext's in-process restart, whose restart behaviour is an
-injected strategy rather than flags through the call sites.
+A worker group, the state plane, the controller's staging and the fleet simulator read these and nothing else: no
+code outside this module asks which mode runs (`strategy_kind` turns a mode's name into its strategy). After
+nvidia-resiliency-ext's in-process restart, whose restart behaviour is an injected strategy rather than flags
+through the call sites.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class NoProcesses:
 
 class InPlace:
     name = "in-place"
+    keeps_processes = True
     stages_switch = True
 
     def __init__(self, pool: Processes):
@@ -108,6 +112,7 @@ class InPlace:
 
 class Restart:
     name = "restart"
+    keeps_processes = False
     stages_switch = False
 
     def __init__(self) -> None:
@@ -137,12 +142,22 @@ class Restart:
 Recovery = InPlace | Restart
 
 
+STRATEGIES: dict[str, type[InPlace] | type[Restart]] = {InPlace.name: InPlace, Restart.name: Restart}
+
+
+def strategy_kind(mode: str) -> type[InPlace] | type[Restart]:
+    """The strategy `runtime.recovery` names; a name that is none says which are."""
+    try:
+        return STRATEGIES[mode]
+    except KeyError:
+        raise ValueError(f"runtime.recovery {mode!r}: use {' or '.join(STRATEGIES)}") from None
+
+
 def recovery(mode: str, pool: Processes | None = None) -> Recovery:
-    """The strategy for `runtime.recovery` ("in-place" keeps processes in `pool`; "restart")."""
-    if mode == "in-place":
-        if pool is None:
-            raise ValueError("runtime.recovery in-place keeps processes in a pool: pass one")
-        return InPlace(pool)
-    if mode == "restart":
+    """The strategy for `runtime.recovery`, its processes kept in `pool` where it keeps processes."""
+    kind = strategy_kind(mode)
+    if kind is Restart:
         return Restart()
-    raise ValueError(f"runtime.recovery {mode!r}: use in-place or restart")
+    if pool is None:
+        raise ValueError(f"runtime.recovery {mode} keeps processes in a pool: pass one")
+    return InPlace(pool)
