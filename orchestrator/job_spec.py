@@ -172,7 +172,15 @@ class RuntimeSpec(_Section):
         "priority goes first in the queue and asks running jobs of lower priority to give back the GPUs it needs; "
         "each gives them back at a step boundary through the drain path (no step lost), or, where what it keeps "
         "would train no plan, is suspended (its committed step kept, in S3 where the run has a bucket) and waits in "
-        "the queue to resume. Equal priorities never take GPUs from each other")
+        "the queue to resume. Equal priorities never take GPUs from each other, unless both jobs share the fleet by "
+        "weight (fleet_share)")
+    fleet_share: Literal["first-come", "weighted"] = Field(
+        default="first-come", description="on a cluster other hetspot jobs share: `first-come`, a waiting job gets "
+        "what is free (and what priority takes); `weighted`, the cluster's nodes go to the jobs that share this "
+        "way so as to maximise the sum of their tokens/s (each normalised to its rate on the whole cluster) "
+        "weighted by 1 + priority, by the planner's estimates (after Gavel and Sia): a waiting job asks those "
+        "jobs for the nodes that share gives it, and each gives back at a step boundary, in place, the asked "
+        "nodes its own reading of the share does not keep (suspended where none would be left)")
     max_failures_without_progress: int = Field(
         default=5, ge=1, description="the job stops at this many failures in a row that lost no node with no step "
         "committed between them (a restore or a collective failing the same way on every new plan): re-planning "

@@ -163,3 +163,38 @@ def test_the_queue_in_rays_key_value_store_orders_jobs_first_come_and_forgets_a_
     assert second.ahead() == [] and [j for j, _ in waiting()] == ["second"]
     second.leave()
     assert waiting() == []
+
+
+@pytest.mark.ray
+def test_a_sharing_jobs_card_and_a_request_by_the_share_go_through_rays_key_value_store(local_ray):
+    """A job with runtime.fleet_share: weighted shows its card (priority, model, training) in its entry, running or
+    waiting, so another job rates it with the same specs; a first-come job shows none; a request marked as the
+    share's arrives marked."""
+    from orchestrator.cluster.job_queue import RayJobQueue
+    from orchestrator.control.protocols import JobCard
+    from orchestrator.job_spec import parse_job
+
+    j = parse_job({"model": {"preset": "small"}, "train": {"global_batch": 16}, "cluster": {"nodes": [
+        {"name": "l4-a", "gpu_type": "L4", "num_gpus": 1}]}, "runtime": {"fleet_share": "weighted", "priority": 3}})
+    from orchestrator.runtime.controller_actor import job_card
+
+    card = job_card(j)
+    assert card == JobCard(3, j.model_spec, j.train)
+    assert job_card(j.model_copy(update={"runtime": j.runtime.model_copy(update={"fleet_share": "first-come"})})) \
+        is None
+    sharer, plain = RayJobQueue("sharer", 3, card), RayJobQueue("plain")
+    try:
+        sharer.enter()
+        plain.enter()
+        assert plain.sharing() == {"sharer": card}
+        sharer.hold()  # running: still shown
+        assert plain.sharing() == {"sharer": card}
+        plain.ask("sharer", ["l4-a"], share=True)
+        req = sharer.asked()
+        assert req is not None and req.share and req.by == "plain" and req.nodes == ["l4-a"]
+        plain.ask("sharer", ["l4-a"])
+        assert not sharer.asked().share
+    finally:
+        sharer.leave()
+        plain.leave()
+    assert plain.sharing() == {}

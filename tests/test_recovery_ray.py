@@ -972,6 +972,45 @@ def test_a_lower_priority_job_yields_a_node_in_place_then_is_suspended_to_s3_and
         low.leave()
 
 
+def test_a_job_sharing_the_fleet_by_weight_gives_a_node_to_a_sharing_job_of_equal_priority_in_place(cluster):
+    """runtime.fleet_share: weighted, on the test cluster: a job of priority 0 trains on two nodes; a second job
+    of priority 0 that shares too (the test, with its card in the cluster's queue in Ray's key-value store) asks
+    for both nodes by the share. The job reads the share itself (the tiny model trains hardly faster on two
+    nodes than on one, the other job's no faster: one node each), gives back the one it does not keep through
+    the drain path at a step boundary, in place, and trains on the other; every step once, the losses the
+    one-device run's."""
+    from orchestrator.cluster.job_queue import RayJobQueue
+    from orchestrator.control.protocols import JobCard
+    from orchestrator.runtime.controller_actor import job_card
+    from planner.specs import TrainSpec
+
+    a, b = nodes(cluster, ("share-a", "L4", 1), ("share-b", "L4", 1))
+    j = make_job([a, b], None, "share")
+    j = j.model_copy(update={"runtime": j.runtime.model_copy(update={"fleet_share": "weighted"})})
+    mine = RayJobQueue("hetspot-sharer-1a2b3c4d", 0, job_card(j))
+    steps = 30
+    c = make_controller(j, steps, nodes=QueueNodes({a.name, b.name}), queue=mine)
+    other = RayJobQueue("hetspot-other-1a2b3c4d", 0, JobCard(0, j.model_spec, TrainSpec(global_batch=64)))
+    try:
+        run_until(c, 1)
+        assert sorted(c.plan.nodes()) == sorted([a.name, b.name])
+        other.enter()
+        other.ask(mine.job_id, [a.name, b.name], share=True)
+        deadline = time.monotonic() + 240  # the switch waits for its keepers, training on (a loaded machine: long)
+        while not [e for e in c.progress.events if e["kind"] == "drain" and e.get("first_step_s") is not None]:
+            assert time.monotonic() < deadline, c.progress.events
+            run_until(c, c.progress.committed + 1)
+        (y,) = [e for e in c.progress.events if e["kind"] == "yield"]
+        assert y["by"] == other.job_id and y["share"] and len(y["nodes"]) == 1, c.progress.events
+        assert set(c.plan.nodes()) == {a.name, b.name} - set(y["nodes"]) and c.progress.restarts == 0
+        other.leave()
+        assert c.run() == State.DONE, c.error
+        assert_matches_reference(j, c.progress.losses, steps=steps)
+    finally:
+        other.leave()
+        mine.leave()
+
+
 def test_answers_a_failure_leaves_unread_are_read_not_reported_as_unhandled_errors(cluster, monkeypatch):
     """The first failure ends a gather at once (runtime/detect.py); the other ranks' answers still come, and one
     that is an error and never read was reported by Ray as "Unhandled error", a survivor's traceback in the

@@ -11,7 +11,10 @@ A job that can train on what is free does not look at the queue: the queue order
 Priorities (`runtime.priority`): waiting jobs go by priority first, then first come. A running job keeps its
 entry (no `since`), so its priority is seen: the first job in line asks running jobs of lower priority for their
 GPUs on some nodes with a request under the running job's id (namespace `hetspot-yield`), which that job reads
-at its next step boundary.
+at its next step boundary. A job that shares the fleet by weighted throughput (`runtime.fleet_share: weighted`)
+shows its card in its entry (its priority, model and training: control/protocols.JobCard), so that every job
+that shares can rate the others on any set of nodes (control/share.py); the first in line asks the jobs whose
+GPUs that share gives it, whatever their priority.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import json
 import time
 
-from orchestrator.control.protocols import YieldRequest
+from orchestrator.control.protocols import JobCard, YieldRequest
+from planner.specs import ModelSpec, TrainSpec
 
 NAMESPACE = "hetspot-queue"
 ASKS = "hetspot-yield"  # a waiting job's request to a running job of lower priority, under the running job's id
@@ -43,8 +47,9 @@ def waiting() -> list[tuple[str, float]]:
 class RayJobQueue:
     """One job's place in its cluster's queue (control/protocols.JobQueue)."""
 
-    def __init__(self, job_id: str, priority: int = 0):
-        self.job_id, self.priority = job_id, priority
+    def __init__(self, job_id: str, priority: int = 0, card: JobCard | None = None):
+        self.job_id, self.priority, self.card = job_id, priority, card
+        self.job = job_id
         self.since: float | None = None
         self._entered = False
 
@@ -53,6 +58,9 @@ class RayJobQueue:
         from ray.experimental.internal_kv import _internal_kv_put
 
         entry = {"since": self.since, "priority": self.priority, "ray_job": ray.get_runtime_context().get_job_id()}
+        if self.card is not None:
+            entry["card"] = {"model": self.card.model.model_dump(mode="json"),
+                             "train": self.card.train.model_dump(mode="json")}
         _internal_kv_put(self.job_id, json.dumps(entry), namespace=NAMESPACE)
         self._entered = True
 
@@ -81,10 +89,10 @@ class RayJobQueue:
     def priorities(self) -> dict[str, int]:
         return {job: int(e.get("priority", 0)) for job, e in entries().items()}
 
-    def ask(self, job: str, nodes: list[str]) -> None:
+    def ask(self, job: str, nodes: list[str], share: bool = False) -> None:
         from ray.experimental.internal_kv import _internal_kv_put
 
-        request = {"by": self.job_id, "priority": self.priority, "nodes": sorted(nodes)}
+        request = {"by": self.job_id, "priority": self.priority, "nodes": sorted(nodes), "share": share}
         _internal_kv_put(job, json.dumps(request), namespace=ASKS)
 
     def asked(self) -> YieldRequest | None:
@@ -95,4 +103,13 @@ class RayJobQueue:
             return None
         _internal_kv_del(self.job_id, namespace=ASKS)
         r = json.loads(raw)
-        return YieldRequest(r["by"], int(r["priority"]), list(r["nodes"]))
+        return YieldRequest(r["by"], int(r["priority"]), list(r["nodes"]), bool(r.get("share", False)))
+
+    def sharing(self) -> dict[str, JobCard]:
+        out = {}
+        for job, e in entries().items():
+            card = e.get("card")
+            if card is not None:
+                out[job] = JobCard(int(e.get("priority", 0)), ModelSpec.model_validate(card["model"]),
+                                   TrainSpec.model_validate(card["train"]))
+        return out

@@ -10,9 +10,10 @@ States (one job):
   its cluster's queue (`JobQueue`, by priority, then first come first served), looks again every QUEUE_POLL_S and
   goes on to planning when it is first in line and a plan fits; past `queue_timeout_s` it fails with exit code 2
   naming the holders. Without a queue it fails at once. The first in line asks running jobs of lower priority
-  for GPUs (`_ask`); an asked job gives nodes back at a step boundary through DRAINING, or, where what it keeps
-  trains no plan, suspends (its committed step kept off the GPUs: StatePlane.suspend) and goes to QUEUED. The
-  queue's part of the machine is control/queueing.py's (`Queueing`, which the controller inherits).
+  for GPUs (`_ask`), or, sharing the fleet by weight, the jobs whose nodes that share gives it (control/share.py);
+  an asked job gives nodes back at a step boundary through DRAINING, or, where what it keeps trains no plan,
+  suspends (its committed step kept off the GPUs: StatePlane.suspend) and goes to QUEUED. The queue's part of
+  the machine is control/queueing.py's (`Queueing`, which the controller inherits).
   WAITING (jobs with a `fleet:`): the fleet's demand stands on Ray's autoscaler (orchestrator/cluster/capacity.py)
   until every type's minimum is up; past `fleet.wait_s` the job fails with exit code 2 naming the missing types.
   The demand stands while the job runs (a preempted node is replaced; a scale check moves onto it) and is
@@ -55,6 +56,7 @@ from orchestrator.control.protocols import (
 )
 from orchestrator.control.queueing import Queueing, holders
 from orchestrator.control.replan import choose_replan
+from orchestrator.control.share import FleetShare
 from orchestrator.control.snapshots import MemorySnapshots
 from orchestrator.control.states import (
     Draining,
@@ -111,6 +113,7 @@ class Controller(Queueing, Switching, WatchingCapacity):
         self._asked_on: dict | None = None  # the holders a queued job last asked lower-priority jobs about
         self._yielded: set[str] = set()  # nodes given back to a higher-priority job: doomed until the drain is done
         self._suspended: str | None = None  # who took its GPUs, while a suspended job waits to resume (no bound)
+        self.fleet_share = FleetShare()  # its reading of the weighted share (jobs with runtime.fleet_share: weighted)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
         self._known_gpus: dict[str, int] = {}  # and each node's GPUs free to the job then (others may free more)

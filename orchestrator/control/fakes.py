@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Set
 from typing import Any
 
-from orchestrator.control.protocols import Notice, YieldRequest
+from orchestrator.control.protocols import JobCard, Notice, YieldRequest
 from orchestrator.errors import WorkerFailure
 from planner import ClusterSpec, Plan
 
@@ -33,16 +33,23 @@ class FakeNodes:
 
 class MemoryQueue:
     """One job's place in a queue shared by the fakes of several jobs in one process: `line`, the waiting jobs in
-    the order they came; `board`, every job's priority ("priority") and the requests to give GPUs back ("asks")."""
+    the order they came; `board`, every job's priority ("priority"), the cards of those that share the fleet by
+    weighted throughput ("cards") and the requests to give GPUs back ("asks")."""
 
-    def __init__(self, job: str, line: list[str], priority: int = 0, board: dict | None = None):
-        self.job, self.line, self.priority = job, line, priority
+    def __init__(self, job: str, line: list[str], priority: int = 0, board: dict | None = None,
+                 card: JobCard | None = None):
+        self.job, self.line, self.priority, self.card = job, line, priority, card
         self.board = board if board is not None else {}
-        self.board.setdefault("priority", {})
-        self.board.setdefault("asks", {})
+        for key in ("priority", "asks", "cards"):
+            self.board.setdefault(key, {})
+
+    def _show(self) -> None:
+        self.board["priority"][self.job] = self.priority
+        if self.card is not None:
+            self.board["cards"][self.job] = self.card
 
     def enter(self) -> None:
-        self.board["priority"][self.job] = self.priority
+        self._show()
         if self.job not in self.line:
             self.line.append(self.job)
 
@@ -52,20 +59,24 @@ class MemoryQueue:
         return order[:order.index(self.job)] if self.job in order else order
 
     def hold(self) -> None:
-        self.board["priority"][self.job] = self.priority
+        self._show()
         if self.job in self.line:
             self.line.remove(self.job)
 
     def leave(self) -> None:
         self.board["priority"].pop(self.job, None)
+        self.board["cards"].pop(self.job, None)
         if self.job in self.line:
             self.line.remove(self.job)
 
     def priorities(self) -> dict[str, int]:
         return dict(self.board["priority"])
 
-    def ask(self, job: str, nodes: list[str]) -> None:
-        self.board["asks"][job] = YieldRequest(self.job, self.priority, sorted(nodes))
+    def ask(self, job: str, nodes: list[str], share: bool = False) -> None:
+        self.board["asks"][job] = YieldRequest(self.job, self.priority, sorted(nodes), share)
+
+    def sharing(self) -> dict[str, JobCard]:
+        return dict(self.board["cards"])
 
     def asked(self) -> YieldRequest | None:
         return self.board["asks"].pop(self.job, None)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from orchestrator.control.capacity import Capacity, CapacityView
     from orchestrator.control.policy import Policy
     from orchestrator.control.protocols import Clock, JobQueue, NodeSource, StatePlane, WorkerGroup
+    from orchestrator.control.share import FleetShare
     from orchestrator.control.states import Phase, State
     from orchestrator.control.timeline import Joining, Staged, SwitchTimeline
     from orchestrator.errors import WorkerFailure
@@ -69,6 +70,7 @@ class ControllerParts:
     _asked_on: dict | None
     _yielded: set[str]
     _suspended: str | None
+    fleet_share: FleetShare
 
     if TYPE_CHECKING:  # the controller's and its parts', each defined once
         @property

@@ -8,7 +8,8 @@
   `StateCalls`), typed with the records of workers/transfer.py.
 - `InterruptionSource`: spot notices and drains announced ahead of a node's loss.
 - `JobQueue`: the jobs of one cluster waiting for GPUs that others hold, by priority and then first come first
-  served, and the requests of waiting jobs to running ones of lower priority (Ray: cluster/job_queue.RayJobQueue).
+  served, and the requests of waiting jobs to running ones of lower priority, or to jobs whose GPUs the fleet's
+  weighted share gives the waiting job (control/share.py; Ray: cluster/job_queue.RayJobQueue).
 - `Clock`: time, so tests step through deadlines without sleeping.
 Pure: no Ray, no boto3, no torch.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from planner import ClusterSpec
+from planner.specs import ModelSpec, TrainSpec
 
 
 class NodeSource(Protocol):
@@ -98,17 +100,30 @@ class YieldRequest(NamedTuple):
     by: str  # the asking job
     priority: int  # its priority
     nodes: list[str]  # the nodes whose GPUs it asks this job for
+    share: bool = False  # asked by the fleet's weighted share (control/share.py), whatever the priorities
+
+
+class JobCard(NamedTuple):
+    """What a job that shares the fleet by weighted throughput (runtime.fleet_share: weighted) shows the others:
+    enough for each of them to rate it on any set of nodes (control/share.Rates) and weigh it."""
+
+    priority: int
+    model: ModelSpec
+    train: TrainSpec
 
 
 class JobQueue(Protocol):
+    job: str  # this job's id (the holder name its GPUs show under)
     priority: int  # this job's (runtime.priority)
+    card: JobCard | None  # this job's card where it shares the fleet by weighted throughput; None: first come
 
     def enter(self) -> None: ...  # this job waits (again: its place is kept, its entry shown alive)
     def ahead(self) -> list[str]: ...  # the waiting jobs before this one: higher priority first, then first come
     def hold(self) -> None: ...  # this job's workers hold GPUs: it waits no more, its priority stays shown
     def leave(self) -> None: ...  # this job ended: no entry left
     def priorities(self) -> dict[str, int]: ...  # every waiting or running job's priority
-    def ask(self, job: str, nodes: list[str]) -> None: ...  # ask `job` to give back its GPUs on `nodes`
+    def ask(self, job: str, nodes: list[str], share: bool = False) -> None: ...  # ask `job` for its GPUs on `nodes`
+    def sharing(self) -> dict[str, JobCard]: ...  # every waiting or running job that shows a card, by id
     def asked(self) -> YieldRequest | None: ...  # the newest request to this job, read once
 
 

@@ -1,7 +1,8 @@
 """Several jobs on one cluster, from one job's side: its place in the cluster's queue (`JobQueue`: by priority,
 then first come first served), what it waits for and who holds it, the requests it makes of running jobs of lower
-priority, and how it answers theirs: GPUs given back at a step boundary through the drain path, warm workers
-ended, or the whole job suspended to wait its turn again. `Queueing` is the controller's part for it
+priority (or, where jobs share the fleet by weighted throughput, of the jobs whose GPUs that share gives it:
+control/share.py), and how it answers theirs: GPUs given back at a step boundary through the drain path, warm
+workers ended, or the whole job suspended to wait its turn again. `Queueing` is the controller's part for it
 (control/controller.Controller inherits it); the attributes declared here are the controller's, set in its
 constructor. Pure: no Ray, no boto3, no torch.
 """
@@ -9,9 +10,11 @@ constructor. Pure: no Ray, no boto3, no torch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from orchestrator.control.parts import ControllerParts
 from orchestrator.control.protocols import JobQueue, Notice, YieldRequest
+from orchestrator.control.share import Share
 from orchestrator.control.states import Phase, Queued, State, Suspension, expect, present
 from orchestrator.errors import CheckpointError, WorkerFailure
 from planner import ClusterSpec, PlanningError
@@ -90,6 +93,8 @@ class Queueing(ControllerParts):
         if held == self._asked_on:
             return
         self._asked_on = held
+        if self._ask_by_share(held):
+            return
         prio = line.priorities()
         lower = sorted((prio[job], -n, node, job) for node, by in held.items() for job, n in by.items()
                        if job in prio and prio[job] < line.priority and node not in self.doomed)
@@ -120,6 +125,46 @@ class Queueing(ControllerParts):
         self._event("asked", f"priority {line.priority}: asked " + "; ".join(
             f"{job} for its GPUs on {', '.join(nodes)}" for job, nodes in sorted(asks.items())), asked=asks)
 
+    def _reading(self, mine: Iterable[str]) -> Share | None:
+        """The fleet's weighted share as this job reads it now, holding the nodes `mine` (None where the job does
+        not share the fleet that way: runtime.fleet_share)."""
+        line = self._line()
+        if line.card is None:
+            return None
+        cards = line.sharing() | {line.job: line.card}
+        return self.fleet_share.decide(cards, self.nodes.whole(), self.nodes.held, line.job, mine, self.doomed)
+
+    def _ask_by_share(self, held: dict[str, dict[str, int]]) -> bool:
+        """The first job in line, sharing the fleet by weight: it asks each job that holds GPUs on the nodes the
+        share gives it for those, whatever their priorities (False: the share gives it none that others hold)."""
+        got = self._reading(())
+        if got is None:
+            return False
+        line, mine = self._line(), got.get(self._line().job, frozenset())
+        asks: dict[str, list[str]] = {}
+        for node in sorted(mine):
+            for job in held.get(node, {}):
+                asks.setdefault(job, []).append(node)
+        if not asks:
+            return False
+        for job, nodes in sorted(asks.items()):
+            line.ask(job, nodes, share=True)
+        self._event("asked", f"the fleet's weighted share gives this job {', '.join(sorted(mine))}: asked " + "; ".join(
+            f"{job} for its GPUs on {', '.join(nodes)}" for job, nodes in sorted(asks.items())), asked=asks,
+            share={job: sorted(nodes) for job, nodes in got.items()})
+        return True
+
+    def _share_gives(self, req: YieldRequest) -> tuple[list[str], str | None]:
+        """A request by the share: the asked nodes of this job's plan that its own reading of the share does not
+        keep here, or why none go."""
+        if self._line().card is None:
+            return [], "this job does not share the fleet by weight (runtime.fleet_share: first-come)"
+        self.nodes.discover()  # who holds what now
+        got = self._reading(self.running_plan.nodes())
+        keep = got.get(self._line().job, frozenset()) if got is not None else frozenset()
+        nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed - keep)
+        return nodes, None if nodes else "the fleet's weighted share keeps them with this job"
+
     def _asked(self) -> list[Notice] | Suspension:
         """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary).
         When a plan trains on what is left, they go back through the drain path, as under a spot notice with
@@ -131,14 +176,18 @@ class Queueing(ControllerParts):
         req = self.queue.asked()
         if req is None:
             return []
-        nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed)
-        if req.priority > self.queue.priority and self._give_warm(req, set(req.nodes) - set(nodes)) and not nodes:
-            return []
-        if req.priority <= self.queue.priority or not nodes:
-            why = f"its priority is not above this job's ({self.queue.priority})" if nodes else \
-                "none of them are the plan's"
+        if req.share:
+            nodes, why = self._share_gives(req)
+        else:
+            nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed)
+            higher = req.priority > self.queue.priority
+            if higher and self._give_warm(req, set(req.nodes) - set(nodes)) and not nodes:
+                return []
+            why = None if higher and nodes else "none of them are the plan's" if not nodes else \
+                f"its priority is not above this job's ({self.queue.priority})"
+        if why is not None:
             self._event("yield-declined", f"{req.by} (priority {req.priority}) asked for the GPUs on "
-                        f"{', '.join(req.nodes)}: {why}", by=req.by, nodes=req.nodes)
+                        f"{', '.join(req.nodes)}: {why}", by=req.by, nodes=req.nodes, share=req.share)
             return []
         keep = set(self.running_plan.nodes()) - self.doomed - set(nodes)  # what it holds, less what is asked (the
         # nodes its plan was chosen among but does not use may be another job's by now)
@@ -151,8 +200,10 @@ class Queueing(ControllerParts):
         except PlanningError as e:
             return Suspension(req, nodes, str(e))
         self._yielded |= set(nodes)
-        self._event("yield", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)}: giving "
-                    "them back at a step boundary, training on the rest", by=req.by, nodes=nodes)
+        how = " by the fleet's weighted share" if req.share else ""
+        self._event("yield", f"{req.by} (priority {req.priority}) asked{how} for the GPUs on {', '.join(nodes)}: "
+                    "giving them back at a step boundary, training on the rest", by=req.by, nodes=nodes,
+                    share=req.share)
         now = self.clock.now()
         return [Notice(n, now + YIELD_S, f"yield to {req.by}") for n in nodes]
 

@@ -7,12 +7,12 @@ Two policies replay the same arrivals and fleet changes:
   first job in line starts when a plan fits on the free nodes and takes all of them (a hetspot job plans on
   every GPU free to it); a job that loses nodes trains on what it keeps, or goes back to its place in line
   where no plan fits; running jobs grow, in arrival order, into nodes that come free while no job waits.
-- `share`: the fleet's share as a choice, after Gavel (Narayanan et al., OSDI 2020: throughput normalised per
-  job, weighted) and Sia (Jayaram Subramanya et al., SOSP 2023: re-decided on every change, heterogeneity
-  aware): at every arrival, end and fleet change the up nodes go to maximise the sum over the jobs present of
-  weight x tokens/s on its nodes / tokens/s on the whole fleet, greedily: the increment (1, 2, 4, ... nodes of
-  one type) with the best gain per node goes first, a job's own nodes before others'. A new share is taken
-  only when it beats the share kept (less lost nodes) by `hysteresis`, so a small gain does not move jobs.
+- `share`: the fleet's share as a choice (control/share.py, the function the live controller's queue uses with
+  `runtime.fleet_share: weighted`; after Gavel and Sia): at every arrival, end and fleet change the up nodes go
+  to maximise the sum over the jobs present of weight x tokens/s on its nodes / tokens/s on the whole fleet,
+  greedily: the increment (1, 2, 4, ... nodes of one type) with the best gain per node goes first, a job's own
+  nodes before others'. A new share is taken only when it beats the share kept (less lost nodes) by
+  `hysteresis`, so a small gain does not move jobs.
 
 A job whose nodes change pays what hetspot's in-place path costs (recovery_model.Assumptions, measured): a
 job that starts, or resumes after it had nothing, waits `startup_s`; one that gains nodes trains on its old
@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.control.share import Rates, share, weight
 from orchestrator.drills.recovery_model import Assumptions
 from orchestrator.drills.trace import Trace, fleet_slots, read_yaml
 from orchestrator.errors import ConfigError
-from planner import ClusterSpec, PlanningError, evaluate
-from planner.search import Planner
+from planner import ClusterSpec
 from planner.specs import PRESETS, ModelSpec, TrainSpec
 
 POLICIES = ("fcfs", "share")
@@ -56,7 +55,7 @@ class SimJob:
 
     @property
     def weight(self) -> float:
-        return 1.0 + self.priority
+        return weight(self.priority)
 
 
 def load_jobs(path: str | Path) -> list[SimJob]:
@@ -94,37 +93,6 @@ def load_jobs(path: str | Path) -> list[SimJob]:
                           TrainSpec(global_batch=nums["global_batch"]), float(nums["tokens"]) * 1e9,
                           nums["priority"]))
     return sorted(out, key=lambda x: (x.arrive_s, x.name))
-
-
-class Rates:
-    """Each job's predicted tokens/s on a set of the fleet's nodes (0 where no plan fits), planned once per job
-    and per multiset of node kinds (nodes of one kind are alike to the planner)."""
-
-    def __init__(self, fleet: ClusterSpec, jobs: list[SimJob]):
-        self.fleet = fleet
-        self.spec = {n.name: n for n in fleet.nodes}
-        self.planners = {j.name: Planner(j.model, j.train) for j in jobs}
-        self.jobs = {j.name: j for j in jobs}
-        self._cache: dict[tuple, float] = {}
-        self.plans = 0
-
-    def kind(self, node: str) -> tuple:
-        n = self.spec[node]
-        return (n.gpu_type, n.num_gpus, n.inter_node_bw_gb_s, n.market)
-
-    def tps(self, job: str, nodes) -> float:
-        if not nodes:
-            return 0.0
-        key = (job, tuple(sorted(Counter(self.kind(n) for n in nodes).items())))
-        if key not in self._cache:
-            cluster = self.fleet.model_copy(update={"nodes": [self.spec[n] for n in sorted(nodes)]})
-            j = self.jobs[job]
-            self.plans += 1
-            try:
-                self._cache[key] = evaluate(self.planners[job].plan(cluster), cluster, j.model, j.train).tokens_per_s
-            except PlanningError:
-                self._cache[key] = 0.0
-        return self._cache[key]
 
 
 @dataclass
@@ -175,9 +143,8 @@ class JobsSim:
         self.trace, self.fleet, self.jobs = trace, fleet, jobs
         self.a = assumptions or Assumptions()
         self.hysteresis = hysteresis
-        self.rates = Rates(fleet, jobs)
-        everything = frozenset(n.name for n in fleet.nodes)
-        self.norm = {j.name: self.rates.tps(j.name, everything) or 1.0 for j in jobs}
+        self.rates = Rates(fleet, {j.name: (j.model, j.train) for j in jobs})
+        self.norm = {j.name: self.rates.norm(j.name) for j in jobs}
 
     # -- the shared replay ----------------------------------------------------------
     def run(self) -> dict:
@@ -277,42 +244,8 @@ class JobsSim:
                     free = set()
         return target
 
-    def _value(self, alloc: dict[str, frozenset]) -> float:
-        return sum(self.rates.jobs[n].weight * self.rates.tps(n, nodes) / self.norm[n] for n, nodes in alloc.items())
-
     def _share(self, live: dict[str, JobRun], kept: dict[str, frozenset], up: frozenset) -> dict[str, frozenset]:
-        alloc: dict[str, set[str]] = {name: set() for name in live}
-        pool = set(up)
-        while pool:
-            best = None
-            kinds: dict[tuple, list[str]] = {}
-            for n in sorted(pool):
-                kinds.setdefault(self.rates.kind(n), []).append(n)
-            for name in live:
-                base = self.rates.tps(name, alloc[name])
-                w = self.rates.jobs[name].weight / self.norm[name]
-                for names in kinds.values():
-                    names = sorted(names, key=lambda n: (n not in kept[name], n))  # its own nodes first
-                    k = 1
-                    while True:
-                        r = self.rates.tps(name, alloc[name] | set(names[:k]))
-                        if r > base * (1 + 1e-9):
-                            score = w * (r - base) / k
-                            if best is None or score > best[0]:
-                                best = (score, name, names[:k])
-                            break
-                        if k >= len(names):
-                            break
-                        k = min(2 * k, len(names))
-            if best is None:
-                break
-            alloc[best[1]] |= set(best[2])
-            pool -= set(best[2])
-        new = {name: frozenset(nodes) for name, nodes in alloc.items()}
-        keep = {name: nodes if self.rates.tps(name, nodes) > 0 else frozenset() for name, nodes in kept.items()}
-        if self._value(new) > self._value(keep) * (1 + self.hysteresis) or not any(keep.values()):
-            return new
-        return keep
+        return share(self.rates, {name: r.job.weight for name, r in live.items()}, up, kept, self.hysteresis)
 
     def _apply(self, run: PolicyRun, r: JobRun, nodes: frozenset, now: float, preempted: bool) -> None:
         """The job's node set changes: its rate and what the change costs it (the module's docstring)."""

@@ -25,7 +25,7 @@ import ray
 from orchestrator.control.capacity import Capacity
 from orchestrator.control.controller import Controller, State
 from orchestrator.control.policy import Policy
-from orchestrator.control.protocols import JobQueue, NodeSource, StatePlane
+from orchestrator.control.protocols import JobCard, JobQueue, NodeSource, StatePlane
 from orchestrator.job_spec import JobSpec
 from orchestrator.preemption.ray_notices import RayNotices
 from orchestrator.runtime.processes import WorkerPool
@@ -69,6 +69,13 @@ def make_controller(job: JobSpec, steps: int, nodes: NodeSource | None = None, f
                       interruptions=RayNotices(None if rt.notices == "none" else rt.notices, rt.notice_poll_s,
                                                grace_s=rt.notice_grace_s),
                       on_phase=on_phase, capacity=capacity, queue=queue)
+
+
+def job_card(job: JobSpec) -> JobCard | None:
+    """What the job shows the cluster's other jobs where it shares the fleet by weighted throughput."""
+    if job.runtime.fleet_share != "weighted":
+        return None
+    return JobCard(job.runtime.priority, job.model_spec, job.train)
 
 
 def make_store(job: JobSpec, restore_from: str | None = None, run_id: str | None = None) -> TieredState:
@@ -131,7 +138,7 @@ class ControllerActor:
                                           replan_user_plan=replan_user_plan, capacity=capacity,
                                           checkpoint_run=checkpoint_run,
                                           queue=None if embedded  # one job embedded
-                                          else RayJobQueue(job_id, self.job.runtime.priority))
+                                          else RayJobQueue(job_id, self.job.runtime.priority, job_card(self.job)))
         chooser = getattr(capacity, "rechoose", None)
         if capacity is not None and chooser is not None:  # fleet.auto: say which fleet was chosen
             self.controller._event("fleet", f"chose the fleet: {chooser.history[0]}", fleet=dict(
