@@ -8,9 +8,10 @@ import pytest
 
 from orchestrator.control.controller import Controller, State
 from orchestrator.control.fakes import FakeClock, MemoryQueue
+from orchestrator.control.policy import Policy
 from orchestrator.control.protocols import JobCard
 from orchestrator.control.share import FleetShare, Rates, share, value, weight
-from planner import ClusterSpec, NodeSpec, TrainSpec
+from planner import ClusterSpec, ModelSpec, NodeSpec, TrainSpec
 from tests.test_priorities import MODEL, TRAIN, Fleet, JobNodes, Placed, assert_every_step_once, kinds, run_until
 
 pytestmark = pytest.mark.unit
@@ -46,12 +47,12 @@ def test_every_job_reads_the_same_share_and_nodes_a_first_come_job_holds_stay_ou
 
 
 def sharing_job(fleet: Fleet, name: str, board: dict, line: list, steps: int, train: TrainSpec = TRAIN,
-                card: bool = True):
+                card: bool = True, model: ModelSpec = MODEL, **policy):
     log: list = []
-    clock = FakeClock()
-    queue = MemoryQueue(name, line, 0, board, JobCard(0, MODEL, train) if card else None)
-    c = Controller(MODEL, train, steps, JobNodes(fleet, name), lambda p: Placed(fleet, name, p, log), clock=clock,
-                   sleep=clock.advance, queue=queue)
+    clock = FakeClock(tick=0.1)
+    queue = MemoryQueue(name, line, 0, board, JobCard(0, model, train) if card else None)
+    c = Controller(model, train, steps, JobNodes(fleet, name), lambda p: Placed(fleet, name, p, log), clock=clock,
+                   sleep=clock.advance, queue=queue, policy=Policy(**policy))
     return c
 
 
@@ -107,3 +108,53 @@ def test_a_request_by_the_share_for_what_the_share_keeps_is_declined():
     (e,) = [e for e in c.progress.events if e["kind"] == "yield-declined"]
     assert "share keeps them" in e["cause"] and e["share"]
     assert_every_step_once(c)
+
+
+def test_a_running_job_asks_for_its_share_at_a_scale_check_and_grows_into_it_in_place():
+    """Three L4 nodes: the tiny model's job holds two (it gains 3% from the second); a larger model's job, which
+    gains 72% from a second node, starts on the third, free one. At its scale check it reads the share (one node
+    for the tiny model, two for it), asks for the node, gets it through the tiny job's drain at a step boundary,
+    and grows into it in place (a joined node to it: warm workers first, then the move). Neither job loses or
+    repeats a step, and the tiny job does not grow back into the node it gave."""
+    big = ModelSpec(name="big", num_layers=8, hidden_size=1024, num_heads=16, vocab_size=32000, seq_len=512)
+    fleet, board, line = Fleet(*L4S, NodeSpec(name="l4-c", gpu_type="L4", num_gpus=2)), {}, []
+    fleet.take("other", ["l4-c/0", "l4-c/1"])  # the tiny job plans on l4-a and l4-b
+    tiny = sharing_job(fleet, "tiny", board, line, 60, scale_check_every=2)
+    run_until([tiny], lambda: tiny.progress.committed >= 2)
+    assert set(tiny.plan.nodes()) == {"l4-a", "l4-b"}
+    fleet.give_back("other")
+    grower = sharing_job(fleet, "grower", board, line, 30, train=BIG, model=big, scale_check_every=2)
+    run_until([tiny, grower], lambda: grower.state is State.DONE)
+    assert "queued" not in kinds(grower)  # it started on the free node
+    (asked,) = [e for e in grower.progress.events if e["kind"] == "asked"]
+    assert asked["asked"] == {"tiny": ["l4-b"]} and asked["share"] == {"grower": ["l4-b", "l4-c"], "tiny": ["l4-a"]}
+    (y,) = [e for e in tiny.progress.events if e["kind"] == "yield"]
+    assert y["share"] and y["nodes"] == ["l4-b"]
+    (up,) = [e for e in grower.progress.events if e["kind"] == "scale-up"]
+    assert set(grower.plan.nodes()) == {"l4-b", "l4-c"} and grower.progress.restarts == 0, grower.progress.events
+    run_until([tiny], lambda: tiny.state is State.DONE)
+    assert set(tiny.plan.nodes()) == {"l4-a"} and tiny.progress.restarts == 0
+    assert_every_step_once(tiny)
+    assert_every_step_once(grower)
+
+
+def test_gpus_another_job_frees_go_to_the_sharing_job_its_share_gives_them_not_to_the_first_to_look():
+    """Both jobs run, each on one L4 node, when a job that does not share ends on the third: the share gives that
+    node to the larger model's job, so the tiny job neither warms workers on it nor grows into it, however soon
+    it looks; the larger job grows into it in place."""
+    big = ModelSpec(name="big", num_layers=8, hidden_size=1024, num_heads=16, vocab_size=32000, seq_len=512)
+    fleet, board, line = Fleet(*L4S, NodeSpec(name="l4-c", gpu_type="L4", num_gpus=2)), {}, []
+    fleet.take("other", ["l4-b/0", "l4-b/1", "l4-c/0", "l4-c/1"])
+    tiny = sharing_job(fleet, "tiny", board, line, 40, scale_check_every=1)
+    run_until([tiny], lambda: tiny.progress.committed >= 2)
+    fleet.give_back("other", keep=frozenset({"l4-c/0", "l4-c/1"}))
+    grower = sharing_job(fleet, "grower", board, line, 24, train=BIG, model=big, scale_check_every=2)
+    run_until([grower], lambda: grower.progress.committed >= 1)
+    assert tiny.plan.nodes() == ["l4-a"] and grower.plan.nodes() == ["l4-b"]
+    fleet.give_back("other")  # l4-c is free: to both jobs it reads as a joined node
+    run_until([tiny, grower], lambda: grower.state is State.DONE)
+    assert not [e for e in tiny.progress.events if e["kind"] != "held" and "l4-c" in str(e)], tiny.progress.events
+    assert set(grower.plan.nodes()) == {"l4-b", "l4-c"} and "scale-up" in kinds(grower)
+    assert_every_step_once(grower)
+    run_until([tiny], lambda: tiny.state is State.DONE)
+    assert_every_step_once(tiny)

@@ -138,8 +138,27 @@ class Queueing(ControllerParts):
         """The first job in line, sharing the fleet by weight: it asks each job that holds GPUs on the nodes the
         share gives it for those, whatever their priorities (False: the share gives it none that others hold)."""
         got = self._reading(())
-        if got is None:
-            return False
+        return got is not None and self._ask_holders(got, held)
+
+    def _within_share(self, cluster: ClusterSpec, weigh: bool) -> ClusterSpec:
+        """A running job that shares the fleet by weight, beside other jobs that do: of what is free to it, the
+        nodes its share gives it and its plan's, so that it neither warms workers on nor grows into the rest (a
+        choice, not a race); at a scale check (`weigh`), once for each set of holders, it asks the jobs that hold
+        nodes its share gives it for them, and grows into them once they are given back."""
+        line = self.queue
+        if line is None or line.card is None or not set(line.sharing()) - {line.job}:
+            return cluster
+        plan = set(self.running_plan.nodes())
+        got = self._reading(plan) or {}
+        held = self.nodes.held
+        if weigh and held != self._share_asked_on:
+            self._share_asked_on = held
+            self._ask_holders(got, held)
+        keep = got.get(line.job, frozenset()) | plan
+        return cluster.model_copy(update={"nodes": [n for n in cluster.nodes if n.name in keep]})
+
+    def _ask_holders(self, got: Share, held: dict[str, dict[str, int]]) -> bool:
+        """Ask each job that holds GPUs on nodes the share `got` gives this job for them (False: none to ask)."""
         line, mine = self._line(), got.get(self._line().job, frozenset())
         asks: dict[str, list[str]] = {}
         for node in sorted(mine):

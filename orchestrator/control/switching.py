@@ -31,7 +31,7 @@ class Switching(ControllerParts):
         process (a notice's pre-staged switch does the same). True: switch now."""
         if weigh and self.capacity is not None:  # substitutes for types that stay dry while the job runs
             self._substitutions(self.capacity, self.capacity.tick())
-        cluster = self._not_queued_for(self.nodes.discover().without_nodes(self.doomed))
+        cluster = self._within_share(self._not_queued_for(self.nodes.discover().without_nodes(self.doomed)), weigh)
         known, joined = joined_nodes(self._known_nodes, cluster)
         self._warmed &= known  # a node that left and comes back is warmed again
         fresh = (known - (self._known_nodes or known)) - self._warmed
