@@ -45,6 +45,12 @@ def check_pool(pool: Any, ended: Callable[[Any], bool], ready_within_s: float = 
     # warm workers asked back end by node; every process ends with the job
     assert pool.warm_up(Counter({"a": 1, "b": 1}), 2, Counter()) == 2
     assert pool.end_warm({"b", "nowhere"}) == 1 and [k.node for k in pool.warm] == ["a"]
+
+    # another job asks for a node no rank uses: the warm workers and the kept processes no rank took there end
+    assert pool.warm_up(Counter({"a": 1, "b": 1}), 2, Counter()) == 1  # b's again (a has one)
+    (on_b,) = pool.take([("b", (0, 2))])
+    pool.keep([on_b])
+    assert pool.give_up({"b"}) == 1 and pool.idle == [] and ended(on_b) and [k.node for k in pool.warm] == ["a"]
     last = list(pool.warm)
     pool.end_all()
     assert pool.warm == [] and pool.idle == [] and all(ended(k) for k in last)

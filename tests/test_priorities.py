@@ -192,12 +192,12 @@ def test_gpus_a_lower_job_holds_only_with_warm_workers_are_given_back_by_ending_
     groups: list[Placed] = []
 
     class Warm(Placed):  # workers on its plan's GPUs, and warm ones on l4-a once it trains
-        def end_warm(self, nodes) -> int:
+        def give_up(self, nodes) -> int:
             mine = [k for k, who in self.fleet.owner.items() if who == self.job and k[0] in nodes
                     and f"{k[0]}/{k[1]}" not in self.plan.devices()]
             for k in mine:
                 del self.fleet.owner[k]
-            super().end_warm(nodes)
+            super().give_up(nodes)
             return len(mine)
 
     log: list = []
@@ -220,7 +220,7 @@ def test_gpus_a_lower_job_holds_only_with_warm_workers_are_given_back_by_ending_
     (w,) = [e for e in low.progress.events if e["kind"] == "yield-warm"]
     assert w["by"] == "high" and w["nodes"] == ["l4-a"] and w["warm"] == 2, w
     assert not {"yield", "yield-declined", "drain", "suspend"} & set(kinds(low)), low.progress.events
-    assert ("end-warm", ["l4-a"]) in log
+    assert ("give-up", ["l4-a"]) in log
     run_until([low], lambda: low.state is State.DONE)
     assert_every_step_once(low)
     assert_every_step_once(high)

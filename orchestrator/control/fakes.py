@@ -139,8 +139,8 @@ class FakeWorkerGroup:
     def warm_spares(self, cluster: ClusterSpec) -> int:
         return 0
 
-    def end_warm(self, nodes: Set[str]) -> int:
-        self.log.append(("end-warm", sorted(nodes)))
+    def give_up(self, nodes: Set[str]) -> int:
+        self.log.append(("give-up", sorted(nodes)))
         return 0
 
     def shutdown(self) -> None:

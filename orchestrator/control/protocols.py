@@ -47,7 +47,8 @@ class WorkerGroup(Protocol):
     def staged_ready(self) -> bool: ...  # every warm worker has started
     def warm_joined(self, cluster: ClusterSpec, nodes: Set[str]) -> int: ...  # warm workers on joined nodes' GPUs
     def warm_spares(self, cluster: ClusterSpec) -> int: ...  # standing warm workers on idle GPUs; how many started
-    def end_warm(self, nodes: Set[str]) -> int: ...  # the warm workers on `nodes` end (GPUs given back); how many
+    def give_up(self, nodes: Set[str]) -> int: ...  # its processes on `nodes`, which no rank uses (warm workers,
+    # kept processes no rank took), end: their GPUs given back to a job that asked; how many
 
 
 class RestoreResult(Protocol):

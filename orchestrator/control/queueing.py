@@ -179,10 +179,12 @@ class Queueing(ControllerParts):
         if self._line().card is None:
             return [], "this job does not share the fleet by weight (runtime.fleet_share: first-come)"
         self.nodes.discover()  # who holds what now
-        got = self._reading(self.running_plan.nodes())
+        plan = set(self.running_plan.nodes())
+        got = self._reading(plan)
         keep = got.get(self._line().job, frozenset()) if got is not None else frozenset()
-        nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed - keep)
-        return nodes, None if nodes else "the fleet's weighted share keeps them with this job"
+        nodes = sorted(set(req.nodes) & plan - self.doomed - keep)
+        spare = self._give_spare(req, set(req.nodes) - plan - keep)
+        return nodes, None if nodes else "" if spare else "the fleet's weighted share keeps them with this job"
 
     def _asked(self) -> list[Notice] | Suspension:
         """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary).
@@ -200,10 +202,12 @@ class Queueing(ControllerParts):
         else:
             nodes = sorted(set(req.nodes) & set(self.running_plan.nodes()) - self.doomed)
             higher = req.priority > self.queue.priority
-            if higher and self._give_warm(req, set(req.nodes) - set(nodes)) and not nodes:
+            if higher and self._give_spare(req, set(req.nodes) - set(nodes)) and not nodes:
                 return []
             why = None if higher and nodes else "none of them are the plan's" if not nodes else \
                 f"its priority is not above this job's ({self.queue.priority})"
+        if why == "":  # nothing of the plan's asked: what it held there besides ended
+            return []
         if why is not None:
             self._event("yield-declined", f"{req.by} (priority {req.priority}) asked for the GPUs on "
                         f"{', '.join(req.nodes)}: {why}", by=req.by, nodes=req.nodes, share=req.share)
@@ -226,21 +230,22 @@ class Queueing(ControllerParts):
         now = self.clock.now()
         return [Notice(n, now + YIELD_S, f"yield to {req.by}") for n in nodes]
 
-    def _give_warm(self, req: YieldRequest, spare: set[str]) -> int:
+    def _give_spare(self, req: YieldRequest, spare: set[str]) -> int:
         """Asked nodes the plan does not use whose GPUs this job holds with warm workers (a join's, or standing
-        ones): those end, and a join's move still waiting for them gives way; a pre-staged switch's stay (it goes
-        at its notice's deadline). How many ended."""
+        ones) or with kept processes no rank took (a recovery's, until every rank has committed a step): those
+        end, and a join's move still waiting for them gives way; a pre-staged switch's stay (it goes at its
+        notice's deadline). How many ended."""
         staged = set(self._staged.plan.nodes()) if self._staged is not None else set()
         spare = spare - staged - self.doomed
         if not spare:
             return 0
         if self._join is not None and spare & set(self._join.plan.nodes()):
             self._join_dropped(f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(sorted(spare))}")
-        ended = self.workers.end_warm(spare)
+        ended = self.workers.give_up(spare)
         if ended:
             self._event("yield-warm", f"{req.by} (priority {req.priority}) asked for the GPUs on "
-                        f"{', '.join(sorted(spare))}: {ended} warm worker(s) there ended, their GPUs given back",
-                        by=req.by, nodes=sorted(spare), warm=ended)
+                        f"{', '.join(sorted(spare))}: {ended} warm worker(s) or kept process(es) there ended, their "
+                        "GPUs given back", by=req.by, nodes=sorted(spare), warm=ended)
         return ended
 
     def _suspend(self, asked: Suspension) -> Phase:

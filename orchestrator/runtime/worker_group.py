@@ -210,6 +210,7 @@ class RayWorkerGroup:
         return self.processes.spares(Counter({n.name: n.num_gpus for n in cluster.nodes}),
                                      self.run.job.runtime.warm_workers, self._busy())
 
-    def end_warm(self, nodes: Set[str]) -> int:
-        """End this job's warm workers on `nodes` (another job of higher priority asked for their GPUs); how many."""
-        return self.processes.end_warm(nodes)
+    def give_up(self, nodes: Set[str]) -> int:
+        """End this job's processes on `nodes`, which no rank uses (warm workers, kept processes no rank took):
+        another job asked for their GPUs; how many."""
+        return self.processes.give_up(nodes)

@@ -58,6 +58,7 @@ class Processes(Protocol):
     def spares(self, gpus: Counter[str], count: int, busy: Counter[str]) -> int: ...  # standing warm workers
     def warm_ready(self) -> bool: ...  # every warm worker has started
     def end_warm(self, nodes: Set[str]) -> int: ...  # the warm workers on `nodes` end; how many
+    def give_up(self, nodes: Set[str]) -> int: ...  # warm workers and kept processes no rank took on `nodes` end
     def end_all(self) -> None: ...
 
 
@@ -164,6 +165,16 @@ class Pool(Generic[P]):
             k.end()
         self.warm = [k for k in self.warm if k.node not in nodes]
         return len(ending)
+
+    def give_up(self, nodes: Set[str]) -> int:
+        """Another job asked for the GPUs on `nodes`, which no rank of the group uses: the warm workers there and
+        the kept processes no rank took end (a restore before the next commit reads their step from the keepers
+        or S3 instead); how many."""
+        idle = [k for k in self.idle if k.node in nodes]
+        for k in idle:
+            k.end()
+        self.idle = [k for k in self.idle if k.node not in nodes]
+        return len(idle) + self.end_warm(nodes)
 
     def end_all(self) -> None:
         self.end_idle()

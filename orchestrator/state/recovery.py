@@ -82,6 +82,9 @@ class NoProcesses:
     def end_warm(self, nodes: Set[str]) -> int:
         return 0
 
+    def give_up(self, nodes: Set[str]) -> int:
+        return 0
+
     def end_all(self) -> None:
         return None
 
