@@ -419,6 +419,8 @@ def test_an_evaluation_a_failure_interrupted_is_redone_on_the_restored_step(monk
     assert c.run() == State.DONE and c.progress.restarts == 1 and failed == [3] and len(groups) == 2
     assert sorted(c.progress.val_losses) == [2, 5, 6], c.progress.val_losses
     assert c.progress.val_losses[2] == 20.0 - 3  # the committed weights of step 2, restored
+    (e,) = [e for e in c.progress.events if e["kind"] == "evaluation"]  # its row went out before: the event says it
+    assert e["step"] == 2 and e["val_loss"] == 17.0 and "restored" in e["cause"]
     assert c.progress.losses == {s: 10.0 - s for s in range(7)}
 
 

@@ -288,9 +288,11 @@ class Controller(Queueing, Switching, WatchingCapacity):
         s = self.progress.committed + 1
         if self._eval_due(s - 1):  # an evaluation a failure interrupted: redone on that step's restored weights
             try:
-                self.progress.val_losses[s - 1] = self.workers.evaluate(self.train.eval_batches)
+                val = self.progress.val_losses[s - 1] = self.workers.evaluate(self.train.eval_batches)
             except WorkerFailure as e:
                 return self._decide(e)
+            self._event("evaluation", f"validation loss after step {s - 1}: {val:.4f}, evaluated on its restored "
+                        "weights (a failure interrupted the first evaluation)", step=s - 1, val_loss=val)
         if s >= self.steps:
             self.store.flush()  # the last checkpoint upload completes (from the workers' copies) before the end
             self.workers.shutdown()

@@ -160,6 +160,7 @@ class ControllerActor:
                 os.environ.setdefault("S3_ENDPOINT", ck.endpoint_url)  # tensorboardX's S3 writer reads it
         self.tb = TensorBoardLog(tb) if tb else None
         self.reported = -1
+        self.val_reported: set[int] = set()  # steps whose validation loss the metrics and TensorBoard have
         self.windows = _windows(self.job)  # an epoch's samples: each row says how many epochs are done
         self.plan_seen: Plan | None = None
         self.embedded = embedded
@@ -193,6 +194,7 @@ class ControllerActor:
                 row["epoch"] = round((s + 1) * c.train.global_batch / self.windows, 4)  # epochs done after it
             if s in c.progress.val_losses:  # train.eval_every: the held-out loss after this step
                 row["val_loss"] = c.progress.val_losses[s]
+                self.val_reported.add(s)
             if s == c.progress.committed:
                 row["stages"] = getattr(c.group, "last_stages", [])
                 row["peer_step"] = c.progress.snapshot_step  # the newest step copied to a peer keeper (or kept)
@@ -206,6 +208,12 @@ class ControllerActor:
                 self.tb.record(row)
             out["rows"].append(row)
         self.reported = c.progress.committed
+        for s, val in c.progress.val_losses.items():  # an evaluation redone after its step's row went out (its
+            if s not in self.val_reported:  # event says so): the metrics and TensorBoard get it late, as a point
+                self.val_reported.add(s)
+                self.metrics.record({"step": s, "val_loss": val})
+                if self.tb is not None:
+                    self.tb.record({"step": s, "val_loss": val})
         if out["rows"]:  # a recovery ends with the first step committed after it
             self.metrics.recoveries(c.progress.events, c.clock.now() - c.started_at)
         self.record.update(out["rows"], c.progress.events, state.value, c.error, c.clock.now() - c.started_at,
