@@ -115,6 +115,7 @@ class Controller(Queueing, Switching, WatchingCapacity):
         self._suspended: str | None = None  # who took its GPUs, while a suspended job waits to resume (no bound)
         self.fleet_share = FleetShare()  # its reading of the weighted share (jobs with runtime.fleet_share: weighted)
         self._share_asked_on: dict | None = None  # the holders a running sharing job last asked for its share
+        self._share_read, self._share_keep = False, None  # its last reading: the nodes it keeps (None: no filter)
         self._plan_from = 0  # the first step trained on the running plan (its throughput is measured from there)
         self._known_nodes: set[str] | None = None  # the node set the running plan was chosen for
         self._known_gpus: dict[str, int] = {}  # and each node's GPUs free to the job then (others may free more)

@@ -72,6 +72,8 @@ class ControllerParts:
     _suspended: str | None
     fleet_share: FleetShare
     _share_asked_on: dict | None
+    _share_read: bool
+    _share_keep: frozenset[str] | None
 
     if TYPE_CHECKING:  # the controller's and its parts', each defined once
         @property

@@ -143,18 +143,25 @@ class Queueing(ControllerParts):
     def _within_share(self, cluster: ClusterSpec, weigh: bool) -> ClusterSpec:
         """A running job that shares the fleet by weight, beside other jobs that do: of what is free to it, the
         nodes its share gives it and its plan's, so that it neither warms workers on nor grows into the rest (a
-        choice, not a race); at a scale check (`weigh`), once for each set of holders, it asks the jobs that hold
-        nodes its share gives it for them, and grows into them once they are given back."""
+        choice, not a race). The share is read at a scale check (`weigh`; between them the last reading holds: no
+        look at the queue's board at every step), and then, once for each set of holders, it asks the jobs that
+        hold nodes its share gives it for them, and grows into them once they are given back."""
         line = self.queue
-        if line is None or line.card is None or not set(line.sharing()) - {line.job}:
+        if line is None or line.card is None:
             return cluster
         plan = set(self.running_plan.nodes())
-        got = self._reading(plan) or {}
-        held = self.nodes.held
-        if weigh and held != self._share_asked_on:
-            self._share_asked_on = held
-            self._ask_holders(got, held)
-        keep = got.get(line.job, frozenset()) | plan
+        if weigh or not self._share_read:
+            self._share_read, self._share_keep = True, None
+            if set(line.sharing()) - {line.job}:  # (alone, it shares with nobody: what is free is its own)
+                got = self._reading(plan) or {}
+                self._share_keep = got.get(line.job, frozenset())
+                held = self.nodes.held
+                if weigh and held != self._share_asked_on:
+                    self._share_asked_on = held
+                    self._ask_holders(got, held)
+        if self._share_keep is None:
+            return cluster
+        keep = self._share_keep | plan
         return cluster.model_copy(update={"nodes": [n for n in cluster.nodes if n.name in keep]})
 
     def _ask_holders(self, got: Share, held: dict[str, dict[str, int]]) -> bool:
