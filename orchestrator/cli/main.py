@@ -394,6 +394,7 @@ def list_jobs(
     holds; a running job's phase, and QUEUED for one that waits in the cluster's queue for GPUs others hold (its
     place in line in the phase)."""
     from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
 
     from rich.table import Table
 
@@ -404,16 +405,20 @@ def list_jobs(
     held: Counter[str] = Counter()
     for by_job in held_by_job(jobs.placement_groups()).values():
         held.update(by_job)
+    def phase(job_id: str) -> str | None:  # what its controller does now: its run record's or its log's last phase
+        try:
+            return jobs.status(job_id).get("phase")
+        except Exception as e:  # noqa: BLE001 - one job's status (it ended meanwhile) does not fail the list
+            return f"(not read: {type(e).__name__})"
+
+    running = [r["job_id"] for r in rows if r["status"] == "RUNNING"]
+    with ThreadPoolExecutor(max_workers=min(8, len(running) or 1)) as pool:  # one request per running job, at once
+        phases = dict(zip(running, pool.map(phase, running), strict=True))
     for r in rows:
         r["gpus"] = held.get(r["job_id"], 0)
-        r["phase"] = None
-        if r["status"] == "RUNNING":  # what its controller does now: its run record's or its log's last phase
-            try:
-                r["phase"] = jobs.status(r["job_id"]).get("phase")
-            except Exception as e:  # noqa: BLE001 - one job's status (it ended meanwhile) does not fail the list
-                r["phase"] = f"(not read: {type(e).__name__})"
-            if (r["phase"] or "").startswith("queued"):
-                r["status"] = "QUEUED"
+        r["phase"] = phases.get(r["job_id"])
+        if (r["phase"] or "").startswith("queued"):
+            r["status"] = "QUEUED"
     if as_json:
         _print_json(rows)
         return
