@@ -158,3 +158,16 @@ def test_gpus_another_job_frees_go_to_the_sharing_job_its_share_gives_them_not_t
     assert_every_step_once(grower)
     run_until([tiny], lambda: tiny.state is State.DONE)
     assert_every_step_once(tiny)
+
+
+def test_a_job_that_does_not_share_declines_a_request_by_the_share():
+    """A request marked as the share's reaches a job with runtime.fleet_share: first-come (no card): it keeps its
+    nodes and says why, whatever the asker's priority."""
+    fleet, board = Fleet(*L4S), {}
+    c = sharing_job(fleet, "plain", board, [], 8, card=False)
+    run_until([c], lambda: c.progress.committed >= 1)
+    MemoryQueue("sharer", [], 9, board, JobCard(9, MODEL, BIG)).ask("plain", ["l4-a"], share=True)
+    run_until([c], lambda: c.state is State.DONE)
+    (e,) = [e for e in c.progress.events if e["kind"] == "yield-declined"]
+    assert "does not share the fleet by weight" in e["cause"] and "yield" not in kinds(c)
+    assert_every_step_once(c)
