@@ -353,6 +353,7 @@ def priorities(head: RealHead, job_file: Path, tmp_path: Path, user_home: Path, 
     listed = {row["job_id"]: row for row in json.loads(cli(head, "list", "--address", head.url, "--json", *auth,
                                                            home=user_home).stdout)}
     assert listed[high_id]["priority"] == 5 and listed[low_id]["priority"] == 0, listed
+    assert listed[high_id]["share"] == listed[low_id]["share"] == "first-come", listed  # runtime.fleet_share
     high = wait_status(head, high_id, ("SUCCEEDED", "FAILED"), *auth, home=user_home)
     assert high["status"] == "SUCCEEDED", high
     kinds = [e["kind"] for e in high["events"]]

@@ -390,9 +390,9 @@ def list_jobs(
     token_file: str | None = _token_option(),
     as_json: bool = typer.Option(False, "--json", help="print the jobs as JSON"),
 ) -> None:
-    """hetspot jobs on a running cluster, oldest first, with their priority (runtime.priority) and the GPUs each
-    holds; a running job's phase, and QUEUED for one that waits in the cluster's queue for GPUs others hold (its
-    place in line in the phase)."""
+    """hetspot jobs on a running cluster, oldest first, with their priority (runtime.priority), how they share the
+    cluster (runtime.fleet_share: first-come or weighted) and the GPUs each holds; a running job's phase, and
+    QUEUED for one that waits in the cluster's queue for GPUs others hold (its place in line in the phase)."""
     from collections import Counter
     from concurrent.futures import ThreadPoolExecutor
 
@@ -423,10 +423,11 @@ def list_jobs(
         _print_json(rows)
         return
     t = Table(title="hetspot jobs")
-    for col in ("job id", "name", "status", "priority", "GPUs held", "phase"):
+    for col in ("job id", "name", "status", "priority", "share", "GPUs held", "phase"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["job_id"], r["name"], r["status"], str(r["priority"]), str(r["gpus"]), r["phase"] or "")
+        t.add_row(r["job_id"], r["name"], r["status"], str(r["priority"]), r["share"], str(r["gpus"]),
+                  r["phase"] or "")
     console.print(t)
 
 

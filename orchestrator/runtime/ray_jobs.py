@@ -197,7 +197,7 @@ class RayJobs:
         """Ray job metadata: the job's name and steps, and where its run record is when another machine can read
         it (S3: `hetspot status` reads it there instead of the job's whole log)."""
         meta = {"hetspot_job": job.name, "hetspot_steps": str(steps or job.steps),
-                "hetspot_priority": str(job.runtime.priority)}
+                "hetspot_priority": str(job.runtime.priority), "hetspot_share": job.runtime.fleet_share}
         if job.checkpoint is not None:
             from orchestrator.runtime.run_record import record_location
 
@@ -300,7 +300,8 @@ class RayJobs:
                 continue
             rows.append({"job_id": info.submission_id, "name": meta["hetspot_job"],
                          "status": str(getattr(info.status, "value", info.status)), "start_time": info.start_time,
-                         "end_time": info.end_time, "priority": int(meta.get("hetspot_priority") or 0)})
+                         "end_time": info.end_time, "priority": int(meta.get("hetspot_priority") or 0),
+                         "share": meta.get("hetspot_share") or "first-come"})
         return sorted(rows, key=lambda r: r["start_time"] or 0)
 
     # -- nodes ----------------------------------------------------------------
