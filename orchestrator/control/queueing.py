@@ -191,14 +191,15 @@ class Queueing(ControllerParts):
         keep = got.get(self._line().job, frozenset()) if got is not None else frozenset()
         nodes = sorted(set(req.nodes) & plan - self.doomed - keep)
         spare = self._give_spare(req, set(req.nodes) - plan - keep)
+        # "" where only processes off the plan went: nothing to decline
         return nodes, None if nodes else "" if spare else "the fleet's weighted share keeps them with this job"
 
     def _asked(self) -> list[Notice] | Suspension:
-        """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary).
-        When a plan trains on what is left, they go back through the drain path, as under a spot notice with
-        YIELD_S to go (no step lost; survivors stay in place); else the job suspends (`_suspend`, with the
-        `Suspension` returned). A request
-        from a job whose priority is not higher is declined."""
+        """A waiting job of higher priority asks for this job's GPUs on some nodes (read at each step boundary), or
+        a job asks by the fleet's weighted share (then what goes is what this job's own reading does not keep:
+        `_share_gives`). When a plan trains on what is left, they go back through the drain path, as under a spot
+        notice with YIELD_S to go (no step lost; survivors stay in place); else the job suspends (`_suspend`, with
+        the `Suspension` returned). A request by priority from a job whose priority is not higher is declined."""
         if self.queue is None:
             return []
         req = self.queue.asked()
