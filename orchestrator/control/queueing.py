@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable
 
 from orchestrator.control.parts import ControllerParts
-from orchestrator.control.protocols import JobQueue, Notice, YieldRequest
+from orchestrator.control.protocols import JobCard, JobQueue, Notice, YieldRequest
 from orchestrator.control.share import Share
 from orchestrator.control.states import Phase, Queued, State, Suspension, expect, present
 from orchestrator.errors import CheckpointError, WorkerFailure
@@ -125,13 +125,13 @@ class Queueing(ControllerParts):
         self._event("asked", f"priority {line.priority}: asked " + "; ".join(
             f"{job} for its GPUs on {', '.join(nodes)}" for job, nodes in sorted(asks.items())), asked=asks)
 
-    def _reading(self, mine: Iterable[str]) -> Share | None:
+    def _reading(self, mine: Iterable[str], cards: dict[str, JobCard] | None = None) -> Share | None:
         """The fleet's weighted share as this job reads it now, holding the nodes `mine` (None where the job does
-        not share the fleet that way: runtime.fleet_share)."""
+        not share the fleet that way: runtime.fleet_share); `cards`: the board's, where just read."""
         line = self._line()
         if line.card is None:
             return None
-        cards = line.sharing() | {line.job: line.card}
+        cards = (line.sharing() if cards is None else cards) | {line.job: line.card}
         return self.fleet_share.decide(cards, self.nodes.whole(), self.nodes.held, line.job, mine, self.doomed)
 
     def _ask_by_share(self, held: dict[str, dict[str, int]]) -> bool:
@@ -152,8 +152,9 @@ class Queueing(ControllerParts):
         plan = set(self.running_plan.nodes())
         if weigh or not self._share_read:
             self._share_read, self._share_keep = True, None
-            if set(line.sharing()) - {line.job}:  # (alone, it shares with nobody: what is free is its own)
-                got = self._reading(plan) or {}
+            cards = line.sharing()
+            if set(cards) - {line.job}:  # (alone, it shares with nobody: what is free is its own)
+                got = self._reading(plan, cards) or {}
                 self._share_keep = got.get(line.job, frozenset())
                 held = self.nodes.held
                 if weigh and held != self._share_asked_on:

@@ -341,7 +341,7 @@ class FleetSim:
             self._charge(r, now, 0.0, move_s, got[0])
 
     def _warms(self) -> bool:
-        return self.a.keeps_processes and self.a.warm_at_join
+        return self.a.strategy.keeps_processes and self.a.warm_at_join
 
     def _oracle_startup(self, r: Run, now: float) -> None:
         """The oracle that pays joined nodes' start-up: the faster of the planner's best on the nodes whose

@@ -21,7 +21,7 @@ from orchestrator.control.migration import (
     node_bytes,
     overlap_window_s,
 )
-from orchestrator.state.recovery import InPlace, strategy_kind
+from orchestrator.state.recovery import InPlace, Restart, strategy_kind
 from planner import ClusterSpec, Plan
 from planner.specs import ModelSpec, TrainSpec
 
@@ -54,12 +54,8 @@ class Assumptions:
         return dict(self.__dict__)
 
     @property
-    def keeps_processes(self) -> bool:  # what the cost of a recovery depends on: the strategy's, not its name
-        return strategy_kind(self.recovery).keeps_processes
-
-    @property
-    def stages_switch(self) -> bool:
-        return strategy_kind(self.recovery).stages_switch
+    def strategy(self) -> type[InPlace] | type[Restart]:  # what a recovery's cost depends on, not its name
+        return strategy_kind(self.recovery)
 
 
 def nodes_of(plan: Plan | None) -> set[str]:
@@ -80,7 +76,7 @@ def relaunch_s(old: Plan | None, new: Plan, gone: set[str], a: Assumptions, warm
     place: survivors re-form (`reform_s`); when the new plan uses more GPUs on a node than the old plan's
     survivors there, those ranks start processes, at once, beside the re-form, unless the node's GPUs are warm
     (`warm`: node -> when its warm workers are ready, from warm-at-join): then only what is left of their start."""
-    if not a.keeps_processes or old is None:
+    if not a.strategy.keeps_processes or old is None:
         return a.startup_s
     before = {n: k for n, k in gpus_by_node(old).items() if n not in gone}
     warm = warm or {}
@@ -94,7 +90,7 @@ def staged_start_s(start_s: float, ahead_s: float, a: Assumptions) -> float:
     train on (the controller pre-stages the switch), so of `start_s` only what does not fit in the `ahead_s`
     seconds the notice leaves is charged, and never less than the re-form. The restart path starts its
     processes at the switch: all of `start_s`."""
-    if not a.stages_switch:
+    if not a.strategy.stages_switch:
         return start_s
     return max(a.reform_s, start_s - max(0.0, ahead_s))
 
