@@ -10,8 +10,10 @@ the kill until the first new step is committed, every call the controller's thre
 planner/, workers/) into a function of another. A module is a project file one of those calls enters or leaves; a
 hand-off is one (caller file, callee file) pair, counted once however often it is taken. What runs in the workers,
 in the keepers and on other threads (uploads, the answers a failure leaves unread) is not counted: it is the
-controller's own walk. `--tree DIR` counts another tree's code (another commit's worktree, as in
-`git worktree add /tmp/old REV`) with the same trial, for a before and after.
+controller's own walk. It is counted twice: file by file, and with the planner as one module (planner/ is a
+package of its own that the orchestrator enters through its API, `Planner` and the plan's types; how its search
+is split inside is the planner's concern, not the recovery path's). `--tree DIR` counts another tree's code
+(another commit's worktree, as in `git worktree add /tmp/old REV`) with the same trial, for a before and after.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ class Walk:
     @property
     def modules(self) -> set[str]:
         return {f for pair in self.handoffs for f in pair}
+
+    def whole(self, package: str) -> Walk:
+        """The same walk with every file of `package` counted as one module (calls inside it are not hand-offs)."""
+        out = Walk()
+        for (a, b), n in self.handoffs.items():
+            a, b = (package if f.startswith(package + "/") else f for f in (a, b))
+            if a != b:
+                out.handoffs[(a, b)] += n
+        return out
 
 
 def trial(recovery: str) -> Walk:
@@ -113,6 +124,8 @@ def main() -> None:
     walk = trial(args.recovery)
     print(f"tree {ROOT}, recovery {args.recovery}: node lost -> first step crosses {len(walk.modules)} modules "
           f"and {len(walk.handoffs)} hand-offs ({sum(walk.handoffs.values())} cross-module calls)")
+    one = walk.whole("planner")
+    print(f"  with planner/ as one module: {len(one.modules)} modules and {len(one.handoffs)} hand-offs")
     if args.v:
         for m in sorted(walk.modules):
             print("  module", m)

@@ -1033,7 +1033,7 @@ def test_answers_a_failure_leaves_unread_are_read_not_reported_as_unhandled_erro
     monkeypatch.setattr(ray_worker, "_unhandled_error_handler", reported.append)  # Ray's hook for these
     ranks = [Rank.remote(), Rank.remote()]
     with pytest.raises(WorkerFailure) as got:
-        gather([ranks[0].fail.remote(0.0), ranks[1].fail.remote(1.0)], "step 0", 30, str, [])
+        gather([ranks[0].fail.remote(0.0), ranks[1].fail.remote(1.0)], "step 0", 30, ["0", "1"], [])
     assert got.value.kind == FailureKind.DETERMINISTIC and "after 0.0 s" in str(got.value)
     time.sleep(3.0)  # the second rank's answer, an error, has come while the failure is held
     del got

@@ -313,3 +313,46 @@ def test_in_place_a_process_that_cannot_prove_its_step_is_not_kept_and_a_rank_af
     r = store.restore(new)
     assert r.step == 0 and r.in_place_bytes > 0
     assert_holds(new, 0)
+
+
+def test_s3_refusing_the_writer_lock_is_said_and_the_job_goes_on_while_another_writer_stops_it(endpoint, caplog):
+    """The run's writer lock: a lock S3 cannot give now (a 503, a timeout) is a warning and the job goes on without
+    it (each manifest write is still checked); a lock another job holds is a WriterConflict, raised to the
+    controller (exit 2)."""
+    from orchestrator.errors import WriterConflict
+
+    def refusing(run_id, job=None):
+        raise RuntimeError("503 SlowDown")
+
+    s3 = S3Checkpoints("s3://tiers/lock", endpoint)
+    store = TieredState(1, s3, meta={"job": "lock", "run_id": "r1"}, model_units=model_units(LAYERS),
+                        calls=LocalCalls(["a"]))
+    s3.claim_writer = refusing
+    store.claim()
+    assert store.writer is None and store.writer_lost() is None
+    assert any("could not take the run's writer lock (RuntimeError: 503 SlowDown); going on without it" in m
+               for m in caplog.messages)
+
+    def taken(run_id, job=None):
+        raise WriterConflict("run r1 is being written by another job")
+
+    s3.claim_writer = taken
+    with pytest.raises(WriterConflict, match="another job"):
+        store.claim()
+
+
+def test_a_salvage_that_fails_is_said_and_costs_the_job_nothing(caplog):
+    """Survivors' state the salvage could not keep is a warning: the other tiers still hold the step, and the
+    state plane's caller (the controller's recovery) goes on."""
+    calls = LocalCalls(["a", "b"])
+    store = TieredState(1, None, model_units=model_units(LAYERS), calls=calls)
+    group = LocalGroup(plan((0, 2, "a"), (2, LAYERS, "b")), calls)
+    group.commit(0)
+    store.after_step(group, 0)
+
+    def broken(*a, **k):
+        raise ConnectionError("keeper on a went away")
+
+    store.restorer.salvage = broken
+    store.salvage(group, {"b"}, 0)
+    assert any("salvaging survivors' state failed: keeper on a went away" in m for m in caplog.messages)

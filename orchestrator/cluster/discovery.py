@@ -65,9 +65,10 @@ class RayInventory:
             nodes_fn = ray.nodes
         self.nodes_fn = nodes_fn
 
-    def discover(self) -> list[DiscoveredNode]:
+    def discover(self, nodes: list[dict[str, Any]] | None = None) -> list[DiscoveredNode]:
+        """The GPU nodes among `nodes` (Ray's node list as already read), or among `nodes_fn()`'s."""
         out = []
-        for n in self.nodes_fn():
+        for n in self.nodes_fn() if nodes is None else nodes:
             res, labels = n.get("Resources", {}), n.get("Labels", {}) or {}
             gpus = int(res.get("GPU", 0))
             if not n.get("Alive", True) or gpus == 0:

@@ -17,7 +17,7 @@ class WatchingCapacity(ControllerParts):
     control/parts.ControllerParts): WAITING until every type's minimum is up, the substitutions and re-choices
     named as events while the job runs, and the demand withdrawn at the job's end."""
 
-    def _wait_for_capacity(self) -> Phase:
+    def _wait_for_capacity(self, st: State) -> Phase:
         """One look at the fleet against its minimums; the demand is (re)stated when it changed."""
         capacity = present(self.capacity, "fleet's capacity is watched", self.state)
         view = capacity.tick()

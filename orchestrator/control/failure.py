@@ -92,3 +92,19 @@ def failure_policy(failure: WorkerFailure, restarts: int, max_restarts: int,
         return Abort(f"{failure} (the job runs the plan given with --plan; pass --replan-on-loss to let "
                      "hetspot re-plan on the surviving GPUs)")
     return Replan(str(failure))
+
+
+@dataclass
+class Streak:
+    """The count `failure_policy` reads as `stalled`, kept by the controller across failures."""
+
+    stalled: int = 0  # failures in a row that lost no node with no step committed between them
+    commits: int = 0  # steps committed so far (a count that rollbacks do not lower)
+    at_failure: int = 0  # `commits` when the last failure came
+
+    def failed(self, failure: WorkerFailure) -> int:
+        """Count a failure in; the streak it makes (0 when it lost a node)."""
+        before = self.stalled if self.commits == self.at_failure else 0
+        self.stalled = 0 if loses_a_node(failure) else before + 1
+        self.at_failure = self.commits
+        return self.stalled

@@ -1,7 +1,8 @@
-"""What the parts of the controller share: the run's `Progress`, and the attributes and methods
-control/controller.Controller defines that its parts (control/queueing.py `Queueing`, control/switching.py
-`Switching`) read, declared once for the type checker. torchtitan keeps such parts as components of one trainer;
-this is their common view of the controller (as workers/engine_parts.py is of a rank's Engine). Pure.
+"""What the parts of the controller share: the run's `Progress`, the queue's record (`QueuePlace`), and the
+attributes and methods control/controller.Controller defines that its parts (control/queueing.py `Queueing`,
+control/switching.py `Switching`, control/ending.py `Ending`, control/capacity_watch.py) read, declared once for
+the type checker. torchtitan keeps such parts as components of one trainer; this is their common view of the
+controller (as workers/engine_parts.py is of a rank's Engine). Pure.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.control.share import FleetShare
+
 if TYPE_CHECKING:
     from orchestrator.control.capacity import Capacity, CapacityView
     from orchestrator.control.policy import Policy
-    from orchestrator.control.protocols import Clock, JobQueue, NodeSource, StatePlane, WorkerGroup
-    from orchestrator.control.share import FleetShare
+    from orchestrator.control.protocols import Clock, InterruptionSource, JobQueue, NodeSource, StatePlane, WorkerGroup
     from orchestrator.control.states import Phase, State
-    from orchestrator.control.timeline import Joining, Staged, SwitchTimeline
+    from orchestrator.control.timeline import Joining, Staged, Switches, SwitchTimeline
     from orchestrator.errors import WorkerFailure
     from planner import ClusterSpec, Plan
     from planner.search import Planner
@@ -39,6 +41,21 @@ class Progress:
     samples: dict[int, list] = field(default_factory=dict)  # per committed step: (first sample, count) trained
 
 
+@dataclass
+class QueuePlace:
+    """One job's dealings with the cluster's queue, kept by its controller (`Controller.place`)."""
+
+    queued_at: float | None = None  # when the job entered the queue (None: not queued)
+    asked_on: dict | None = None  # the holders a queued job last asked lower-priority jobs about
+    yielded: set[str] = field(default_factory=set)  # nodes given back to another job: doomed until the drain is done
+    suspended: str | None = None  # who took its GPUs, while a suspended job waits to resume (no bound)
+    share: FleetShare = field(default_factory=FleetShare)  # its reading of the weighted share (fleet_share: weighted)
+    share_asked_on: dict | None = None  # the holders a running sharing job last asked for its share
+    share_read: bool = False  # its share was read since the plan began (between scale checks the reading holds)
+    share_keep: frozenset[str] | None = None  # the last reading: the nodes it keeps (None: no filter)
+    held: dict[str, dict[str, int]] = field(default_factory=dict)  # GPUs other jobs hold, as last said in an event
+
+
 class ControllerParts:
     # set in Controller.__init__ (what each is: there)
     model: ModelSpec
@@ -59,21 +76,13 @@ class ControllerParts:
     cluster: ClusterSpec | None
     group: WorkerGroup | None
     doomed: set[str]
-    _draining: SwitchTimeline | None
-    _switch_by: float
-    _warmed: set[str]
-    _known_nodes: set[str] | None
-    _known_gpus: dict[str, int]
+    switch: Switches
     _launch_s: float
     _plan_from: int
-    _queued_at: float | None
-    _asked_on: dict | None
-    _yielded: set[str]
-    _suspended: str | None
-    fleet_share: FleetShare
-    _share_asked_on: dict | None
-    _share_read: bool
-    _share_keep: frozenset[str] | None
+    place: QueuePlace
+    interruptions: InterruptionSource
+    error: str | None
+    exit_code: int
 
     if TYPE_CHECKING:  # the controller's and its parts', each defined once
         @property
@@ -90,13 +99,16 @@ class ControllerParts:
         def _staged(self) -> Staged | None: ...
         @property
         def _join(self) -> Joining | None: ...
+        def _missing(self, what: str) -> RuntimeError: ...
         def _phase(self, phase: str) -> None: ...
         def _event(self, kind: str, cause: str, **extra: Any) -> None: ...
         def _fail(self, reason: str, exit_code: int = 1) -> State: ...
         def _decide(self, failure: WorkerFailure) -> Phase: ...
         def _substitutions(self, capacity: Capacity, view: CapacityView) -> None: ...
         def _remember(self, cluster: ClusterSpec) -> None: ...
+        def _mark(self, point: str) -> None: ...
         def _join_dropped(self, why: str) -> None: ...
         def _end_drain(self, why: str) -> None: ...
+        def _withdraw(self) -> None: ...
         def _not_queued_for(self, cluster: ClusterSpec) -> ClusterSpec: ...
         def _within_share(self, cluster: ClusterSpec, weigh: bool) -> ClusterSpec: ...

@@ -69,7 +69,7 @@ class StatePlane(Protocol):
     def prepare_drain(self, group: WorkerGroup, avoid: set[str]) -> None: ...  # start what that drain copies to
     def drain_ready(self) -> bool: ...  # what prepare_drain started runs
     def salvage(self, group: WorkerGroup, avoid: set[str], step: int | None) -> None: ...  # survivors off `avoid`
-    # keep committed step `step`
+    # keep committed step `step`; a salvage that fails is said, not raised (the other tiers hold the state)
     def restore(self, group: WorkerGroup, avoid: set[str]) -> RestoreResult | None: ...
     # None: a fresh start; no source on the `avoid` nodes
     def suspend(self, group: WorkerGroup, step: int) -> str: ...  # `step` kept where no GPU is needed, for a
@@ -129,8 +129,7 @@ class JobQueue(Protocol):
 
 
 class SystemClock:
-    def now(self) -> float:
-        return time.perf_counter()
+    now = staticmethod(time.perf_counter)  # (read at every step and event: no Python frame of its own)
 
 
 class NoInterruptions:

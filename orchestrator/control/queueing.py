@@ -3,8 +3,9 @@ then first come first served), what it waits for and who holds it, the requests 
 priority (or, where jobs share the fleet by weighted throughput, of the jobs whose GPUs that share gives it:
 control/share.py), and how it answers theirs: GPUs given back at a step boundary through the drain path, warm
 workers ended, or the whole job suspended to wait its turn again. `Queueing` is the controller's part for it
-(control/controller.Controller inherits it); the attributes declared here are the controller's, set in its
-constructor. Pure: no Ray, no boto3, no torch.
+(control/controller.Controller inherits it); what it keeps is one record, `Controller.place`
+(control/parts.QueuePlace); at step boundaries and launches the controller calls into it only where the job has
+a queue. Pure: no Ray, no boto3, no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from orchestrator.control.parts import ControllerParts
 from orchestrator.control.protocols import JobCard, JobQueue, Notice, YieldRequest
 from orchestrator.control.share import Share
-from orchestrator.control.states import Phase, Queued, State, Suspension, expect, present
+from orchestrator.control.states import Phase, Queued, State, Suspension, present
 from orchestrator.errors import CheckpointError, WorkerFailure
 from planner import ClusterSpec, PlanningError
 
@@ -33,8 +34,8 @@ class Queueing(ControllerParts):
         neither warms workers on them nor grows into them. A node another job leaves is new to this job (it had
         none of its GPUs free), so it reads as joined: without this a waiting job could plan on GPUs that warm
         workers of a running job take a moment later."""
-        known = self._known_gpus
-        if self.queue is None or self._known_nodes is None:
+        known = self.switch.known_gpus
+        if self.queue is None or self.switch.known_nodes is None:
             return cluster
         new = [n for n in cluster.nodes if n.name not in known or n.num_gpus > known[n.name]]
         if not new or not self.queue.ahead():
@@ -43,27 +44,45 @@ class Queueing(ControllerParts):
                 if n.name in known]
         return cluster.model_copy(update={"nodes": kept})
 
+    def _held_changed(self, held: dict[str, dict[str, int]]) -> None:
+        self.place.held = held
+        if held:
+            self._event("held", f"GPUs held by other jobs, left out of the plan: {holders(held)}", held=held)
+
+    def _none_free(self, held: dict[str, dict[str, int]]) -> Phase:
+        """No GPU of the cluster is free to the job: it waits in the queue where others hold them, else fails."""
+        if held and self.queue is not None:
+            return self._enqueue("a free GPU")
+        return self._fail("no GPU of the cluster is free to this job" + (
+            f": {holders(held)} hold them; submit it again when they end" if held else ""))
+
+    def _no_plan(self, e: PlanningError) -> Phase:
+        """No plan fits on the GPUs free to the job: it waits in the queue where others hold GPUs, else fails."""
+        gpus = self.running_cluster.num_gpus
+        if self.nodes.held and self.queue is not None:  # the GPUs others hold may make one fit
+            return self._enqueue(f"more GPUs than the {gpus} free ({e})")
+        return self._fail(f"no plan on the {gpus} GPUs left: {e}")
+
     def _enqueue(self, wants: str, on: tuple | None = None) -> Queued:
         """No plan fits on what is free while other jobs hold GPUs: wait in the cluster's queue (its place kept
         when the job was already in it). It plans again when what is free differs from `on` (by default what no
         plan fitted on now)."""
         if on is None:
             on = free_rows(self.cluster) if wants != "a free GPU" else ()
-        if self._queued_at is None:
-            self._queued_at = self.clock.now()
+        if self.place.queued_at is None:
+            self.place.queued_at = self.clock.now()
             self._line().enter()
             ahead = self._line().ahead()
             self._event("queued", f"waiting for {wants}: {holders(self.nodes.held)} hold the rest",
                         held=self.nodes.held, ahead=ahead, position=len(ahead) + 1)
         return Queued(wants, on)
 
-    def _queued(self) -> Phase:
+    def _queued(self, st: Queued) -> Phase:
         """One look, as the queue's first job, at what is free (then on to planning), else wait a poll."""
-        st = expect(self._state, Queued)
         now = self.clock.now()
-        waited = now - (now if self._queued_at is None else self._queued_at)
+        waited = now - (now if self.place.queued_at is None else self.place.queued_at)
         held = self.nodes.held
-        if waited > self.policy.queue_timeout_s and self._suspended is None:  # a suspended job was pushed out, not
+        if waited > self.policy.queue_timeout_s and self.place.suspended is None:  # a suspended job was pushed out, not
             # refused: its step is kept and it resumes whenever GPUs come back, however long that takes
             return self._fail(f"queued for {waited:.0f} s waiting for {st.wants}, held by "
                               f"{holders(held) or 'other jobs'}: raise runtime.queue_timeout_s "
@@ -90,9 +109,9 @@ class Queueing(ControllerParts):
         fewest nodes' worth, lowest priority first and then the most GPUs, that together with what is free make a
         plan fit. Each asked job gives them back at its next step boundary (`_asked`)."""
         line = self._line()
-        if held == self._asked_on:
+        if held == self.place.asked_on:
             return
-        self._asked_on = held
+        self.place.asked_on = held
         if self._ask_by_share(held):
             return
         prio = line.priorities()
@@ -132,7 +151,7 @@ class Queueing(ControllerParts):
         if line.card is None:
             return None
         cards = (line.sharing() if cards is None else cards) | {line.job: line.card}
-        return self.fleet_share.decide(cards, self.nodes.whole(), self.nodes.held, line.job, mine, self.doomed)
+        return self.place.share.decide(cards, self.nodes.whole(), self.nodes.held, line.job, mine, self.doomed)
 
     def _ask_by_share(self, held: dict[str, dict[str, int]]) -> bool:
         """The first job in line, sharing the fleet by weight: it asks each job that holds GPUs on the nodes the
@@ -150,19 +169,19 @@ class Queueing(ControllerParts):
         if line is None or line.card is None:
             return cluster
         plan = set(self.running_plan.nodes())
-        if weigh or not self._share_read:
-            self._share_read, self._share_keep = True, None
+        if weigh or not self.place.share_read:
+            self.place.share_read, self.place.share_keep = True, None
             cards = line.sharing()
             if set(cards) - {line.job}:  # (alone, it shares with nobody: what is free is its own)
                 got = self._reading(plan, cards) or {}
-                self._share_keep = got.get(line.job, frozenset())
+                self.place.share_keep = got.get(line.job, frozenset())
                 held = self.nodes.held
-                if weigh and held != self._share_asked_on:
-                    self._share_asked_on = held
+                if weigh and held != self.place.share_asked_on:
+                    self.place.share_asked_on = held
                     self._ask_holders(got, held)
-        if self._share_keep is None:
+        if self.place.share_keep is None:
             return cluster
-        keep = self._share_keep | plan
+        keep = self.place.share_keep | plan
         return cluster.model_copy(update={"nodes": [n for n in cluster.nodes if n.name in keep]})
 
     def _ask_holders(self, got: Share, held: dict[str, dict[str, int]]) -> bool:
@@ -231,7 +250,7 @@ class Queueing(ControllerParts):
             self.planner.plan(rest)
         except PlanningError as e:
             return Suspension(req, nodes, str(e))
-        self._yielded |= set(nodes)
+        self.place.yielded |= set(nodes)
         how = " by the fleet's weighted share" if req.share else ""
         self._event("yield", f"{req.by} (priority {req.priority}) asked{how} for the GPUs on {', '.join(nodes)}: "
                     "giving them back at a step boundary, training on the rest", by=req.by, nodes=nodes,
@@ -276,7 +295,7 @@ class Queueing(ControllerParts):
         self._event("suspend", f"{req.by} (priority {req.priority}) asked for the GPUs on {', '.join(nodes)} and "
                     f"what would be left trains no plan ({why}): step {step} kept in {where}; waiting to resume",
                     by=req.by, nodes=nodes, step=step, kept=where)
-        self._suspended = req.by
+        self.place.suspended = req.by
         return self._enqueue(f"GPUs to resume on ({req.by} took them)", on=())  # any GPUs free to it once it is
         # first in line: plan again
 
@@ -290,12 +309,12 @@ class Queueing(ControllerParts):
         if self.queue is None:
             return
         self.queue.hold()
-        self._suspended = None
-        if self._queued_at is None:
+        self.place.suspended = None
+        if self.place.queued_at is None:
             return
         self._event("dequeued", f"started on {len(self.running_plan.devices())} GPUs after "
-                    f"{self.clock.now() - self._queued_at:.1f} s in the queue")
-        self._queued_at = None
+                    f"{self.clock.now() - self.place.queued_at:.1f} s in the queue")
+        self.place.queued_at = None
 
 
 def free_rows(cluster: ClusterSpec | None) -> tuple:

@@ -10,7 +10,27 @@
   GPUs no plan fitted on: it plans again when they change).
 - `Suspension`: a yield request answered by giving every GPU back (control/queueing.py).
 The other kinds carry nothing. A state's data goes with it: leaving TRAINING for RECOVERING drops the staged
-switch, and the failure exists only while recovering. Pure.
+switch, and the failure exists only while recovering. Every state names its kind as `.kind`. Pure.
+
+The machine (control/controller.Controller runs it, one handler per kind):
+  [WAITING ->] DISCOVERING -> PLANNING -> LAUNCHING -> TRAINING -> DONE
+       ^                         ^            |   \\
+       |                         |            |    v  spot notice for a node of the plan
+       |                     RECOVERING <-----+  DRAINING: snapshot now, drop the node
+       +--------------------------------------------+
+  QUEUED: no plan trains on the GPUs free to the job while other jobs hold GPUs of the cluster: the job waits in
+  its cluster's queue (`JobQueue`, by priority, then first come first served), looks again every QUEUE_POLL_S and
+  goes on to planning when it is first in line and a plan fits; past `queue_timeout_s` it fails with exit code 2
+  naming the holders. Without a queue it fails at once. The first in line asks running jobs of lower priority
+  for GPUs, or, sharing the fleet by weight, the jobs whose nodes that share gives it (control/share.py); an
+  asked job gives nodes back at a step boundary through DRAINING, or, where what it keeps trains no plan,
+  suspends (its committed step kept off the GPUs: StatePlane.suspend) and goes to QUEUED (control/queueing.py).
+  WAITING (jobs with a `fleet:`): the fleet's demand stands on Ray's autoscaler (orchestrator/cluster/capacity.py)
+  until every type's minimum is up; past `fleet.wait_s` the job fails with exit code 2 naming the missing types.
+  The demand stands while the job runs (a preempted node is replaced; a scale check moves onto it) and is
+  withdrawn at DONE or FAILED (control/capacity_watch.py).
+  A worker failure goes to RECOVERING or FAILED by the failure policy (control/failure.py). A job started with a
+  user's plan begins at LAUNCHING.
 """
 
 from __future__ import annotations
@@ -41,6 +61,12 @@ class State(enum.Enum):
     DRAINING = "draining"  # a notice leaves time: the committed step is kept off the doomed nodes, then re-plan
     DONE = "done"  # every step committed, the last upload in S3, the fleet's demand withdrawn
     FAILED = "failed"  # the policy aborted (deterministic error, restarts spent) or no plan fits; `error` says why
+
+    kind: State  # itself: every state, with data or without, names its kind as `.kind` (no call to ask it)
+
+
+for _s in State:
+    _s.kind = _s
 
 
 def present(value: T | None, what: str, state: State) -> T:
@@ -90,15 +116,11 @@ class Suspension:
 Phase = State | Recovering | Training | Draining | Queued
 
 
-def kind_of(phase: Phase) -> State:
-    return phase if isinstance(phase, State) else phase.kind
-
-
 S = TypeVar("S", Recovering, Training, Draining, Queued)
 
 
 def expect(phase: Phase, cls: type[S]) -> S:
     """The current state's record, which the state machine holds in this state; another is a bug, said as such."""
     if not isinstance(phase, cls):
-        raise RuntimeError(f"expected state {cls.kind.value}, in {kind_of(phase).value}")
+        raise RuntimeError(f"expected state {cls.kind.value}, in {phase.kind.value}")
     return phase

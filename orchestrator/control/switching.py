@@ -2,8 +2,10 @@
 committed step kept off the doomed nodes, the next plan pre-staged where processes outlive their group), and a
 move onto nodes that joined or GPUs another job freed (warm workers first, the move weighed against what it
 costs). Each switch's points in time fill in a `SwitchTimeline` (control/timeline.py); the switch a state carries
-is `Training.staged`/`Training.join`, then `Draining` (control/states.py). `Switching` is inherited by
-control/controller.Controller; its attributes are declared in control/parts.ControllerParts. Pure.
+is `Training.staged`/`Training.join`, then `Draining` (control/states.py), and the handlers here take that
+record. What the part keeps between switches is one record, `Controller.switch` (control/timeline.Switches).
+`Switching` is inherited by control/controller.Controller; what it reads of the controller is declared in
+control/parts.ControllerParts. Pure.
 """
 
 from __future__ import annotations
@@ -23,7 +25,37 @@ log = logging.getLogger("hetspot.controller")
 
 
 class Switching(ControllerParts):
-    def _scale_up(self, weigh: bool = True) -> bool:
+    @property
+    def _timeline(self) -> SwitchTimeline:
+        if self.switch.timeline is None:
+            raise self._missing("drain is in progress")
+        return self.switch.timeline
+
+    @property
+    def _staged(self) -> Staged | None:  # a notice's pre-staged switch, while training on or draining
+        return self._state.staged if isinstance(self._state, (Training, Draining)) else None
+
+    @property
+    def _join(self) -> Joining | None:  # a join's chosen move, while training on
+        return self._state.join if isinstance(self._state, Training) else None
+
+    @property
+    def join_pending(self) -> bool:
+        """A move onto joined nodes is chosen and waits, at step boundaries, for their warm workers."""
+        return self._join is not None
+
+    def _remember(self, cluster: ClusterSpec) -> None:
+        """The nodes, and each one's GPUs free to the job, that the running plan was chosen among."""
+        self.switch.known_nodes = {n.name for n in cluster.nodes}
+        self.switch.known_gpus = {n.name: n.num_gpus for n in cluster.nodes}
+
+    def _mark(self, point: str) -> None:
+        """A point of the current drain's or move's timeline (control/timeline.SwitchTimeline)."""
+        open_ = self.switch.timeline
+        if open_ is not None and open_.mark(point, lambda: self.clock.now() - self.started_at):
+            self.switch.timeline = None  # the new plan's first step: the switch is over
+
+    def _scale_up(self, st: Training, weigh: bool = True) -> bool:
         """Nodes joined: their GPUs get warm workers at once (processes, imports, device context; looked for at
         every step boundary), whatever the choice, while training goes on; the move is weighed every
         scale_check_every steps (`weigh`) and happens at a step boundary only when the new plan finishes sooner,
@@ -31,26 +63,28 @@ class Switching(ControllerParts):
         process (a notice's pre-staged switch does the same). True: switch now."""
         if weigh and self.capacity is not None:  # substitutes for types that stay dry while the job runs
             self._substitutions(self.capacity, self.capacity.tick())
-        cluster = self._within_share(self._not_queued_for(self.nodes.discover().without_nodes(self.doomed)), weigh)
-        known, joined = joined_nodes(self._known_nodes, cluster)
-        self._warmed &= known  # a node that left and comes back is warmed again
-        fresh = (known - (self._known_nodes or known)) - self._warmed
+        cluster = self.nodes.discover().without_nodes(self.doomed)
+        if self.queue is not None:
+            cluster = self._within_share(self._not_queued_for(cluster), weigh)
+        known, joined = joined_nodes(self.switch.known_nodes, cluster)
+        self.switch.warmed &= known  # a node that left and comes back is warmed again
+        fresh = (known - (self.switch.known_nodes or known)) - self.switch.warmed
         if fresh:  # warm at the join, before any decision: a move, or the next recovery, finds them started
-            self._warmed |= fresh
+            self.switch.warmed |= fresh
             started = self.workers.warm_joined(cluster, fresh)
             if started:
                 self._event("warm-at-join", f"nodes joined ({', '.join(sorted(fresh))}): {started} warm worker(s) "
                             "starting", nodes=sorted(fresh), new_workers=started)
-        if self._join is not None:  # a move chosen earlier: it goes once its warm workers are ready
-            if set(self._join.plan.nodes()) <= known:
-                return self._join_ready()
+        if st.join is not None:  # a move chosen earlier: it goes once its warm workers are ready
+            if set(st.join.plan.nodes()) <= known:
+                return self._join_ready(st)
             self._join_dropped("a node it needs left before the switch")  # weighed afresh below
         if not weigh:
             return False
         freed = self._freed(cluster)
         what = "; ".join([f"nodes joined ({joined})"] * bool(joined) + [
             "GPUs freed (" + ", ".join(f"{n}: +{k}" for n, k in sorted(freed.items())) + ")"] * bool(freed))
-        if self._staged is not None or (what and self.progress.committed < self._plan_from + 1):
+        if st.staged is not None or (what and self.progress.committed < self._plan_from + 1):
             return False  # weighed once the running plan's speed is measured (2 steps): predictions alone mislead
         self._remember(cluster)
         if joined:  # standing warm workers on GPUs the plan leaves idle (runtime.warm_workers)
@@ -66,30 +100,25 @@ class Switching(ControllerParts):
                     **({"freed": freed} if freed else {}))
         if not d.move:
             return False
-        self._draining = SwitchTimeline(self.progress.events[-1])  # switch, resumed, first step, stall
-        self._draining.put("new_workers", self.workers.prestage(new))  # ranks on GPUs no warm worker waits on
-        expect(self._state, Training).join = Joining(new, cluster)
-        return self._join_ready()
-
-    def _remember(self, cluster: ClusterSpec) -> None:
-        """The nodes, and each one's GPUs free to the job, that the running plan was chosen among."""
-        self._known_nodes = {n.name for n in cluster.nodes}
-        self._known_gpus = {n.name: n.num_gpus for n in cluster.nodes}
+        self.switch.timeline = SwitchTimeline(self.progress.events[-1])  # switch, resumed, first step, stall
+        self.switch.timeline.put("new_workers", self.workers.prestage(new))  # ranks on GPUs no warm worker waits on
+        st.join = Joining(new, cluster)
+        return self._join_ready(st)
 
     def _freed(self, cluster: ClusterSpec) -> dict[str, int]:
         """Known nodes with more GPUs free to the job than when the plan was chosen (another job ended or shrank),
         and how many more."""
-        return {n.name: n.num_gpus - self._known_gpus[n.name] for n in cluster.nodes
-                if n.name in self._known_gpus and n.num_gpus > self._known_gpus[n.name]}
+        return {n.name: n.num_gpus - self.switch.known_gpus[n.name] for n in cluster.nodes
+                if n.name in self.switch.known_gpus and n.num_gpus > self.switch.known_gpus[n.name]}
 
-    def _join_ready(self) -> bool:
+    def _join_ready(self, st: Training) -> bool:
         """A join's move goes at the first step boundary its warm workers are ready at (training goes on meanwhile):
         the committed step stays on its nodes, the group is released and the new plan launches."""
-        join = self._join
+        join = st.join
         if join is None or not self.workers.staged_ready():
             return False
         self.plan, self.cluster = join.plan, join.cluster
-        expect(self._state, Training).join = None
+        st.join = None
         self._mark("ready_s")
         self._mark("switch_s")
         self.store.drain(self.workers, self.progress.committed, set())  # the committed step, kept on its nodes
@@ -104,7 +133,7 @@ class Switching(ControllerParts):
             return None
         return tokens_per_step(self.model, self.train.global_batch) / times[len(times) // 2]
 
-    def _heed(self, notices: list) -> bool | None:
+    def _heed(self, st: Training, notices: list) -> bool | None:
         """Start a drain for notices on the plan's nodes when the deadline leaves time (drain.notice_decision):
         True: drain now; False: not now (staged, or too close: recovery when the node goes); None: no notice."""
         notices = [n for n in notices if n.node not in self.doomed]  # a source may repeat a notice it gave (a
@@ -126,11 +155,12 @@ class Switching(ControllerParts):
         self._join_dropped("a notice came first")
         self._event("drain", f"notice for {nodes} ({sources})", nodes=nodes, notice_s=round(now - self.started_at, 3),
                     deadline_s=round(now + left - self.started_at, 3))
-        self._draining = SwitchTimeline(self.progress.events[-1], deadline_s=self.progress.events[-1]["deadline_s"])
-        self._switch_by = now + left - self.policy.drain_margin_s - copy_s(self.doomed)
-        return self._stage()
+        event = self.progress.events[-1]
+        self.switch.timeline = SwitchTimeline(event, deadline_s=event["deadline_s"])
+        self.switch.by = now + left - self.policy.drain_margin_s - copy_s(self.doomed)
+        return self._stage(st)
 
-    def _stage(self) -> bool:
+    def _stage(self, st: Training) -> bool:
         """Pre-stage a notice's switch while the doomed nodes still train: choose the next plan now, warm its new
         ranks' workers (processes that no survivor provides) and start the keepers the drain will copy the
         doomed nodes' state to (when no other replica holds it); the switch waits for them at step boundaries
@@ -147,7 +177,7 @@ class Switching(ControllerParts):
             return True
         started = self.workers.prestage(plan)
         self.store.prepare_drain(self.workers, self.doomed)
-        expect(self._state, Training).staged = Staged(plan, cluster, choice)
+        st.staged = Staged(plan, cluster, choice)
         self._timeline.put("new_workers", started)
         self._mark("staged_s")
         return self._switch_now()
@@ -160,7 +190,7 @@ class Switching(ControllerParts):
         if self.workers.staged_ready() and self.store.drain_ready():
             self._mark("ready_s")
             return True
-        return self.clock.now() + 2 * step_s >= self._switch_by
+        return self.clock.now() + 2 * step_s >= self.switch.by
 
     def _join_dropped(self, why: str) -> None:
         """A join's move still waiting for its warm workers gives way (to a failure's re-plan or a notice's drain,
@@ -168,16 +198,11 @@ class Switching(ControllerParts):
         if self._join is None:
             return
         expect(self._state, Training).join = None
-        if self._draining is not None and self._draining.kind == "scale-up":
-            self._draining.end(why)
-            self._draining = None
+        if self.switch.timeline is not None and self.switch.timeline.kind == "scale-up":
+            self.switch.timeline.end(why)
+            self.switch.timeline = None
 
-    def _mark(self, point: str) -> None:
-        """A point of the current drain's or move's timeline (control/timeline.SwitchTimeline)."""
-        if self._draining is not None and self._draining.mark(point, lambda: self.clock.now() - self.started_at):
-            self._draining = None  # the new plan's first step: the switch is over
-
-    def _drain(self) -> Phase:
+    def _drain(self, st: Draining) -> Phase:
         """At a step boundary before the deadline: snapshot the committed step, then re-plan without the node."""
         self._phase(f"draining {', '.join(sorted(self.doomed))}")
         self._mark("switch_s")
@@ -190,7 +215,7 @@ class Switching(ControllerParts):
         self.workers.release()
         self._mark("snapshot_s")  # the doomed node's state is out: it may go now
         self.progress.drains += 1
-        staged = expect(self._state, Draining).staged
+        staged = st.staged
         if staged is None:
             return State.DISCOVERING
         self.plan, self.cluster = staged.plan, staged.cluster
@@ -203,6 +228,6 @@ class Switching(ControllerParts):
     def _end_drain(self, why: str) -> None:
         """A drain still open when the job ends (a staged switch the job finished before) keeps every key of its
         timeline's end: no step ran on its plan (`first_step_s` None), and `ended` says why."""
-        if self._draining is not None:
-            self._draining.end(why)
-            self._draining = None
+        if self.switch.timeline is not None:
+            self.switch.timeline.end(why)
+            self.switch.timeline = None

@@ -6,6 +6,8 @@
 - `SwitchTimeline`: a drain's or a move's points in time, from its notice (or decision) to the new plan's first
   step. It fills in the run's event for it (the record a person and bench/ read) as it goes, and the controller
   reads its fields, never the event's keys.
+- `Switches`: the controller's record of its switches (`Controller.switch`): the timeline open, the joined nodes
+  warmed, a staged drain's latest switch, and the nodes (and GPUs) the running plan was chosen among.
 
 Pure: no Ray, no boto3, no torch.
 """
@@ -91,3 +93,14 @@ class SwitchTimeline:
             self.event["met_deadline"] = self.switch_s is None or (
                 self.snapshot_s is not None and self.snapshot_s <= self.deadline_s)
         self.put("ended", why)
+
+
+@dataclass
+class Switches:
+    """The controller's switches of plan (`Controller.switch`): the one in progress, what the plan was chosen among."""
+
+    timeline: SwitchTimeline | None = None  # the drain's or move's timeline in progress
+    warmed: set[str] = field(default_factory=set)  # joined nodes whose GPUs got warm workers at once
+    by: float = 0.0  # a staged drain switches by then whether its workers are ready or not
+    known_nodes: set[str] | None = None  # the node set the running plan was chosen for
+    known_gpus: dict[str, int] = field(default_factory=dict)  # and each node's GPUs free to the job then

@@ -77,7 +77,7 @@ class RayNotices:
         raw = ray.nodes()  # once per step boundary: discovery reads the same list
         labels = {n["NodeID"]: n.get("Labels") or {} for n in raw if n.get("Alive")}
         return {d.name: {"node_id": d.node_id, "labels": labels.get(d.node_id, {})}
-                for d in RayInventory(lambda: raw).discover()}
+                for d in RayInventory().discover(raw)}
 
     def _watch(self, nodes: dict[str, dict]) -> None:
         for name, n in nodes.items():

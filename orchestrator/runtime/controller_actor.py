@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
@@ -63,8 +64,10 @@ def make_controller(job: JobSpec, steps: int, nodes: NodeSource | None = None, f
                     snapshot_every=rt.snapshot_every, scale_check_every=rt.scale_check_every,
                     replan_tolerance=rt.replan_tolerance, queue_timeout_s=rt.queue_timeout_s,
                     replan_user_plan=replan_user_plan)
-    return Controller(job.model_spec, job.train, steps, nodes or DeclaredNodes(job.cluster),
-                      lambda p: RayWorkerGroup(job, p, on_step, mode), store=store, policy=policy,
+    model = job.model_spec
+    return Controller(model, job.train, steps, nodes or DeclaredNodes(job.cluster),
+                      partial(RayWorkerGroup, job, on_step=on_step, recovery=mode, model=model), store=store,
+                      policy=policy,
                       first_plan=first_plan, user_plan=user_plan,
                       interruptions=RayNotices(None if rt.notices == "none" else rt.notices, rt.notice_poll_s,
                                                grace_s=rt.notice_grace_s),

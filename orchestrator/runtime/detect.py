@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -25,9 +25,9 @@ CAUSE_WAIT_S = 1.0  # after a collective error, how long other ranks' answers ma
 UNREAD_WAIT_S = 60.0  # how long the answers a failure leaves unread are waited for, to be read and dropped
 
 
-def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int], str], plan_nodes: list[str],
-           on_result: Callable[[object], None] = lambda r: None) -> list:
-    """Results in rank order; the first failure raises a WorkerFailure with the rank's identity and kind.
+def gather(futures: list, what: str, timeout_s: float, names: Sequence[str], plan_nodes: list[str]) -> list:
+    """Results in rank order; the first failure raises a WorkerFailure with the rank's identity (`names`, per
+    rank; a call past them, to a process that holds no rank, is named by its place) and kind.
 
     A failed rank closes its groups at once (Engine.drop_groups), so its peers' collective errors can arrive
     before its own answer: a collective error is held for up to CAUSE_WAIT_S while the other ranks answer, and
@@ -44,10 +44,10 @@ def gather(futures: list, what: str, timeout_s: float, describe: Callable[[int],
             read_later(pending)
             if held is not None:
                 raise held
-            slow = ", ".join(describe(index[f]) for f in pending[:4])
+            slow = ", ".join(_name(names, index[f]) for f in pending[:4])
             raise failure(what, f"did not finish within {timeout_s:.0f} s; still waiting on {slow}",
                           FailureKind.TIMEOUT, plan_nodes)
-        got = _answer(ready[0], index[ready[0]], what, describe, plan_nodes, results, on_result)
+        got = _answer(ready[0], index[ready[0]], what, names, plan_nodes, results)
         if got is None:
             continue
         if got.kind != FailureKind.COLLECTIVE:
@@ -77,12 +77,15 @@ def read_later(refs: list) -> None:
     threading.Thread(target=read, daemon=True, name="hetspot-unread-answers").start()
 
 
-def _answer(f: Any, i: int, what: str, describe: Callable[[int], str], plan_nodes: list[str], results: list,
-            on_result: Callable[[object], None]) -> WorkerFailure | None:
+def _name(names: Sequence[str], i: int) -> str:
+    return names[i] if i < len(names) else f"process {i} of the call"
+
+
+def _answer(f: Any, i: int, what: str, names: Sequence[str], plan_nodes: list[str],
+            results: list) -> WorkerFailure | None:
     """Store rank i's result; its failure, if it failed."""
     try:
         results[i] = ray.get(f)
-        on_result(results[i])
         return None
     except RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
@@ -90,9 +93,9 @@ def _answer(f: Any, i: int, what: str, describe: Callable[[int], str], plan_node
         return failure(f"{what} failed", str(cause), kind, plan_nodes)
     except RayActorError as e:
         if "creation task" in str(e):  # the worker's constructor raised: any plan would too
-            return WorkerFailure(f"{what} failed", f"{describe(i)} could not start: {creation_error(e)}",
+            return WorkerFailure(f"{what} failed", f"{_name(names, i)} could not start: {creation_error(e)}",
                                  FailureKind.DETERMINISTIC)
-        return failure(f"{what} failed", f"{describe(i)} died ({type(e).__name__})", FailureKind.ACTOR_DIED,
+        return failure(f"{what} failed", f"{_name(names, i)} died ({type(e).__name__})", FailureKind.ACTOR_DIED,
                        plan_nodes)
 
 

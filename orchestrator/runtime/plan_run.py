@@ -29,17 +29,16 @@ from orchestrator.control.failure import FailureKind
 from orchestrator.errors import WorkerFailure
 from orchestrator.job_spec import JobSpec
 from orchestrator.runtime.detect import gather
-from orchestrator.state.processes import Processes
-from orchestrator.state.recovery import NoProcesses
 from planner import layout
 from planner.catalog import gpu_info
 from planner.contract import PlanContractError, check_runtime_plan
 from planner.plan_types import Plan
-from planner.specs import tokens_per_step
+from planner.specs import ModelSpec, tokens_per_step
 from workers.transfer import KeptState, payload_bytes
 
 if TYPE_CHECKING:
     from orchestrator.cluster.discovery import DiscoveredNode
+    from orchestrator.state.processes import Wants
     from workers.actor import WorkerConfig
 
 log = logging.getLogger("hetspot.runner")
@@ -157,22 +156,31 @@ def end_worker(actor: Any, pg: Any) -> None:
 
 
 class PlanRun:
-    def __init__(self, job: JobSpec, plan: Plan):
+    def __init__(self, job: JobSpec, plan: Plan, model: ModelSpec | None = None):
         self.job, self.plan = job, plan
+        self.model = model or job.model_spec  # (the job's, built once: `job.model_spec` builds it at each read)
         self.timeouts = job.runtime.timeouts  # how long each kind of call to the workers may take
         self.ranks = layout.ranks(plan)
+        self.names = [self._describe(i) for i in range(len(self.ranks))]  # per rank, for a failure's message
+        self.nodes = plan.nodes()
         self.workers: list = []
         self.pgs: list = []  # per worker: its placement group (one GPU, pinned to the plan's node)
         self.kept: list[Kept | None] = []  # per worker: the process it was kept from, None if started here
         self.pids: list[int] = []  # per worker: its process id, once joined
         self.received_bytes = 0  # what this process took in from the workers (state stays out of it)
 
-    def start(self, processes: Processes | None = None) -> None:
-        """Place the plan's workers and join them in one process group. A rank on a node where `processes` (the
-        recovery strategy's) has a kept process or a warm worker becomes that process (`reconfigure`: no process
-        start, no imports, the device context kept); only the other ranks start one."""
+    def wants(self) -> Wants:
+        """Per rank: its node and the extended layers it holds (what a kept or warm process is taken by)."""
+        spans = layout.rank_spans(self.plan)
+        return [(r.node, spans[i][1:]) for i, r in enumerate(self.ranks)]
+
+    def start(self, taken: list[Kept | None] | None = None) -> None:
+        """Place the plan's workers and join them in one process group. A rank given a process in `taken` (per
+        rank, by the recovery strategy's processes from `wants()`: a kept process or a warm worker) becomes that
+        process (`reconfigure`: no process start, no imports, the device context kept); only the other ranks start
+        one. Where the start fails, the taken processes of the ranks not reached are `taken[len(self.kept):]`."""
         try:
-            check_runtime_plan(self.plan, self.job.model_spec)
+            check_runtime_plan(self.plan, self.model)
         except PlanContractError as e:
             raise WorkerFailure("start-up", f"refusing to start a plan that breaks the plan contract: {e}",
                                 FailureKind.DETERMINISTIC) from None
@@ -192,31 +200,24 @@ class PlanRun:
         if warning:
             log.warning(warning)
         plan_json = self.plan.model_dump_json()
-        spans = layout.rank_spans(self.plan)
-        wants = [(r.node, spans[i][1:]) for i, r in enumerate(layout.ranks(self.plan))]
-        processes = processes or NoProcesses()  # (a run of its own: every process starts here)
-        taken = processes.take(wants)
+        taken = taken or [None] * len(self.ranks)  # (a run of its own: every process starts here)
         configured = []  # per rank: its reconfigure (a kept process) or its constructor (a new one) ended
-        try:
-            for p in self.plan.pipelines:
-                for st in p.stages:
-                    for _ in range(st.tp):
-                        rank = len(self.workers)
-                        kept = taken[rank]
-                        self.kept.append(kept)
-                        if kept is not None:
-                            self.workers.append(kept.actor)
-                            self.pgs.append(kept.pg)
-                            configured.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.node]))
-                            continue
-                        pg = gpu_placement(ids[st.node])
-                        self.pgs.append(pg)
-                        self.workers.append(new_worker(self.job, pg, plan_json, rank, slow[st.node],
-                                                        torch_threads(self.job, by_name.get(st.node))))
-                        configured.append(self.workers[-1].ready.remote())
-        except BaseException:  # the processes taken for ranks not reached go back, not astray
-            processes.give_back([k for k in taken[len(self.kept):] if k is not None])
-            raise
+        for p in self.plan.pipelines:
+            for st in p.stages:
+                for _ in range(st.tp):
+                    rank = len(self.workers)
+                    kept = taken[rank]
+                    self.kept.append(kept)
+                    if kept is not None:
+                        self.workers.append(kept.actor)
+                        self.pgs.append(kept.pg)
+                        configured.append(kept.actor.reconfigure.remote(plan_json, rank, slow[st.node]))
+                        continue
+                    pg = gpu_placement(ids[st.node])
+                    self.pgs.append(pg)
+                    self.workers.append(new_worker(self.job, pg, plan_json, rank, slow[st.node],
+                                                    torch_threads(self.job, by_name.get(st.node))))
+                    configured.append(self.workers[-1].ready.remote())
         joined = sum(1 for k in self.kept if k is not None)
         if joined:
             warm = sum(1 for k in self.kept if k is not None and k.ready is not None)
@@ -258,7 +259,7 @@ class PlanRun:
             on_step: Callable[[int, float, float], None] | None = None) -> TrainResult:
         result = TrainResult()
         t_start = time.perf_counter()
-        tokens = tokens_per_step(self.job.model_spec, self.plan.global_batch)
+        tokens = tokens_per_step(self.model, self.plan.global_batch)
         for s in range(first_step, first_step + steps):
             t0 = time.perf_counter()
             outs = self._gather([w.step.remote(s) for w in self.workers], f"step {s}", self.job.runtime.step_timeout_s)
@@ -296,12 +297,12 @@ class PlanRun:
         self._gather([w.import_state.remote(ref, optimizer_steps) for w in self.workers], "state import",
                      self.timeouts.transfer_s)
 
-    def _gather(self, futures: list, what: str, timeout_s: float) -> list:
-        """Results in rank order; the first failure ends the run with the rank's identity and kind (detect.py)."""
-        return gather(futures, what, timeout_s, self._describe, self.plan.nodes(), self._count)
-
-    def _count(self, result: object) -> None:
-        self.received_bytes += payload_bytes(result)
+    def _gather(self, futures: list, what: str, timeout_s: float, names: list[str] | None = None) -> list:
+        """Results in rank order; the first failure ends the run with the rank's identity and kind (detect.py).
+        `names`: the callees', where they are not the ranks in order."""
+        results = gather(futures, what, timeout_s, self.names if names is None else names, self.nodes)
+        self.received_bytes += sum(payload_bytes(r) for r in results)
+        return results
 
     def _describe(self, rank: int) -> str:
         r = self.ranks[rank]

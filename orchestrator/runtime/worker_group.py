@@ -20,7 +20,7 @@ from orchestrator.runtime.plan_run import PlanRun
 from orchestrator.state.recovery import Recovery, Restart
 from planner import layout
 from planner.plan_types import Plan
-from planner.specs import ClusterSpec
+from planner.specs import ClusterSpec, ModelSpec
 from workers.transfer import (
     CheckpointLocation,
     Fetch,
@@ -38,8 +38,8 @@ class RayWorkerGroup:
     """The controller's WorkerGroup over a PlanRun; every fault arrives as a WorkerFailure."""
 
     def __init__(self, job: JobSpec, plan: Plan, on_step: Callable[[int, float, float], None] | None = None,
-                 recovery: Recovery | None = None) -> None:
-        self.run = PlanRun(job, plan)
+                 recovery: Recovery | None = None, model: ModelSpec | None = None) -> None:
+        self.run = PlanRun(job, plan, model)
         self.recovery: Recovery = recovery or Restart()  # state/recovery.py: InPlace carries a WorkerPool
         self.processes = self.recovery.processes  # the processes that outlive the group (restart: none)
         self.stages_switch = self.recovery.stages_switch  # a notice's switch is pre-staged
@@ -55,7 +55,14 @@ class RayWorkerGroup:
         self.step_times: list[float] = []  # seconds per step trained by this group
 
     def start(self) -> None:
-        self.run.start(self.processes)
+        """The plan's workers start, each rank taking a kept or warm process on its node where the strategy's
+        processes hold one (restart: none)."""
+        taken = self.processes.take(self.run.wants())
+        try:
+            self.run.start(taken)
+        except BaseException:  # the processes taken for ranks not reached go back, not astray
+            self.processes.give_back([k for k in taken[len(self.run.kept):] if k is not None])
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -153,7 +160,7 @@ class RayWorkerGroup:
             try:
                 out.append(ray.get(r, timeout=0) if r is not None else None)
             except Exception as e:  # a dead or stuck rank: not reused
-                log.info("%s is not kept: %s", self.run._describe(i), type(e).__name__)
+                log.info("%s is not kept: %s", self.run.names[i], type(e).__name__)
                 out.append(None)
         self.retained = out
         return out
@@ -166,8 +173,9 @@ class RayWorkerGroup:
             (i, w, r.node) for i, (w, r, k) in enumerate(zip(self.run.workers, self.run.ranks, kept, strict=True))
             if k is not None and k.step >= 0]
         procs += [(None, k.actor, k.node) for k in self.processes.holding()]
+        names = [self.run.names[i] if i is not None else f"a kept process on {n}" for i, _, n in procs]
         rows = self.run._gather([w.held.remote() for _, w, _ in procs], "listing kept state",
-                                 self.run.timeouts.control_s) if procs else []
+                                self.run.timeouts.control_s, names) if procs else []
         return [ProcessHolding(i, n, w, tuple(r)) for (i, w, n), r in zip(procs, rows, strict=True)]
 
     def drop_retained(self) -> None:

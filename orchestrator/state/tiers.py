@@ -29,7 +29,7 @@ import logging
 from collections.abc import Set
 
 from orchestrator.control.drain import replicated_off
-from orchestrator.errors import FailureKind, WorkerFailure
+from orchestrator.errors import FailureKind, WorkerFailure, WriterConflict
 from orchestrator.state.calls import RayCalls, StateCalls
 from orchestrator.state.keepers import RPC_TIMEOUT_S, KeeperSet, Received
 from orchestrator.state.protocols import StateGroup
@@ -137,10 +137,17 @@ class TieredState:
     # -- the run's one writer --------------------------------------------------------------
     def claim(self) -> None:
         """Before the first launch: this job as the one writer of its run's S3 steps (the lock renews itself and is
-        checked before every manifest). WriterConflict (exit 2) where another job holds it."""
+        checked before every manifest). WriterConflict (exit 2) where another job holds it; S3 refusing the lock
+        now is said and the job goes on without it (each manifest write is still checked)."""
         if self.s3 is None or self.writer is not None or not self.meta.get("run_id"):
             return
-        self.writer = self.s3.claim_writer(self.meta["run_id"], self.meta.get("job"))
+        try:
+            self.writer = self.s3.claim_writer(self.meta["run_id"], self.meta.get("job"))
+        except WriterConflict:
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not take the run's writer lock (%s: %s); going on without it", type(e).__name__, e)
+            return
         if self.uploader is not None:
             self.uploader.writer = self.writer
 
@@ -294,7 +301,12 @@ class TieredState:
             self.uploader.flush(timeout_s)
 
     def salvage(self, group: StateGroup, avoid: Set[str] = frozenset(), step: int | None = None) -> None:
-        self.restorer.salvage(group, avoid, step)
+        """Survivors keep their committed state (tier live) before their group goes. A salvage that fails is said
+        and costs bytes, not the job: the other tiers still hold the state."""
+        try:
+            self.restorer.salvage(group, avoid, step)
+        except Exception as e:  # noqa: BLE001
+            log.warning("salvaging survivors' state failed: %s", e)
 
     def restore(self, group: StateGroup, avoid: Set[str] = frozenset()) -> RestoreReport | None:
         return self.restorer.restore(group, avoid)
