@@ -27,9 +27,7 @@ log = logging.getLogger("hetspot.controller")
 class Switching(ControllerParts):
     @property
     def _timeline(self) -> SwitchTimeline:
-        if self.switch.timeline is None:
-            raise self._missing("drain is in progress")
-        return self.switch.timeline
+        return self.switch.timeline if self.switch.timeline is not None else self._missing("drain is in progress")
 
     @property
     def _staged(self) -> Staged | None:  # a notice's pre-staged switch, while training on or draining
