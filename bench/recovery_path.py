@@ -10,9 +10,10 @@ the kill until the first new step is committed, every call the controller's thre
 planner/, workers/) into a function of another. A module is a project file one of those calls enters or leaves; a
 hand-off is one (caller file, callee file) pair, counted once however often it is taken. What runs in the workers,
 in the keepers and on other threads (uploads, the answers a failure leaves unread) is not counted: it is the
-controller's own walk. It is counted twice: file by file, and with the planner as one module (planner/ is a
+controller's own walk. It is counted three ways: file by file; with the planner as one module (planner/ is a
 package of its own that the orchestrator enters through its API, `Planner` and the plan's types; how its search
-is split inside is the planner's concern, not the recovery path's). `--tree DIR` counts another tree's code
+is split inside is the planner's concern, not the recovery path's), the count the walk is held to; and the
+orchestrator's own, the calls between two of its files. `--tree DIR` counts another tree's code
 (another commit's worktree, as in `git worktree add /tmp/old REV`) with the same trial, for a before and after.
 """
 
@@ -61,6 +62,13 @@ class Walk:
     @property
     def modules(self) -> set[str]:
         return {f for pair in self.handoffs for f in pair}
+
+    def within(self, package: str) -> Walk:
+        """The same walk with only the calls between two files of `package`."""
+        out = Walk()
+        out.handoffs.update({pair: n for pair, n in self.handoffs.items()
+                             if all(f.startswith(package + "/") for f in pair)})
+        return out
 
     def whole(self, package: str) -> Walk:
         """The same walk with every file of `package` counted as one module (calls inside it are not hand-offs)."""
@@ -126,6 +134,9 @@ def main() -> None:
           f"and {len(walk.handoffs)} hand-offs ({sum(walk.handoffs.values())} cross-module calls)")
     one = walk.whole("planner")
     print(f"  with planner/ as one module: {len(one.modules)} modules and {len(one.handoffs)} hand-offs")
+    own = walk.within("orchestrator")
+    print(f"  the orchestrator's own (calls between its files): {len(own.modules)} modules and "
+          f"{len(own.handoffs)} hand-offs")
     if args.v:
         for m in sorted(walk.modules):
             print("  module", m)

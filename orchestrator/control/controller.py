@@ -4,7 +4,7 @@ The states, each typed with its data, and the transitions between them: control/
 handler, a function of the state's record that returns the next (`Controller.step`); the handlers for the queue
 (QUEUED, a yield request, a suspension) are control/queueing.py's, for a notice's drain and a join's move (staged
 while training goes on) control/switching.py's, for the fleet's capacity (WAITING) control/capacity_watch.py's,
-and the job's end (DONE, FAILED, with what it gives back) is control/ending.py's.
+the job's end (DONE, FAILED, with what it gives back) is control/ending.py's, the held-out loss control/evaluation.py's.
 A worker failure goes to the failure policy (control/failure.py): re-plan (RECOVERING, its state carrying the
 failure) or abort (FAILED). Every side effect sits behind a protocol (control/protocols.py): unit tests drive
 `step()` with control/fakes.py.
@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 from orchestrator.control.capacity import Capacity
 from orchestrator.control.capacity_watch import WatchingCapacity
 from orchestrator.control.ending import Ending
+from orchestrator.control.evaluation import Evaluating
 from orchestrator.control.failure import Replan, Streak, failure_policy
 from orchestrator.control.parts import Progress, QueuePlace
 from orchestrator.control.policy import Policy
@@ -56,7 +57,7 @@ log = logging.getLogger("hetspot.controller")
 RECOVERY = (State.RECOVERING, State.DISCOVERING, State.PLANNING, State.LAUNCHING)  # a failure to the restore
 
 
-class Controller(Queueing, Switching, WatchingCapacity, Ending):
+class Controller(Queueing, Switching, WatchingCapacity, Ending, Evaluating):
     def __init__(self, model: ModelSpec, train: TrainSpec, steps: int, nodes: NodeSource,
                  make_group: Callable[[Plan], WorkerGroup], *, store: StatePlane | None = None,
                  clock: Clock | None = None, interruptions: InterruptionSource | None = None,
@@ -205,7 +206,7 @@ class Controller(Queueing, Switching, WatchingCapacity, Ending):
             restored = self.store.restore(self.group, self.doomed)
             step = restored.step if restored else -1
             if step != self.progress.committed:  # back to the restored step after a failure, on after a resume
-                self._roll_to(step)
+                self.progress.roll_to(step)
             if restored:
                 self.progress.snapshot_step = step
                 self._event("restore", f"step {step} from {restored.tier}", **restored.as_dict())
@@ -219,23 +220,10 @@ class Controller(Queueing, Switching, WatchingCapacity, Ending):
         self._plan_from = self.progress.committed + 2  # the first step on this plan warms up: not measured
         return Training()
 
-    def _eval_step(self, s: int) -> bool:
-        """Step s is one the validation loss is evaluated after (every `eval_every`, and the job's last)."""
-        every = self.train.eval_every
-        return bool(every) and s >= 0 and ((s + 1) % every == 0 or s + 1 == self.steps)
-
-    def _eval_due(self, s: int) -> bool:
-        return self._eval_step(s) and s not in self.progress.val_losses
-
     def _train(self, st: Training) -> Phase:
         s = self.progress.committed + 1
-        if self._eval_due(s - 1):  # an evaluation a failure interrupted: redone on that step's restored weights
-            try:
-                val = self.progress.val_losses[s - 1] = self.workers.evaluate(self.train.eval_batches)
-            except WorkerFailure as e:
-                return self._decide(e)
-            self._event("evaluation", f"validation loss after step {s - 1}: {val:.4f}, evaluated on its restored "
-                        "weights (a failure interrupted the first evaluation)", step=s - 1, val_loss=val)
+        if self.train.eval_every and (failed := self._redo_interrupted(s)) is not None:  # (control/evaluation.py)
+            return failed
         if s >= self.steps:
             return self._done()
         lost = self.store.writer_lost()
@@ -264,8 +252,8 @@ class Controller(Queueing, Switching, WatchingCapacity, Ending):
             self._mark("first_step_s")
             if self.store.after_step(self.workers, s, self.doomed):
                 self.progress.snapshot_step = s
-            if self._eval_step(s):  # between steps: after the commit
-                self.progress.val_losses[s] = self.workers.evaluate(self.train.eval_batches)
+            if self.train.eval_every:  # between steps: after the commit
+                self._evaluate_after(s)
             if s == self._plan_from - 1:  # the plan's first step: idle kept processes are gone, their GPUs free
                 self.workers.warm_spares(self.cluster or self.nodes.discover().without_nodes(self.doomed))
             # Joins are looked for at every step boundary (their GPUs warm at once), weighed every scale_check_every
@@ -289,14 +277,6 @@ class Controller(Queueing, Switching, WatchingCapacity, Ending):
                         "(--replan-on-loss)")
             self.user_plan = False
         return State.DISCOVERING
-
-    def _roll_to(self, step: int) -> None:  # progress goes on after `step`: later steps are redone, none skipped
-        if step < self.progress.committed:
-            log.warning("rolling back from step %d to step %d: the steps after it are redone",
-                        self.progress.committed, step)
-        self.progress.committed = step
-        for per_step in ("losses", "val_losses", "step_time_s", "samples"):
-            setattr(self.progress, per_step, {k: v for k, v in getattr(self.progress, per_step).items() if k <= step})
 
     def _decide(self, failure: WorkerFailure) -> Phase:
         """A worker failure, by the failure policy (control/failure.py): RECOVERING, carrying it, or FAILED."""

@@ -1,12 +1,14 @@
 """What the parts of the controller share: the run's `Progress`, the queue's record (`QueuePlace`), and the
 attributes and methods control/controller.Controller defines that its parts (control/queueing.py `Queueing`,
-control/switching.py `Switching`, control/ending.py `Ending`, control/capacity_watch.py) read, declared once for
-the type checker. torchtitan keeps such parts as components of one trainer; this is their common view of the
-controller (as workers/engine_parts.py is of a rank's Engine). Pure.
+control/switching.py `Switching`, control/ending.py `Ending`, control/evaluation.py `Evaluating`,
+control/capacity_watch.py) read, declared once for the type checker. torchtitan keeps such parts as components of
+one trainer; this is their common view of the controller (as workers/engine_parts.py is of a rank's Engine). Pure
+(its one side effect is a log line: a roll back to a restored step is said).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from planner.search import Planner
     from planner.specs import ModelSpec, TrainSpec
 
+log = logging.getLogger("hetspot.controller")
+
 
 @dataclass
 class Progress:
@@ -39,6 +43,14 @@ class Progress:
     history: list[str] = field(default_factory=list)  # transitions, for status and tests
     events: list[dict] = field(default_factory=list)  # re-plans and drains with their cause
     samples: dict[int, list] = field(default_factory=dict)  # per committed step: (first sample, count) trained
+
+    def roll_to(self, step: int) -> None:
+        """Progress goes on after `step` (a restored step): later steps are redone, none skipped."""
+        if step < self.committed:
+            log.warning("rolling back from step %d to step %d: the steps after it are redone", self.committed, step)
+        self.committed = step
+        for per_step in ("losses", "val_losses", "step_time_s", "samples"):
+            setattr(self, per_step, {k: v for k, v in getattr(self, per_step).items() if k <= step})
 
 
 @dataclass
