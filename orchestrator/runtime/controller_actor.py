@@ -67,8 +67,7 @@ def make_controller(job: JobSpec, steps: int, nodes: NodeSource | None = None, f
     model = job.model_spec
     return Controller(model, job.train, steps, nodes or DeclaredNodes(job.cluster),
                       partial(RayWorkerGroup, job, on_step=on_step, recovery=mode, model=model), store=store,
-                      policy=policy,
-                      first_plan=first_plan, user_plan=user_plan,
+                      policy=policy, first_plan=first_plan, user_plan=user_plan,
                       interruptions=RayNotices(None if rt.notices == "none" else rt.notices, rt.notice_poll_s,
                                                grace_s=rt.notice_grace_s),
                       on_phase=on_phase, capacity=capacity, queue=queue)
